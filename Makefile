@@ -1,0 +1,47 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Everything else here
+# is what they are made of.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: demo demo-down test test-unit lint generate verify bench deps cluster-up cluster-down
+
+demo: deps ## Run the main job on the embedded local cluster
+	$(BIN)/python -m pdcluster.demo
+
+demo-down: ## Tear down the demo cluster
+	$(BIN)/python e2e/local/cluster down --name demo
+
+test: deps ## Unit, integration and end-to-end tests (starts the local control plane itself)
+	$(BIN)/python -m pytest -q tests
+
+test-unit: $(STAMP) ## Pure tests only: seconds, no cluster
+	$(BIN)/python -m pytest -q -m "not cluster" tests/unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check operator tests e2e/local benchmarks
+
+generate: $(STAMP) ## Regenerate the CRD, the chart's copy and the API reference
+	$(BIN)/pdctl crd > crds/pdcluster.io_pdclusters.yaml
+	$(BIN)/pdctl docs > docs/api.md
+
+bench: deps ## Benchmarks; figures go to stdout and docs/benchmarks.md
+	$(BIN)/python -m benchmarks.run
+
+deps: $(STAMP) ## Python env, Debian packages, control-plane binaries
+	e2e/local/install-deps.sh
+	e2e/local/build.sh >/dev/null
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+cluster-up: deps
+	$(BIN)/python e2e/local/cluster up
+
+cluster-down:
+	$(BIN)/python e2e/local/cluster down

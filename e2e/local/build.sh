@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Builds the local control plane's binaries from Go modules into a cache outside the
+# repository, and reuses them when they are already there:
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (k8s.io/kubernetes)
+#   etcd (go.etcd.io/etcd/server/v3), kwok (sigs.k8s.io/kwok), helm (helm.sh/helm/v3)
+# Prints the bin directory on stdout; progress goes to stderr.
+set -euo pipefail
+
+here="$(cd "$(dirname "$0")" && pwd)"
+# Versions live in versions.env so the Python harness reads the same pins.
+# shellcheck source=versions.env
+source "$here/versions.env"
+
+cache="${PDCLUSTER_CACHE:-$HOME/.cache/pdcluster}"
+bin="$cache/bin/k8s-v$KUBERNETES_VERSION-etcd-v$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION"
+mkdir -p "$bin"
+export CGO_ENABLED=0 GOFLAGS="${GOFLAGS:--buildvcs=false}"
+log() { echo "build.sh: $*" >&2; }
+
+minor="${KUBERNETES_VERSION#*.}"; minor="${minor%%.*}"
+need_k8s=0
+for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  [ -x "$bin/$b" ] || need_k8s=1
+done
+if [ "$need_k8s" = 1 ]; then
+  log "building Kubernetes v$KUBERNETES_VERSION (a few minutes on 2 cores)"
+  (cd "$here/gomod/kubernetes" && go build -trimpath -o "$bin/" -ldflags "-s -w \
+      -X k8s.io/component-base/version.gitVersion=v$KUBERNETES_VERSION \
+      -X k8s.io/component-base/version.gitMajor=1 \
+      -X k8s.io/component-base/version.gitMinor=$minor \
+      -X k8s.io/component-base/version.gitTreeState=clean \
+      -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl) >&2
+fi
+
+if [ ! -x "$bin/etcd" ]; then
+  log "building etcd v$ETCD_VERSION"
+  (cd "$here/gomod/etcd" && go build -trimpath -ldflags "-s -w" -o "$bin/etcd" go.etcd.io/etcd/server/v3) >&2
+fi
+
+if [ ! -x "$bin/kwok" ]; then
+  log "building kwok $KWOK_VERSION"
+  GOBIN="$bin" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" >&2
+fi
+
+if [ ! -x "$bin/helm" ]; then
+  log "building helm $HELM_VERSION"
+  # Helm 3 takes its default Kubernetes version for offline rendering from ldflags.
+  GOBIN="$bin" go install -trimpath -ldflags "-s -w \
+      -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION \
+      -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 \
+      -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor \
+      -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 \
+      -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$minor" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >&2
+fi
+
+# kwok v0.8 ships no default stages; the harness writes its own, but keep the
+# upstream ones next to the binary for reference when debugging.
+echo "$bin"

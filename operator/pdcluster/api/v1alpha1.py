@@ -1,0 +1,439 @@
+"""PDCluster v1alpha1: the single source of truth for the CRD, the docs and the code.
+
+One PDCluster is one model served by a prefill pool and a decode pool (vLLM with the
+MooncakeConnector), a Mooncake master, and a PD-aware router. Replica counts in the
+spec are the starting point; when autoscaling is on, the operator's decision (kept in
+status) takes over without ever writing to the spec.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import Field
+
+from pdcluster import constants as C
+from pdcluster.api.base import FreeForm, Model, Port, Quantity, StringMap, cel
+
+
+class EnvVar(Model):
+    """A container environment variable, as in a Pod spec."""
+
+    name: str = Field(min_length=1, description="Variable name.")
+    value: str | None = Field(None, description="Literal value.")
+    value_from: FreeForm | None = Field(None, description="Source for the value (secretKeyRef, fieldRef, ...).")
+
+
+class Toleration(Model):
+    """A pod toleration, as in a Pod spec."""
+
+    key: str | None = None
+    operator: str | None = Field(None, json_schema_extra={"enum": ["Exists", "Equal"]})
+    value: str | None = None
+    effect: str | None = Field(None, json_schema_extra={"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]})
+    toleration_seconds: int | None = None
+
+
+class Resources(Model):
+    """Container resource requests and limits. GPUs and RDMA devices are added by the operator."""
+
+    requests: dict[str, Quantity] | None = None
+    limits: dict[str, Quantity] | None = None
+
+
+class SecretKeyRef(Model):
+    """A key in a Secret in the PDCluster's namespace."""
+
+    name: str = Field(min_length=1, description="Secret name.")
+    key: str = Field("token", description="Key within the Secret.")
+
+
+class Probe(Model):
+    """Timing for the engine's HTTP probes on /health."""
+
+    initial_delay_seconds: int = Field(0, ge=0)
+    period_seconds: int = Field(10, ge=1)
+    timeout_seconds: int = Field(5, ge=1)
+    failure_threshold: int = Field(3, ge=1)
+
+
+def _startup_probe() -> Probe:
+    # Loading weights and capturing CUDA graphs can take many minutes on large models.
+    return Probe(period_seconds=10, failure_threshold=180)
+
+
+class ModelSpec(Model):
+    """The model every engine serves."""
+
+    name: str = Field(min_length=1, description="Model name or path passed to `vllm serve` (e.g. a Hugging Face id).")
+    served_model_name: str | None = Field(
+        None, description="Name clients use in requests; defaults to `name`."
+    )
+    max_model_len: int | None = Field(None, ge=1, description="`--max-model-len`; engine default when unset.")
+
+
+class EngineSpec(Model):
+    """How engine pods (both roles) are launched."""
+
+    image: str = Field("vllm/vllm-openai:v0.32.0", min_length=1, description="Engine image (vLLM with Mooncake).")
+    image_pull_policy: str = Field("IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]})
+    command: list[str] = Field(
+        default_factory=lambda: ["vllm", "serve"],
+        min_length=1,
+        description="Entrypoint; the engine simulator uses `[pdcluster-engine-sim, serve]` with the same arguments.",
+    )
+    port: Port = Field(C.ENGINE_PORT, description="OpenAI-compatible HTTP port.")
+    args: list[str] = Field(default_factory=list, description="Extra engine arguments for both roles.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment for both roles.")
+    hf_token_secret: SecretKeyRef | None = Field(None, description="Secret holding a Hugging Face token (HF_TOKEN).")
+    shm_size: Quantity = Field("16Gi", description="Size of the in-memory /dev/shm volume.")
+    python_hash_seed: int = Field(
+        0, ge=0, description="PYTHONHASHSEED, identical on both roles so block hashes agree."
+    )
+    startup_probe: Probe = Field(default_factory=_startup_probe)
+    readiness_probe: Probe = Field(default_factory=lambda: Probe(period_seconds=5))
+    termination_grace_period_seconds: int = Field(
+        120, ge=0, description="Time a draining engine gets to finish its in-flight requests."
+    )
+
+
+class KVConnector(StrEnum):
+    mooncake = "mooncake"
+
+
+class KVProtocol(StrEnum):
+    rdma = "rdma"
+    tcp = "tcp"
+
+
+class KVTransferSpec(Model):
+    """KV-cache transfer between prefill and decode (vLLM's MooncakeConnector)."""
+
+    connector: KVConnector = Field(KVConnector.mooncake, description="KV connector; `mooncake` is supported.")
+    protocol: KVProtocol | None = Field(
+        None, description="Transfer protocol; defaults to `rdma` when `rdma.mode` is set, otherwise `tcp`."
+    )
+    devices: str | None = Field(
+        None, description="Mooncake `device_name`, e.g. `mlx5_0,mlx5_1`; defaults to `rdma.hcas`."
+    )
+    bootstrap_port: Port = Field(C.BOOTSTRAP_PORT, description="VLLM_MOONCAKE_BOOTSTRAP_PORT on prefill pods.")
+
+
+class RDMAMode(StrEnum):
+    none = "none"
+    shared_device_plugin = "sharedDevicePlugin"
+    sriov = "sriov"
+    host_network = "hostNetwork"
+
+
+class RDMASpec(Model):
+    """How engine pods reach the RDMA fabric."""
+
+    mode: RDMAMode = Field(RDMAMode.none, description="`sharedDevicePlugin`, `sriov` (Multus), `hostNetwork` or `none`.")
+    resource_name: str = Field(
+        "rdma/rdma_shared_device_a", description="Extended resource requested per engine pod."
+    )
+    resource_count: int = Field(1, ge=1, description="How many of `resourceName` each engine pod requests.")
+    networks: list[str] = Field(
+        default_factory=list, description="Multus NetworkAttachmentDefinitions for `sriov` mode."
+    )
+    gid_index: int | None = Field(None, ge=0, description="RoCE GID index (NCCL_IB_GID_INDEX, MC_GID_INDEX); 3 is typical for RoCEv2.")
+    hcas: list[str] = Field(default_factory=list, description="HCA names, e.g. `[mlx5_0, mlx5_1]`.")
+
+
+_ROLE_RULES = [
+    cel("self.minReplicas <= self.replicas", "minReplicas must be <= replicas", ".minReplicas"),
+    cel("self.replicas <= self.maxReplicas", "replicas must be <= maxReplicas", ".replicas"),
+    cel(
+        "!has(self.gpusPerPod) || self.gpusPerPod >= self.tensorParallelSize * self.pipelineParallelSize * self.dataParallelSize",
+        "gpusPerPod must be at least tensorParallelSize x pipelineParallelSize x dataParallelSize",
+        ".gpusPerPod",
+    ),
+]
+
+
+class RoleSpec(Model):
+    """One engine pool (prefill or decode): a StatefulSet of identical vLLM pods."""
+
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _ROLE_RULES}}
+
+    replicas: int = Field(1, ge=0, description="Pods when autoscaling is off; the starting point when it is on.")
+    min_replicas: int = Field(1, ge=0, description="Lower bound for the autoscaler.")
+    max_replicas: int = Field(8, ge=1, description="Upper bound for the autoscaler.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="`--tensor-parallel-size`.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="`--pipeline-parallel-size`.")
+    data_parallel_size: int = Field(1, ge=1, le=64, description="`--data-parallel-size` inside one pod.")
+    gpus_per_pod: int | None = Field(None, ge=0, description="GPUs per pod; defaults to TP x PP x DP.")
+    gpu_resource_name: str = Field("nvidia.com/gpu", description="Extended resource name for GPUs.")
+    resources: Resources | None = Field(None, description="CPU/memory requests and limits.")
+    node_selector: StringMap | None = None
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: FreeForm | None = Field(None, description="Pod affinity, as in a Pod spec.")
+    topology_spread_constraints: list[FreeForm] = Field(default_factory=list)
+    priority_class_name: str | None = None
+    args: list[str] = Field(default_factory=list, description="Extra engine arguments for this role.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment for this role.")
+    pod_annotations: StringMap | None = None
+    pod_labels: StringMap | None = None
+
+    @property
+    def gpus(self) -> int:
+        if self.gpus_per_pod is not None:
+            return self.gpus_per_pod
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+
+class MooncakeStoreSpec(Model):
+    """Optional Mooncake store pods contributing DRAM to the distributed KV pool."""
+
+    replicas: int = Field(0, ge=0, description="Store pods; 0 runs none.")
+    global_segment_size: Quantity = Field("4Gi", description="Memory each store pod contributes to the pool.")
+    local_buffer_size: Quantity = Field(0, description="Local transfer buffer per store pod.")
+    port: Port = Field(8088, description="Store service port.")
+    resources: Resources | None = None
+
+
+class MooncakeSpec(Model):
+    """The Mooncake master (and optional store pods)."""
+
+    image: str | None = Field(None, description="Image with `mooncake_master`; defaults to `engine.image`.")
+    rpc_port: Port = Field(50051)
+    metrics_port: Port = Field(9003)
+    http_metadata_server: bool = Field(False, description="Run the master's HTTP metadata server.")
+    http_metadata_port: Port = Field(8080)
+    lease_ttl_ms: int = Field(10000, ge=1, description="`--default_kv_lease_ttl` in milliseconds.")
+    eviction_high_watermark_percent: int = Field(90, ge=1, le=100, description="`--eviction_high_watermark_ratio` x 100.")
+    eviction_percent: int = Field(5, ge=1, le=100, description="`--eviction_ratio` x 100.")
+    resources: Resources | None = None
+    store: MooncakeStoreSpec = Field(default_factory=MooncakeStoreSpec)
+
+
+class RouterPolicy(StrEnum):
+    least_loaded = "least-loaded"
+    prefix_aware = "prefix-aware"
+
+
+class AdmissionSpec(Model):
+    """SLO-based early rejection in the router."""
+
+    enabled: bool = Field(True, description="Reject requests predicted to miss the TTFT target.")
+    ttft_target_ms: int | None = Field(
+        None, ge=1, description="TTFT target; defaults to `autoscaling.slo.ttftMs`."
+    )
+    reject_factor_percent: int = Field(
+        200, ge=100, description="Reject when predicted TTFT exceeds the target by this factor (200 = 2x)."
+    )
+
+
+class RouterSpec(Model):
+    """The OpenAI-compatible, PD-aware router in front of the pools."""
+
+    replicas: int = Field(1, ge=0)
+    image: str = Field(C.DEFAULT_ROUTER_IMAGE, min_length=1)
+    image_pull_policy: str = Field("IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]})
+    port: Port = Field(C.ROUTER_PORT)
+    metrics_port: Port = Field(C.ROUTER_METRICS_PORT)
+    policy: RouterPolicy = Field(RouterPolicy.prefix_aware)
+    admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
+    request_timeout_seconds: int = Field(600, ge=1)
+    api_key_secret: SecretKeyRef | None = Field(None, description="When set, clients must send this key as a Bearer token.")
+    service_type: str = Field("ClusterIP", json_schema_extra={"enum": ["ClusterIP", "NodePort", "LoadBalancer"]})
+    resources: Resources | None = None
+
+
+class Quantile(StrEnum):
+    p50 = "p50"
+    p90 = "p90"
+    p95 = "p95"
+    p99 = "p99"
+
+
+class SLOSpec(Model):
+    """Latency targets the autoscaler keeps."""
+
+    ttft_ms: int = Field(500, ge=1, description="Time-to-first-token target.")
+    itl_ms: int = Field(25, ge=1, description="Inter-token latency target.")
+    quantile: Quantile = Field(Quantile.p90, description="Quantile both targets apply to.")
+
+
+class AutoscalingMode(StrEnum):
+    auto = "auto"
+    recommend = "recommend"
+
+
+_AUTOSCALING_RULES = [
+    cel(
+        "self.scaleDownStabilizationSeconds >= self.scaleUpStabilizationSeconds",
+        "scaleDownStabilizationSeconds must be >= scaleUpStabilizationSeconds (scale down slower than up)",
+    ),
+]
+
+
+class AutoscalingSpec(Model):
+    """Rebalancing prefill:decode from Prometheus TTFT/ITL within a GPU budget."""
+
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _AUTOSCALING_RULES}}
+
+    enabled: bool = Field(False)
+    mode: AutoscalingMode = Field(AutoscalingMode.auto, description="`auto` applies decisions; `recommend` only records them.")
+    slo: SLOSpec = Field(default_factory=SLOSpec)
+    gpu_budget: int | None = Field(
+        None, ge=1, description="Most GPUs prefill plus decode may hold; unbounded when unset."
+    )
+    interval_seconds: int = Field(30, ge=5, le=3600, description="How often the control law runs.")
+    window_seconds: int = Field(120, ge=15, le=3600, description="PromQL rate window.")
+    scale_up_stabilization_seconds: int = Field(0, ge=0, description="A scale-up must be wanted this long.")
+    scale_down_stabilization_seconds: int = Field(300, ge=0, description="A scale-down must be wanted this long.")
+    cooldown_seconds: int = Field(60, ge=0, description="No new change this soon after the last one.")
+    max_step: int = Field(2, ge=1, description="Most replicas one role moves per decision.")
+    tolerance_percent: int = Field(10, ge=0, le=100, description="Hysteresis band around the SLO targets.")
+    scale_up_timeout_seconds: int = Field(
+        600, ge=30, description="Give up on a scale-up whose pods never become ready (e.g. no free GPUs)."
+    )
+    prometheus_url: str | None = Field(None, description="Prometheus base URL; defaults to the operator's setting.")
+
+
+def _cluster_rules() -> list[dict[str, str]]:
+    gpus = "(has(self.{r}.gpusPerPod) ? self.{r}.gpusPerPod : self.{r}.tensorParallelSize * self.{r}.pipelineParallelSize * self.{r}.dataParallelSize)"
+    floor = f"self.prefill.minReplicas * {gpus.format(r='prefill')} + self.decode.minReplicas * {gpus.format(r='decode')}"
+    return [
+        cel(
+            "!has(self.kvTransfer.protocol) || self.kvTransfer.protocol != 'rdma' || self.rdma.mode != 'none'",
+            "kvTransfer.protocol rdma needs rdma.mode other than none",
+            ".kvTransfer.protocol",
+        ),
+        cel(
+            "self.rdma.mode != 'sriov' || (has(self.rdma.networks) && size(self.rdma.networks) > 0)",
+            "rdma.mode sriov needs at least one Multus network in rdma.networks",
+            ".rdma.networks",
+        ),
+        cel(
+            # vLLM's MooncakeConnector maps KV heads between the two TP layouts only when
+            # one size divides the other (mooncake_connector.py, TpKVTopology).
+            "self.prefill.tensorParallelSize % self.decode.tensorParallelSize == 0"
+            " || self.decode.tensorParallelSize % self.prefill.tensorParallelSize == 0",
+            "prefill and decode tensorParallelSize must divide one another (MooncakeConnector)",
+            ".prefill.tensorParallelSize",
+        ),
+        cel(
+            f"!has(self.autoscaling.gpuBudget) || self.autoscaling.gpuBudget >= {floor}",
+            "autoscaling.gpuBudget must cover the GPUs of prefill.minReplicas and decode.minReplicas",
+            ".autoscaling.gpuBudget",
+        ),
+    ]
+
+
+class PDClusterSpec(Model):
+    """Desired state of a disaggregated prefill/decode serving cluster."""
+
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _cluster_rules()}}
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    rdma: RDMASpec = Field(default_factory=RDMASpec)
+    prefill: RoleSpec = Field(default_factory=RoleSpec)
+    decode: RoleSpec = Field(default_factory=RoleSpec)
+    mooncake: MooncakeSpec = Field(default_factory=MooncakeSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    suspend: bool = Field(False, description="Scale both roles and the router to zero; keep everything else.")
+    paused: bool = Field(False, description="Stop applying changes to children; status keeps being reported.")
+
+    def role(self, name: str) -> RoleSpec:
+        return self.prefill if name == C.ROLE_PREFILL else self.decode
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or self.model.name
+
+    @property
+    def kv_protocol(self) -> KVProtocol:
+        if self.kv_transfer.protocol is not None:
+            return self.kv_transfer.protocol
+        return KVProtocol.tcp if self.rdma.mode == RDMAMode.none else KVProtocol.rdma
+
+
+# ---------------------------------------------------------------------------- status
+
+
+class Condition(Model):
+    """A standard Kubernetes condition."""
+
+    type: str
+    status: str = Field(json_schema_extra={"enum": ["True", "False", "Unknown"]})
+    reason: str
+    message: str = ""
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class RoleStatus(Model):
+    """Observed state of one engine pool."""
+
+    desired: int = 0
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+    gpus: int = 0
+
+
+class ComponentStatus(Model):
+    replicas: int = 0
+    ready: int = 0
+
+
+class ObservedMetrics(Model):
+    """What the control law saw (milliseconds and requests per second, as integers x1000 where noted)."""
+
+    ttft_ms: int | None = None
+    itl_ms: int | None = None
+    request_rate_milli: int | None = Field(None, description="Requests per second x 1000.")
+    mean_input_tokens: int | None = None
+    mean_output_tokens: int | None = None
+    prefill_queue: int | None = None
+    decode_kv_usage_percent: int | None = None
+
+
+class Decision(Model):
+    """One run of the control law."""
+
+    time: str
+    prefill: int
+    decode: int
+    action: str = Field(description="`scale`, `hold` or `recommend`.")
+    reason: str
+    metrics: ObservedMetrics | None = None
+
+
+class AutoscalingState(Model):
+    """Control-law memory, kept in status so a restarted operator continues where it stopped."""
+
+    prefill: int | None = Field(None, description="Replicas the autoscaler wants for prefill (used in `auto` mode).")
+    decode: int | None = Field(None, description="Replicas the autoscaler wants for decode (used in `auto` mode).")
+    last_run_time: str | None = None
+    last_change_time: str | None = None
+    pending_since: str | None = Field(None, description="Since when a scale-up has been waiting for ready pods.")
+    up_wanted_since: StringMap | None = Field(None, description="Per role, since when a scale-up has been wanted.")
+    down_wanted_since: StringMap | None = Field(None, description="Per role, since when a scale-down has been wanted.")
+    last_decision: Decision | None = None
+    decisions: int = Field(0, description="Decisions that changed replicas so far.")
+
+
+class PDClusterStatus(Model):
+    """Observed state, written once per reconcile."""
+
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    prefill: RoleStatus = Field(default_factory=RoleStatus)
+    decode: RoleStatus = Field(default_factory=RoleStatus)
+    ratio: str | None = Field(None, description="Ready prefill:decode pods, e.g. `2:3`.")
+    router: ComponentStatus = Field(default_factory=ComponentStatus)
+    mooncake: ComponentStatus = Field(default_factory=ComponentStatus)
+    ttft_p99_ms: int | None = None
+    itl_p99_ms: int | None = None
+    autoscaling: AutoscalingState | None = None
+
+
+Name = Annotated[str, Field(max_length=C.MAX_CLUSTER_NAME_LEN)]

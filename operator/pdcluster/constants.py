@@ -1,0 +1,59 @@
+"""Names shared by the operator, the router, the simulators and the chart."""
+
+from typing import Final
+
+from pdcluster import __version__
+
+GROUP: Final = "pdcluster.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "PDCluster"
+PLURAL: Final = "pdclusters"
+SINGULAR: Final = "pdcluster"
+SHORT_NAMES: Final = ["pdc"]
+CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+
+FIELD_MANAGER: Final = "pdcluster-operator"
+
+# Labels on every child object and pod; the router, Prometheus relabelling and the
+# autoscaler's PromQL all select on these.
+LABEL_CLUSTER: Final = f"{GROUP}/cluster"
+LABEL_ROLE: Final = f"{GROUP}/role"
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
+LABEL_VERSION: Final = "app.kubernetes.io/version"
+APP_NAME: Final = "pdcluster"
+MANAGED_BY: Final = "pdcluster-operator"
+
+ANNOTATION_SCRAPE: Final = "prometheus.io/scrape"
+ANNOTATION_SCRAPE_PORT: Final = "prometheus.io/port"
+ANNOTATION_SCRAPE_PATH: Final = "prometheus.io/path"
+# Set on pod templates so that a change of rendered config rolls the pods.
+ANNOTATION_CONFIG_HASH: Final = f"{GROUP}/config-hash"
+
+ROLE_PREFILL: Final = "prefill"
+ROLE_DECODE: Final = "decode"
+ROLE_ROUTER: Final = "router"
+ROLE_MOONCAKE_MASTER: Final = "mooncake-master"
+ROLE_MOONCAKE_STORE: Final = "mooncake-store"
+ENGINE_ROLES: Final = (ROLE_PREFILL, ROLE_DECODE)
+
+# Kubernetes names are at most 63 characters; the longest child suffix is
+# "-mooncake-master" (16) and a StatefulSet's controller-revision-hash label adds
+# "-<10 chars>" to "<name>-prefill", so 40 leaves room for both.
+MAX_CLUSTER_NAME_LEN: Final = 40
+
+# Ports of the programs this project ships.
+ENGINE_PORT: Final = 8000
+ROUTER_PORT: Final = 8000
+ROUTER_METRICS_PORT: Final = 9090
+BOOTSTRAP_PORT: Final = 8998
+
+# Repositories without a registry host: users point them at their own registry.
+IMAGE_REPOSITORY: Final = "pdcluster"
+DEFAULT_ROUTER_IMAGE: Final = f"{IMAGE_REPOSITORY}/router:{__version__}"
+DEFAULT_ENGINE_SIM_IMAGE: Final = f"{IMAGE_REPOSITORY}/engine-sim:{__version__}"
+DEFAULT_OPERATOR_IMAGE: Final = f"{IMAGE_REPOSITORY}/operator:{__version__}"

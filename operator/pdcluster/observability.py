@@ -1,0 +1,91 @@
+"""Metric names and histogram buckets shared by the router, the engine simulator, the
+fleet simulator and the autoscaler's PromQL, so all of them speak about the same series.
+
+vLLM names and buckets are those of vLLM's V1 metrics (vllm/v1/metrics/loggers.py and
+buckets.py). Prometheus adds the labels `pdcluster` (cluster name) and `role` from pod
+labels when it scrapes, see the chart's PodMonitor and the local cluster's scrape config.
+"""
+
+from typing import Final
+
+# ------------------------------------------------------------------ vLLM (engine) side
+VLLM_TTFT: Final = "vllm:time_to_first_token_seconds"
+VLLM_ITL: Final = "vllm:inter_token_latency_seconds"
+VLLM_E2E: Final = "vllm:e2e_request_latency_seconds"
+VLLM_QUEUE_TIME: Final = "vllm:request_queue_time_seconds"
+VLLM_PREFILL_TIME: Final = "vllm:request_prefill_time_seconds"
+VLLM_DECODE_TIME: Final = "vllm:request_decode_time_seconds"
+VLLM_RUNNING: Final = "vllm:num_requests_running"
+VLLM_WAITING: Final = "vllm:num_requests_waiting"
+VLLM_KV_USAGE: Final = "vllm:kv_cache_usage_perc"
+VLLM_PROMPT_TOKENS: Final = "vllm:prompt_tokens"  # counter, exposed with _total
+VLLM_GENERATION_TOKENS: Final = "vllm:generation_tokens"  # counter, exposed with _total
+VLLM_REQUEST_SUCCESS: Final = "vllm:request_success"  # counter{finished_reason}
+VLLM_ITERATION_TOKENS: Final = "vllm:iteration_tokens_total"  # histogram
+VLLM_LABELS: Final = ("model_name", "engine")
+
+VLLM_TTFT_BUCKETS: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_ITL_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+VLLM_REQUEST_LATENCY_BUCKETS: Final = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+VLLM_ITERATION_TOKEN_BUCKETS: Final = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def vllm_request_token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's 1-2-5 buckets up to max_model_len (build_1_2_5_buckets)."""
+    out, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_model_len:
+                return tuple(out)
+            out.append(value)
+        exponent += 1
+
+
+# ---------------------------------------------------------------------- router side
+# The router measures what users see; the autoscaler prefers these over engine metrics.
+ROUTER_TTFT: Final = "pdcluster_router_time_to_first_token_seconds"
+ROUTER_ITL: Final = "pdcluster_router_inter_token_latency_seconds"
+ROUTER_E2E: Final = "pdcluster_router_e2e_request_latency_seconds"
+ROUTER_REQUESTS: Final = "pdcluster_router_requests"  # counter{outcome}, exposed with _total
+ROUTER_REJECTIONS: Final = "pdcluster_router_rejections"  # counter{reason}
+ROUTER_UPSTREAM_ERRORS: Final = "pdcluster_router_upstream_errors"  # counter{role, backend}
+ROUTER_INFLIGHT: Final = "pdcluster_router_inflight_requests"  # gauge{role, backend}
+ROUTER_INFLIGHT_TOKENS: Final = "pdcluster_router_inflight_tokens"  # gauge{role, backend}
+ROUTER_PROMPT_TOKENS: Final = "pdcluster_router_prompt_tokens"  # counter
+ROUTER_GENERATION_TOKENS: Final = "pdcluster_router_generation_tokens"  # counter
+ROUTER_BACKENDS: Final = "pdcluster_router_backends"  # gauge{role}: ready backends
+ROUTER_OUTCOMES: Final = ("ok", "rejected", "client_error", "upstream_error", "timeout", "cancelled")
+
+# Fine enough around typical SLOs to tell a 15 ms ITL from a 25 ms one and a 400 ms
+# TTFT from a 600 ms one (histogram_quantile interpolates linearly inside a bucket).
+ROUTER_ITL_BUCKETS: Final = (
+    0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.0225, 0.025, 0.0275,
+    0.03, 0.035, 0.04, 0.045, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+)  # fmt: skip
+ROUTER_TTFT_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6,
+    0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0,
+    30.0, 60.0, 120.0,
+)  # fmt: skip
+ROUTER_E2E_BUCKETS: Final = VLLM_REQUEST_LATENCY_BUCKETS
+
+# Labels Prometheus attaches at scrape time (from pod labels pdcluster.io/cluster and
+# pdcluster.io/role); every autoscaler query groups by them.
+PROM_LABEL_CLUSTER: Final = "pdcluster"
+PROM_LABEL_ROLE: Final = "role"
+
+# ---------------------------------------------------------------------- operator side
+OPERATOR_DECISIONS: Final = "pdcluster_scaling_decisions"  # counter{namespace, cluster, action}
+OPERATOR_DESIRED_REPLICAS: Final = "pdcluster_desired_replicas"  # gauge{namespace, cluster, role}
+OPERATOR_RECONCILES: Final = "pdcluster_reconciles"  # counter{result}
+OPERATOR_RECONCILE_SECONDS: Final = "pdcluster_reconcile_duration_seconds"  # histogram
