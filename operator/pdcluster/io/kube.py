@@ -1,0 +1,338 @@
+"""A small async Kubernetes API client on aiohttp.
+
+The operator, the router (membership) and the local cluster's pod runner need only a
+handful of verbs: get, list, watch, server-side apply, merge-patch (status), create and
+delete. A thin client over one keep-alive session does them with one dependency we
+already ship, and speaks server-side apply natively (kr8s and kopf's client do not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import ssl
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+# kind -> (plural, namespaced) for the kinds this project touches.
+_RESOURCES: dict[str, tuple[str, bool]] = {
+    "Namespace": ("namespaces", False),
+    "Node": ("nodes", False),
+    "Pod": ("pods", True),
+    "Service": ("services", True),
+    "ServiceAccount": ("serviceaccounts", True),
+    "ConfigMap": ("configmaps", True),
+    "Secret": ("secrets", True),
+    "Event": ("events", True),
+    "Endpoints": ("endpoints", True),
+    "StatefulSet": ("statefulsets", True),
+    "Deployment": ("deployments", True),
+    "ReplicaSet": ("replicasets", True),
+    "ControllerRevision": ("controllerrevisions", True),
+    "DaemonSet": ("daemonsets", True),
+    "Job": ("jobs", True),
+    "PodDisruptionBudget": ("poddisruptionbudgets", True),
+    "EndpointSlice": ("endpointslices", True),
+    "Role": ("roles", True),
+    "RoleBinding": ("rolebindings", True),
+    "ClusterRole": ("clusterroles", False),
+    "ClusterRoleBinding": ("clusterrolebindings", False),
+    "Lease": ("leases", True),
+    "CustomResourceDefinition": ("customresourcedefinitions", False),
+    "PDCluster": ("pdclusters", True),
+    "ServiceMonitor": ("servicemonitors", True),
+    "PodMonitor": ("podmonitors", True),
+}
+
+
+class ApiError(Exception):
+    """An error answer from the apiserver, with its Status reason and message."""
+
+    def __init__(self, status: int, reason: str, message: str, body: dict[str, Any] | None = None):
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.body = body or {}
+
+
+def resource_path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:
+    plural, namespaced = _RESOURCES[kind]
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    ns = f"/namespaces/{namespace}" if namespaced and namespace else ""
+    return f"{base}{ns}/{plural}" + (f"/{name}" if name else "")
+
+
+def object_path(obj: dict[str, Any]) -> str:
+    meta = obj["metadata"]
+    return resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+
+
+@dataclass
+class KubeConfig:
+    server: str
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    token: str | None = None
+    token_file: str | None = None
+    namespace: str = "default"
+    insecure: bool = False
+    _tmp: list[str] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None, context: str | None = None) -> KubeConfig:
+        """`path`, else $KUBECONFIG, else the in-cluster service account, else ~/.kube/config."""
+        if path is None:
+            path = os.environ.get("KUBECONFIG") or None
+        if path is None and (SERVICE_ACCOUNT_DIR / "token").exists() and "KUBERNETES_SERVICE_HOST" in os.environ:
+            return cls.in_cluster()
+        return cls.from_file(path or Path.home() / ".kube" / "config", context)
+
+    @classmethod
+    def in_cluster(cls) -> KubeConfig:
+        host = os.environ["KUBERNETES_SERVICE_HOST"]
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if ":" in host:
+            host = f"[{host}]"
+        return cls(
+            server=f"https://{host}:{port}",
+            ca_file=str(SERVICE_ACCOUNT_DIR / "ca.crt"),
+            token_file=str(SERVICE_ACCOUNT_DIR / "token"),
+            namespace=(SERVICE_ACCOUNT_DIR / "namespace").read_text().strip(),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], context: str | None = None) -> KubeConfig:
+        doc = yaml.safe_load(Path(path).read_text())
+        ctx_name = context or doc.get("current-context")
+        ctx = next(c["context"] for c in doc["contexts"] if c["name"] == ctx_name)
+        cluster = next(c["cluster"] for c in doc["clusters"] if c["name"] == ctx["cluster"])
+        user = next((u["user"] for u in doc.get("users", []) if u["name"] == ctx.get("user")), {})
+        cfg = cls(
+            server=cluster["server"],
+            namespace=ctx.get("namespace", "default"),
+            insecure=bool(cluster.get("insecure-skip-tls-verify")),
+            token=user.get("token"),
+            token_file=user.get("tokenFile"),
+        )
+        base = Path(path).parent
+        cfg.ca_file = cfg._file(cluster, "certificate-authority", base)
+        cfg.cert_file = cfg._file(user, "client-certificate", base)
+        cfg.key_file = cfg._file(user, "client-key", base)
+        return cfg
+
+    def _file(self, section: dict[str, Any], key: str, base: Path) -> str | None:
+        if section.get(key):
+            return str(base / section[key])
+        data = section.get(f"{key}-data")
+        if not data:
+            return None
+        with tempfile.NamedTemporaryFile("wb", delete=False, prefix="pdcluster-kube-") as f:
+            f.write(base64.b64decode(data))
+        self._tmp.append(f.name)
+        return f.name
+
+    def ssl_context(self) -> ssl.SSLContext | bool:
+        if not self.server.startswith("https"):
+            return False
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        if self.insecure:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        if self.cert_file and self.key_file:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
+
+    def bearer(self) -> str | None:
+        if self.token_file:
+            # Projected tokens rotate; read the file on every request.
+            return Path(self.token_file).read_text().strip()
+        return self.token
+
+
+class Kube:
+    """Async client. Use as `async with Kube(KubeConfig.load()) as kube:`."""
+
+    def __init__(self, config: KubeConfig, *, timeout: float = 30.0):
+        self.config = config
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=5)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Kube:
+        self._session = aiohttp.ClientSession(
+            base_url=self.config.server,
+            connector=aiohttp.TCPConnector(ssl=self.config.ssl_context(), limit=32),
+            timeout=self._timeout,
+            json_serialize=json.dumps,
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        token = self.config.bearer()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        assert self._session is not None, "use `async with Kube(...)`"
+        data = None if body is None else json.dumps(body)
+        async with self._session.request(
+            method, path, data=data, params=params, headers=self._headers(content_type if data else None)
+        ) as resp:
+            text = await resp.text()
+            payload = json.loads(text) if text else {}
+            if resp.status >= 400:
+                raise ApiError(
+                    resp.status,
+                    payload.get("reason", resp.reason or ""),
+                    payload.get("message", text[:500]),
+                    payload,
+                )
+            return payload
+
+    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        try:
+            return await self.request("GET", resource_path(api_version, kind, namespace, name))
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def list(
+        self, api_version: str, kind: str, namespace: str | None = None, *, label_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        payload = await self.request("GET", resource_path(api_version, kind, namespace), params=params)
+        items = payload.get("items", [])
+        for item in items:  # list items carry no apiVersion/kind
+            item.setdefault("apiVersion", api_version)
+            item.setdefault("kind", kind)
+        return items
+
+    async def apply(self, obj: dict[str, Any], *, field_manager: str, force: bool = True, dry_run: bool = False) -> dict[str, Any]:
+        """Server-side apply: the apiserver merges our fields and tracks ownership."""
+        params = {"fieldManager": field_manager, "force": "true" if force else "false"}
+        if dry_run:
+            params["dryRun"] = "All"
+        return await self.request(
+            "PATCH", object_path(obj), body=obj, params=params, content_type="application/apply-patch+yaml"
+        )
+
+    async def create(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        meta = obj["metadata"]
+        params = {"dryRun": "All"} if dry_run else None
+        path = resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace"))
+        return await self.request("POST", path, body=obj, params=params)
+
+    async def merge_patch(
+        self, api_version: str, kind: str, name: str, namespace: str | None, patch: dict[str, Any], *, subresource: str | None = None
+    ) -> dict[str, Any]:
+        path = resource_path(api_version, kind, namespace, name) + (f"/{subresource}" if subresource else "")
+        return await self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
+
+    async def delete(
+        self, api_version: str, kind: str, name: str, namespace: str | None = None, *, grace_period: int | None = None
+    ) -> bool:
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        if grace_period is not None:
+            body["gracePeriodSeconds"] = grace_period
+        try:
+            await self.request("DELETE", resource_path(api_version, kind, namespace, name), body=body)
+            return True
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+
+    async def watch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        resource_version: str | None = None,
+        timeout_seconds: int = 300,
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Yields events forever. After every (re)list it yields ("SYNC", {"items": [...]})
+        with the full current state, then ("ADDED"|"MODIFIED"|"DELETED", object) as they
+        come; it re-lists when the apiserver says our resourceVersion is too old."""
+        assert self._session is not None
+        path = resource_path(api_version, kind, namespace)
+        while True:
+            if resource_version is None:
+                params = {"labelSelector": label_selector} if label_selector else {}
+                listing = await self.request("GET", path, params=params or None)
+                resource_version = listing["metadata"]["resourceVersion"]
+                yield "SYNC", {"items": listing.get("items", [])}
+            params = {
+                "watch": "1",
+                "allowWatchBookmarks": "true",
+                "resourceVersion": resource_version,
+                "timeoutSeconds": str(timeout_seconds),
+            }
+            if label_selector:
+                params["labelSelector"] = label_selector
+            try:
+                async with self._session.get(
+                    path,
+                    params=params,
+                    headers=self._headers(),
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=timeout_seconds + 30),
+                ) as resp:
+                    if resp.status == 410:
+                        resource_version = None
+                        continue
+                    if resp.status >= 400:
+                        raise ApiError(resp.status, resp.reason or "", await resp.text())
+                    async for line in resp.content:
+                        if not line.strip():
+                            continue
+                        event = json.loads(line)
+                        obj = event["object"]
+                        if event["type"] == "ERROR":
+                            if obj.get("code") == 410:
+                                resource_version = None
+                            break
+                        resource_version = obj.get("metadata", {}).get("resourceVersion", resource_version)
+                        if event["type"] != "BOOKMARK":
+                            yield event["type"], obj
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                await asyncio.sleep(1.0)
+
+
+@contextlib.asynccontextmanager
+async def connect(kubeconfig: str | os.PathLike[str] | None = None) -> AsyncIterator[Kube]:
+    async with Kube(KubeConfig.load(kubeconfig)) as kube:
+        yield kube
