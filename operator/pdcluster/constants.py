@@ -49,7 +49,6 @@ MAX_CLUSTER_NAME_LEN: Final = 40
 # Ports of the programs this project ships.
 ENGINE_PORT: Final = 8000
 ROUTER_PORT: Final = 8000
-ROUTER_METRICS_PORT: Final = 9090
 BOOTSTRAP_PORT: Final = 8998
 
 # Repositories without a registry host: users point them at their own registry.

@@ -17,6 +17,13 @@ from pdcluster import constants as C
 from pdcluster.api.base import FreeForm, Model, Port, Quantity, StringMap, cel
 
 
+def section(factory, description: str | None = None):  # noqa: ANN001, ANN201
+    """A nested object that is always present. Its CRD default is `{}`, so the apiserver
+    fills in the nested defaults (and CEL rules can rely on them) even when the user
+    leaves the whole section out."""
+    return Field(default_factory=factory, description=description, json_schema_extra={"default": {}})
+
+
 class EnvVar(Model):
     """A container environment variable, as in a Pod spec."""
 
@@ -58,9 +65,16 @@ class Probe(Model):
     failure_threshold: int = Field(3, ge=1)
 
 
-def _startup_probe() -> Probe:
-    # Loading weights and capturing CUDA graphs can take many minutes on large models.
-    return Probe(period_seconds=10, failure_threshold=180)
+class StartupProbe(Probe):
+    """Startup probe timing: loading weights and capturing CUDA graphs can take many minutes."""
+
+    failure_threshold: int = Field(180, ge=1)
+
+
+class ReadinessProbe(Probe):
+    """Readiness probe timing: a pod leaves the router's backends when it fails."""
+
+    period_seconds: int = Field(5, ge=1)
 
 
 class ModelSpec(Model):
@@ -91,8 +105,8 @@ class EngineSpec(Model):
     python_hash_seed: int = Field(
         0, ge=0, description="PYTHONHASHSEED, identical on both roles so block hashes agree."
     )
-    startup_probe: Probe = Field(default_factory=_startup_probe)
-    readiness_probe: Probe = Field(default_factory=lambda: Probe(period_seconds=5))
+    startup_probe: StartupProbe = section(StartupProbe)
+    readiness_probe: ReadinessProbe = section(ReadinessProbe)
     termination_grace_period_seconds: int = Field(
         120, ge=0, description="Time a draining engine gets to finish its in-flight requests."
     )
@@ -206,7 +220,7 @@ class MooncakeSpec(Model):
     eviction_high_watermark_percent: int = Field(90, ge=1, le=100, description="`--eviction_high_watermark_ratio` x 100.")
     eviction_percent: int = Field(5, ge=1, le=100, description="`--eviction_ratio` x 100.")
     resources: Resources | None = None
-    store: MooncakeStoreSpec = Field(default_factory=MooncakeStoreSpec)
+    store: MooncakeStoreSpec = section(MooncakeStoreSpec)
 
 
 class RouterPolicy(StrEnum):
@@ -232,10 +246,9 @@ class RouterSpec(Model):
     replicas: int = Field(1, ge=0)
     image: str = Field(C.DEFAULT_ROUTER_IMAGE, min_length=1)
     image_pull_policy: str = Field("IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]})
-    port: Port = Field(C.ROUTER_PORT)
-    metrics_port: Port = Field(C.ROUTER_METRICS_PORT)
+    port: Port = Field(C.ROUTER_PORT, description="OpenAI-compatible HTTP port; also serves /metrics.")
     policy: RouterPolicy = Field(RouterPolicy.prefix_aware)
-    admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
+    admission: AdmissionSpec = section(AdmissionSpec)
     request_timeout_seconds: int = Field(600, ge=1)
     api_key_secret: SecretKeyRef | None = Field(None, description="When set, clients must send this key as a Bearer token.")
     service_type: str = Field("ClusterIP", json_schema_extra={"enum": ["ClusterIP", "NodePort", "LoadBalancer"]})
@@ -277,7 +290,7 @@ class AutoscalingSpec(Model):
 
     enabled: bool = Field(False)
     mode: AutoscalingMode = Field(AutoscalingMode.auto, description="`auto` applies decisions; `recommend` only records them.")
-    slo: SLOSpec = Field(default_factory=SLOSpec)
+    slo: SLOSpec = section(SLOSpec)
     gpu_budget: int | None = Field(
         None, ge=1, description="Most GPUs prefill plus decode may hold; unbounded when unset."
     )
@@ -330,14 +343,14 @@ class PDClusterSpec(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _cluster_rules()}}
 
     model: ModelSpec
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
-    rdma: RDMASpec = Field(default_factory=RDMASpec)
-    prefill: RoleSpec = Field(default_factory=RoleSpec)
-    decode: RoleSpec = Field(default_factory=RoleSpec)
-    mooncake: MooncakeSpec = Field(default_factory=MooncakeSpec)
-    router: RouterSpec = Field(default_factory=RouterSpec)
-    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    engine: EngineSpec = section(EngineSpec)
+    kv_transfer: KVTransferSpec = section(KVTransferSpec)
+    rdma: RDMASpec = section(RDMASpec)
+    prefill: RoleSpec = section(RoleSpec)
+    decode: RoleSpec = section(RoleSpec)
+    mooncake: MooncakeSpec = section(MooncakeSpec)
+    router: RouterSpec = section(RouterSpec)
+    autoscaling: AutoscalingSpec = section(AutoscalingSpec)
     suspend: bool = Field(False, description="Scale both roles and the router to zero; keep everything else.")
     paused: bool = Field(False, description="Stop applying changes to children; status keeps being reported.")
 

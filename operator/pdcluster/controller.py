@@ -1,0 +1,97 @@
+"""Runs `reconcile` for every known PDCluster: level-based, one worker per cluster.
+
+A worker reconciles on a wake-up (its PDCluster or one of its children changed) or
+after `resync` seconds, whichever comes first, and only while this replica leads.
+Nothing here needs a finalizer: children are garbage-collected by owner references,
+so a PDCluster can be deleted even when the operator is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+from typing import Any
+
+from pdcluster.io.lease import LeaderElector
+from pdcluster.reconcile import Context, reconcile
+
+log = logging.getLogger(__name__)
+
+# Child events arrive in bursts (one per object we apply); reconcile once per burst.
+DEBOUNCE_SECONDS = 0.2
+MAX_BACKOFF_SECONDS = 60.0
+
+
+class Worker:
+    def __init__(self, controller: Controller, key: tuple[str, str], body: dict[str, Any]):
+        self.controller = controller
+        self.key = key
+        self.body = body
+        self.wakeup = asyncio.Event()
+        self.wakeup.set()
+        self.task = asyncio.create_task(self._loop(), name=f"reconcile {key[0]}/{key[1]}")
+
+    async def _loop(self) -> None:
+        backoff = 1.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wakeup.wait(), timeout=self.controller.resync)
+            await asyncio.sleep(DEBOUNCE_SECONDS)
+            self.wakeup.clear()
+            if self.controller.elector is not None:
+                await self.controller.elector.leading.wait()
+            try:
+                status = await reconcile(self.controller.context, self.body)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep the worker alive; the next attempt may succeed
+                log.exception("reconcile %s/%s failed; retrying in %.0fs", *self.key, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+                self.wakeup.set()
+                continue
+            backoff = 1.0
+            # Until the watch delivers our own status write, reconcile against it.
+            self.body["status"] = status.wire()
+
+
+class Controller:
+    def __init__(self, context: Context, *, resync: float = 30.0, elector: LeaderElector | None = None):
+        self.context = context
+        self.resync = resync
+        self.elector = elector
+        self.workers: dict[tuple[str, str], Worker] = {}
+
+    def observe(self, body: dict[str, Any]) -> None:
+        """The PDCluster as the watch delivered it (created, changed, or listed again)."""
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        worker = self.workers.get(key)
+        body = copy.deepcopy(body)
+        if worker is None or worker.task.done():
+            self.workers[key] = Worker(self, key, body)
+            return
+        if worker.body.get("metadata", {}).get("uid") != meta.get("uid"):
+            worker.task.cancel()  # deleted and recreated under the same name
+            self.workers[key] = Worker(self, key, body)
+            return
+        worker.body = body
+        worker.wakeup.set()
+
+    def forget(self, namespace: str, name: str) -> None:
+        worker = self.workers.pop((namespace, name), None)
+        if worker is not None:
+            worker.task.cancel()
+
+    def wake(self, namespace: str, name: str) -> None:
+        worker = self.workers.get((namespace, name))
+        if worker is not None:
+            worker.wakeup.set()
+
+    async def close(self) -> None:
+        for worker in self.workers.values():
+            worker.task.cancel()
+        await asyncio.gather(*(w.task for w in self.workers.values()), return_exceptions=True)
+        self.workers.clear()

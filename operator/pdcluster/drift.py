@@ -1,0 +1,98 @@
+"""Does a live object still hold everything we would apply? (pure)
+
+At rest the operator must not write. Server-side apply of an unchanged object is still a
+PATCH, so before applying we check that every field we render is present in the live
+object with an equal value. Extra live fields (defaults, other managers' fields, status)
+are fine; a missing or different one is drift and triggers an apply.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+_SUFFIX = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+}  # fmt: skip
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+
+
+def quantity(value: Any) -> Decimal | None:
+    """A Kubernetes quantity's value, or None if `value` is not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return Decimal(str(value))
+    if not isinstance(value, str):
+        return None
+    m = _QUANTITY.match(value)
+    if not m:
+        return None
+    try:
+        return Decimal(m.group(1)) * Decimal(_SUFFIX[m.group(2) or ""])
+    except InvalidOperation:
+        return None
+
+
+def _empty(value: Any) -> bool:
+    return value in ({}, [], None, "")
+
+
+def differences(desired: Any, live: Any, path: str = "") -> list[str]:
+    """Paths where `live` does not hold `desired`; empty when in sync."""
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return [] if _empty(desired) and live is None else [path or "/"]
+        out: list[str] = []
+        for key, want in desired.items():
+            if key in live:
+                out += differences(want, live[key], f"{path}.{key}")
+            elif not _empty(want) and want is not False:
+                out.append(f"{path}.{key}")
+        return out
+    if isinstance(desired, list):
+        if not isinstance(live, list):
+            return [] if _empty(desired) and live is None else [path]
+        if len(desired) != len(live):
+            return [path]
+        out = []
+        for i, (want, have) in enumerate(zip(desired, live, strict=True)):
+            out += differences(want, have, f"{path}[{i}]")
+        return out
+    if desired == live or str(desired) == str(live):
+        return []
+    a, b = quantity(desired), quantity(live)
+    if a is not None and b is not None and a == b:
+        return []
+    return [path]
+
+
+def in_sync(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
+    if live is None:
+        return False
+    meta = desired.get("metadata", {})
+    live_meta = live.get("metadata", {})
+    for key in ("labels", "annotations", "ownerReferences"):
+        if key in meta and differences(meta[key], live_meta.get(key)):
+            return False
+    body = {k: v for k, v in desired.items() if k not in ("metadata", "apiVersion", "kind")}
+    return not differences(body, live)
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`: removed keys become
+    null, so a status field that disappears is really deleted."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    patch: dict[str, Any] = {}
+    for key in old.keys() - new.keys():
+        patch[key] = None
+    for key, value in new.items():
+        if key not in old:
+            patch[key] = value
+        elif old[key] != value:
+            patch[key] = merge_patch(old[key], value)
+    return patch

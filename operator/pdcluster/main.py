@@ -1,0 +1,97 @@
+"""`pdcluster-operator`: run the operator against any kubeconfig (or in-cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+
+import kopf
+import prometheus_client
+
+from pdcluster import __version__
+from pdcluster.controller import Controller
+from pdcluster.io.events import EventRecorder
+from pdcluster.io.kube import Kube, KubeConfig
+from pdcluster.io.lease import LeaderElector
+from pdcluster.reconcile import Context
+
+log = logging.getLogger("pdcluster")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdcluster-operator", description=__doc__)
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig path (default: $KUBECONFIG, in-cluster, ~/.kube/config)")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], help="watch only this namespace (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
+    p.add_argument("--prometheus-url", default=os.environ.get("PDCLUSTER_PROMETHEUS_URL"), help="Prometheus for autoscaling")
+    p.add_argument("--resync-seconds", type=float, default=30.0, help="reconcile every cluster at least this often")
+    p.add_argument("--metrics-port", type=int, default=8080, help="operator /metrics; 0 disables")
+    p.add_argument("--health-port", type=int, default=8081, help="liveness endpoint /healthz; 0 disables")
+    p.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--leader-election-namespace", default=os.environ.get("POD_NAMESPACE"))
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--version", action="version", version=__version__)
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> None:
+    config = KubeConfig.load(args.kubeconfig)
+    registry = kopf.OperatorRegistry()
+    async with Kube(config) as kube:
+        elector = None
+        if args.leader_election:
+            elector = LeaderElector(kube, args.leader_election_namespace or config.namespace)
+        context = Context(kube=kube, events=EventRecorder(kube), autoscaler=_autoscaler(args))
+        controller = Controller(context, resync=args.resync_seconds, elector=elector)
+        from pdcluster.handlers import register
+
+        register(registry, controller, config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        tasks = [asyncio.create_task(elector.run())] if elector else []
+        try:
+            await kopf.operator(
+                registry=registry,
+                standalone=True,  # leader election is ours (a Lease); no kopf peering
+                clusterwide=not args.namespace,
+                namespaces=args.namespace,
+                liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
+                stop_flag=stop,
+            )
+        finally:
+            await controller.close()
+            for t in tasks:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            if elector:
+                await elector.release()
+
+
+def _autoscaler(args: argparse.Namespace):  # noqa: ANN202 - wired when autoscaling lands
+    from pdcluster.autoscaler import PrometheusAutoscaler
+
+    return PrometheusAutoscaler(default_url=args.prometheus_url)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.metrics_port:
+        prometheus_client.start_http_server(args.metrics_port)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""One level-based reconcile of one PDCluster: the only place that joins the pure core
+(api, render, drift, status, control) with I/O (Kubernetes, Prometheus).
+
+    spec + status --(autoscaler)--> replica counts --(render)--> desired children
+    desired vs live --(drift)--> server-side apply of what differs
+    live children --(status)--> one status write, only if something changed
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec, PDClusterStatus
+from pdcluster.drift import in_sync, merge_patch
+from pdcluster.io.events import EventRecorder
+from pdcluster.io.kube import ApiError, Kube, resource_path
+from pdcluster.render import Owner, Replicas, render_all
+from pdcluster.status import Observation, Problem, compute_status
+
+log = logging.getLogger(__name__)
+
+WORKLOAD_ROLES = (C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_ROUTER, C.ROLE_MOONCAKE_MASTER)
+
+
+@dataclass
+class AutoscaleResult:
+    state: AutoscalingState | None
+    condition: tuple[bool, str, str] | None = None  # (ok, reason, message) for the Autoscaling condition
+    latency_p99_ms: tuple[int | None, int | None] = (None, None)
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+
+
+class Autoscaler(Protocol):
+    """The hook the control law plugs into (see pdcluster.autoscaler)."""
+
+    async def step(
+        self, spec: PDClusterSpec, owner: Owner, status: PDClusterStatus, now: datetime
+    ) -> AutoscaleResult: ...
+
+
+@dataclass
+class Context:
+    kube: Kube
+    events: EventRecorder
+    autoscaler: Autoscaler | None = None
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    on_reconciled: Callable[[str, float], Awaitable[None] | None] | None = None
+
+
+def _key(obj: dict[str, Any]) -> tuple[str, str]:
+    return obj["kind"], obj["metadata"]["name"]
+
+
+def _workload_role(obj: dict[str, Any]) -> str | None:
+    if obj["kind"] in ("StatefulSet", "Deployment"):
+        role = obj["metadata"]["labels"][C.LABEL_ROLE]
+        return role if role in WORKLOAD_ROLES else None
+    return None
+
+
+def _secret_users(spec: PDClusterSpec) -> list[tuple[str, str, set[str]]]:
+    """(secret, key, workload roles that mount it) for every Secret the spec refers to."""
+    out = []
+    if spec.engine.hf_token_secret:
+        ref = spec.engine.hf_token_secret
+        out.append((ref.name, ref.key, {C.ROLE_PREFILL, C.ROLE_DECODE}))
+    if spec.router.api_key_secret:
+        ref = spec.router.api_key_secret
+        out.append((ref.name, ref.key, {C.ROLE_ROUTER}))
+    return out
+
+
+async def preflight(kube: Kube, spec: PDClusterSpec, namespace: str) -> tuple[list[Problem], set[str]]:
+    """Problems a schema cannot catch (a referenced Secret is missing), and the workload
+    roles we must not roll onto a config that cannot start."""
+    problems, blocked = [], set()
+    for name, key, roles in _secret_users(spec):
+        secret = await kube.get("v1", "Secret", name, namespace)
+        if secret is None:
+            problems.append(Problem("SecretNotFound", f"Secret {namespace}/{name} does not exist; create it with key {key!r}"))
+        elif key not in (secret.get("data") or {}) and key not in (secret.get("stringData") or {}):
+            problems.append(Problem("SecretKeyNotFound", f"Secret {namespace}/{name} has no key {key!r}"))
+        else:
+            continue
+        blocked |= roles
+    return problems, blocked
+
+
+def _invalid_spec_status(previous: PDClusterStatus, generation: int | None, error: ValidationError, now: datetime) -> PDClusterStatus:
+    details = "; ".join(f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()[:5])
+    spec = PDClusterSpec.model_construct()  # only for the shape of compute_status's inputs
+    obs = Observation(workloads={}, desired={}, problems=[Problem("InvalidSpec", details)])
+    status = compute_status(spec, generation, obs, previous, previous.autoscaling, now)
+    return status.model_copy(update={"prefill": previous.prefill, "decode": previous.decode})
+
+
+async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
+    started = time.monotonic()
+    meta = body["metadata"]
+    owner = Owner.from_body(body)
+    generation = meta.get("generation")
+    now = ctx.clock()
+    try:
+        previous = PDClusterStatus.model_validate(body.get("status") or {})
+    except ValidationError:
+        previous = PDClusterStatus()  # a status we cannot read is rebuilt, not fatal
+
+    try:
+        spec = PDClusterSpec.model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        # The CRD schema catches almost everything; this covers objects stored before a
+        # schema change. Report and touch nothing.
+        status = _invalid_spec_status(previous, generation, e, now)
+        await _write_status(ctx, body, previous, status)
+        return status
+
+    result = AutoscaleResult(previous.autoscaling)
+    if spec.autoscaling.enabled and ctx.autoscaler is not None:
+        result = await ctx.autoscaler.step(spec, owner, previous, now)
+    replicas = Replicas.choose(spec, result.state)
+    desired = render_all(spec, owner, replicas)
+
+    problems, blocked = await preflight(ctx.kube, spec, owner.namespace)
+    live: dict[tuple[str, str], dict[str, Any] | None] = {}
+    for obj in desired:
+        live[_key(obj)] = await ctx.kube.get(obj["apiVersion"], obj["kind"], obj["metadata"]["name"], owner.namespace)
+
+    if not spec.paused:
+        for obj in desired:
+            key = _key(obj)
+            if _workload_role(obj) in blocked or in_sync(obj, live[key]):
+                continue
+            created = live[key] is None
+            try:
+                live[key] = await ctx.kube.apply(obj, field_manager=C.FIELD_MANAGER)
+            except ApiError as e:
+                problems.append(Problem("ApplyFailed", f"{obj['kind']} {obj['metadata']['name']}: {e.message}"))
+                continue
+            verb = "Created" if created else "Updated"
+            log.info("%s %s/%s %s", verb, owner.namespace, obj["metadata"]["name"], obj["kind"])
+            await ctx.events.normal(body, verb, f"{verb} {obj['kind']} {obj['metadata']['name']}")
+
+    workloads = {
+        _workload_role(obj): live[_key(obj)] for obj in desired if _workload_role(obj) is not None
+    }
+    desired_counts = {
+        C.ROLE_PREFILL: replicas.prefill,
+        C.ROLE_DECODE: replicas.decode,
+        C.ROLE_ROUTER: 0 if spec.suspend else spec.router.replicas,
+        C.ROLE_MOONCAKE_MASTER: 0 if spec.suspend else 1,
+    }
+    obs = Observation(
+        workloads=workloads,
+        desired=desired_counts,
+        problems=problems,
+        autoscaling=result.condition,
+        latency_p99_ms=result.latency_p99_ms,
+    )
+    status = compute_status(spec, generation, obs, previous, result.state, now)
+    for type_, reason, message in result.events:
+        await ctx.events.emit(body, type_, reason, message)
+    if problems and not _had_condition(previous, "Degraded", problems[0].reason):
+        await ctx.events.warning(body, problems[0].reason, problems[0].message)
+    await _write_status(ctx, body, previous, status)
+    if ctx.on_reconciled is not None:
+        maybe = ctx.on_reconciled("error" if problems else "ok", time.monotonic() - started)
+        if maybe is not None:
+            await maybe
+    return status
+
+
+def _had_condition(status: PDClusterStatus, type_: str, reason: str) -> bool:
+    return any(c.type == type_ and c.status == "True" and c.reason == reason for c in status.conditions)
+
+
+async def _write_status(ctx: Context, body: dict[str, Any], previous: PDClusterStatus, status: PDClusterStatus) -> None:
+    old, new = body.get("status") or {}, status.wire()
+    if old == new:
+        return  # at rest: no writes
+    patch = {"status": merge_patch(old, new)}
+    meta = body["metadata"]
+    path = resource_path(C.API_VERSION, C.KIND, meta["namespace"], meta["name"]) + "/status"
+    try:
+        await ctx.kube.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
+    except ApiError as e:
+        if e.status != 404:  # deleted meanwhile: nothing to report to
+            raise

@@ -1,0 +1,53 @@
+"""Pure rendering: a PDCluster spec (and the replica counts decided elsewhere) in,
+Kubernetes manifests out. No I/O, no clock, no kopf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingState, PDClusterSpec
+from pdcluster.render.engine import build_role
+from pdcluster.render.mooncake import build_mooncake
+from pdcluster.render.names import Owner
+from pdcluster.render.router import build_router
+
+__all__ = ["Owner", "Replicas", "render_all"]
+
+
+@dataclass(frozen=True)
+class Replicas:
+    prefill: int
+    decode: int
+
+    def of(self, role: str) -> int:
+        return self.prefill if role == C.ROLE_PREFILL else self.decode
+
+    @classmethod
+    def choose(cls, spec: PDClusterSpec, state: AutoscalingState | None) -> Replicas:
+        """The one place role replica counts come from: zero when suspended; the
+        autoscaler's decision (kept in status) in `auto` mode; otherwise the spec. The
+        spec is never rewritten, so GitOps tools never see it drift."""
+        if spec.suspend:
+            return cls(0, 0)
+        a = spec.autoscaling
+        if a.enabled and a.mode == AutoscalingMode.auto and state is not None:
+            counts = []
+            for role in C.ENGINE_ROLES:
+                r = spec.role(role)
+                wanted = getattr(state, role)
+                wanted = r.replicas if wanted is None else wanted
+                counts.append(min(max(wanted, r.min_replicas), r.max_replicas))
+            return cls(*counts)
+        return cls(spec.prefill.replicas, spec.decode.replicas)
+
+
+def render_all(spec: PDClusterSpec, owner: Owner, replicas: Replicas) -> list[dict[str, Any]]:
+    """Every child of one PDCluster, in apply order (config and services before workloads)."""
+    objects = build_mooncake(spec, owner, suspended=spec.suspend)
+    for role in C.ENGINE_ROLES:
+        objects += build_role(spec, owner, role, replicas.of(role))
+    objects += build_router(spec, owner, suspended=spec.suspend)
+    order = {"ConfigMap": 0, "ServiceAccount": 0, "Role": 1, "RoleBinding": 2, "Service": 3, "PodDisruptionBudget": 4}
+    return sorted(objects, key=lambda o: order.get(o["kind"], 5))

@@ -1,0 +1,227 @@
+"""Prefill and decode pools: a StatefulSet, a headless Service and a PDB per role.
+
+vLLM is launched as its MooncakeConnector expects (vLLM docs/features/mooncake_connector_usage.md
+and mooncake_connector.py): `--kv-transfer-config` with kv_producer on prefill and
+kv_consumer on decode, the bootstrap server on prefill (VLLM_MOONCAKE_BOOTSTRAP_PORT),
+VLLM_HOST_IP set to the pod IP (the connector advertises it to its peers), and the same
+PYTHONHASHSEED on both roles.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import EnvVar, PDClusterSpec, RDMAMode, Resources, RoleSpec
+from pdcluster.render import mooncake
+from pdcluster.render.names import Owner, env_field, labels, metadata, scrape_annotations, selector
+
+KV_ROLE = {C.ROLE_PREFILL: "kv_producer", C.ROLE_DECODE: "kv_consumer"}
+SHM_VOLUME = "dshm"
+# Long enough for routers to see the pod leave its EndpointSlice before SIGTERM, so no
+# new request lands on an engine that is shutting down.
+PRESTOP_SLEEP_SECONDS = 5
+
+
+def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any]:
+    extra: dict[str, Any] = {"mooncake_protocol": spec.kv_protocol.value}
+    devices = spec.kv_transfer.devices or ",".join(spec.rdma.hcas)
+    if devices:
+        extra["device_name"] = devices
+    return {"kv_connector": "MooncakeConnector", "kv_role": KV_ROLE[role], "kv_connector_extra_config": extra}
+
+
+def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
+    r = spec.role(role)
+    args = [spec.model.name, "--port", str(spec.engine.port), "--served-model-name", spec.served_model_name]
+    args += ["--tensor-parallel-size", str(r.tensor_parallel_size)]
+    if r.pipeline_parallel_size > 1:
+        args += ["--pipeline-parallel-size", str(r.pipeline_parallel_size)]
+    if r.data_parallel_size > 1:
+        args += ["--data-parallel-size", str(r.data_parallel_size)]
+    if spec.model.max_model_len:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role), separators=(",", ":"))]
+    return args + spec.engine.args + r.args
+
+
+def _env(items: list[EnvVar]) -> list[dict[str, Any]]:
+    return [e.wire() for e in items]
+
+
+def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, Any]]:
+    env = [
+        env_field("POD_IP", "status.podIP"),
+        env_field("POD_NAME", "metadata.name"),
+        env_field("POD_NAMESPACE", "metadata.namespace"),
+        # The connector advertises this address to its peers for the KV transfer.
+        {"name": "VLLM_HOST_IP", "value": "$(POD_IP)"},
+        # Block hashes must agree across instances that share KV.
+        {"name": "PYTHONHASHSEED", "value": str(spec.engine.python_hash_seed)},
+        {"name": "MOONCAKE_LOCAL_HOSTNAME", "value": "$(POD_IP)"},
+    ]
+    if role == C.ROLE_PREFILL:
+        env.append({"name": "VLLM_MOONCAKE_BOOTSTRAP_PORT", "value": str(spec.kv_transfer.bootstrap_port)})
+    if spec.engine.hf_token_secret:
+        ref = spec.engine.hf_token_secret
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    env += rdma_env(spec)
+    return env + _env(spec.engine.env) + _env(spec.role(role).env)
+
+
+def rdma_env(spec: PDClusterSpec) -> list[dict[str, Any]]:
+    """Point NCCL, UCX and Mooncake at the same HCAs and GID."""
+    if spec.rdma.mode == RDMAMode.none:
+        return []
+    env = []
+    if spec.rdma.hcas:
+        env.append({"name": "NCCL_IB_HCA", "value": ",".join(spec.rdma.hcas)})
+        env.append({"name": "UCX_NET_DEVICES", "value": ",".join(f"{h}:1" for h in spec.rdma.hcas)})
+    if spec.rdma.gid_index is not None:
+        env.append({"name": "NCCL_IB_GID_INDEX", "value": str(spec.rdma.gid_index)})
+        env.append({"name": "MC_GID_INDEX", "value": str(spec.rdma.gid_index)})
+    return env
+
+
+def resources(role: RoleSpec, spec: PDClusterSpec) -> dict[str, Any]:
+    base = role.resources or Resources()
+    requests = dict(base.requests or {})
+    limits = dict(base.limits or {})
+    extended = {}
+    if role.gpus:
+        extended[role.gpu_resource_name] = role.gpus
+    if spec.rdma.mode in (RDMAMode.shared_device_plugin, RDMAMode.sriov):
+        extended[spec.rdma.resource_name] = spec.rdma.resource_count
+    # Extended resources must have requests equal to limits.
+    requests.update(extended)
+    limits.update(extended)
+    out = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probe(path: str, port: str, probe: Any) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "initialDelaySeconds": probe.initial_delay_seconds,
+        "periodSeconds": probe.period_seconds,
+        "timeoutSeconds": probe.timeout_seconds,
+        "failureThreshold": probe.failure_threshold,
+    }
+
+
+def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
+    ports = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
+    if role == C.ROLE_PREFILL:
+        ports.append({"name": "bootstrap", "containerPort": spec.kv_transfer.bootstrap_port, "protocol": "TCP"})
+    security: dict[str, Any] = {"allowPrivilegeEscalation": False}
+    if spec.rdma.mode != RDMAMode.none:
+        # Registering GPU and host memory with the NIC pins it: RDMA needs IPC_LOCK.
+        security["capabilities"] = {"add": ["IPC_LOCK"]}
+    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    if spec.rdma.mode == RDMAMode.host_network:
+        mounts.append({"name": "infiniband", "mountPath": "/dev/infiniband"})
+    return {
+        "name": "engine",
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": list(spec.engine.command),
+        "args": engine_args(spec, role),
+        "env": engine_env(spec, owner, role),
+        "envFrom": [{"configMapRef": {"name": mooncake.config_map_name(owner)}}],
+        "ports": ports,
+        "resources": resources(spec.role(role), spec),
+        "startupProbe": _probe("/health", "http", spec.engine.startup_probe),
+        "readinessProbe": _probe("/health", "http", spec.engine.readiness_probe),
+        "livenessProbe": {**_probe("/health", "http", spec.engine.readiness_probe), "failureThreshold": 6},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "securityContext": security,
+        "volumeMounts": mounts,
+    }
+
+
+def pod_template(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
+    r = spec.role(role)
+    annotations = {**scrape_annotations(spec.engine.port), **(r.pod_annotations or {})}
+    if spec.rdma.mode == RDMAMode.sriov:
+        annotations["k8s.v1.cni.cncf.io/networks"] = ",".join(spec.rdma.networks)
+    pod: dict[str, Any] = {
+        "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
+        "enableServiceLinks": False,
+        "containers": [container(spec, owner, role)],
+        "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.shm_size}}],
+    }
+    if spec.rdma.mode == RDMAMode.host_network:
+        pod["hostNetwork"] = True
+        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
+        pod["volumes"].append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband", "type": "Directory"}})
+    if r.node_selector:
+        pod["nodeSelector"] = dict(r.node_selector)
+    if r.tolerations:
+        pod["tolerations"] = [t.wire() for t in r.tolerations]
+    if r.affinity:
+        pod["affinity"] = r.affinity
+    if r.topology_spread_constraints:
+        pod["topologySpreadConstraints"] = r.topology_spread_constraints
+    if r.priority_class_name:
+        pod["priorityClassName"] = r.priority_class_name
+    return {
+        "metadata": {"labels": {**labels(owner, role), **(r.pod_labels or {})}, "annotations": annotations},
+        "spec": pod,
+    }
+
+
+def statefulset(spec: PDClusterSpec, owner: Owner, role: str, replicas: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(owner, role),
+        "spec": {
+            "replicas": replicas,
+            "serviceName": owner.child(role),
+            # Engines are independent of each other: start and stop them in parallel.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector(owner, role)},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": pod_template(spec, owner, role),
+        },
+    }
+
+
+def headless_service(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
+    ports = [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}]
+    if role == C.ROLE_PREFILL:
+        ports.append({"name": "bootstrap", "port": spec.kv_transfer.bootstrap_port, "targetPort": "bootstrap"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, role),
+        "spec": {
+            # Headless: stable pod DNS, and routers read ready endpoints from its EndpointSlices.
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": selector(owner, role),
+            "ports": ports,
+        },
+    }
+
+
+def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(owner, role),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner, role)}},
+    }
+
+
+def build_role(spec: PDClusterSpec, owner: Owner, role: str, replicas: int) -> list[dict[str, Any]]:
+    return [
+        statefulset(spec, owner, role, replicas),
+        headless_service(spec, owner, role),
+        disruption_budget(owner, role),
+    ]

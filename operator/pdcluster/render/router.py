@@ -1,0 +1,131 @@
+"""The PD router: a Deployment, its Service, and read-only access to EndpointSlices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import PDClusterSpec
+from pdcluster.render.names import (
+    Owner,
+    env_field,
+    labels,
+    metadata,
+    restricted_container,
+    restricted_pod,
+    scrape_annotations,
+    selector,
+)
+
+API_KEY_DIR = "/etc/pdcluster/api-key"
+
+
+def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
+    r = spec.router
+    args = [
+        f"--port={r.port}",
+        "--kube",
+        "--namespace=$(POD_NAMESPACE)",
+        f"--cluster={owner.name}",
+        f"--model={spec.served_model_name}",
+        f"--policy={r.policy.value}",
+        f"--request-timeout={r.request_timeout_seconds}",
+    ]
+    if r.admission.enabled:
+        target = r.admission.ttft_target_ms or spec.autoscaling.slo.ttft_ms
+        args += [
+            f"--admission-ttft-ms={target}",
+            f"--admission-reject-factor={r.admission.reject_factor_percent / 100:g}",
+        ]
+    else:
+        args.append("--no-admission")
+    if r.api_key_secret:
+        args.append(f"--api-key-file={API_KEY_DIR}/{r.api_key_secret.key}")
+    return args
+
+
+def deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, Any]:
+    r = spec.router
+    role = C.ROLE_ROUTER
+    pod: dict[str, Any] = {
+        "serviceAccountName": owner.child(role),
+        "enableServiceLinks": False,
+        "securityContext": restricted_pod(),
+        # In-flight streams get this long to finish after SIGTERM (the router drains).
+        "terminationGracePeriodSeconds": 60,
+        "containers": [
+            {
+                "name": "router",
+                "image": r.image,
+                "imagePullPolicy": r.image_pull_policy,
+                "command": ["pdcluster-router"],
+                "args": router_args(spec, owner),
+                "env": [env_field("POD_NAMESPACE", "metadata.namespace")],
+                "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
+                "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
+                "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+                "resources": r.resources.wire() if r.resources else {},
+                "securityContext": restricted_container(),
+            }
+        ],
+    }
+    if r.api_key_secret:
+        pod["volumes"] = [{"name": "api-key", "secret": {"secretName": r.api_key_secret.name}}]
+        pod["containers"][0]["volumeMounts"] = [{"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(owner, role),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(owner, role)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels(owner, role), "annotations": scrape_annotations(r.port)},
+                "spec": pod,
+            },
+        },
+    }
+
+
+def service(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
+    role = C.ROLE_ROUTER
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, role),
+        "spec": {
+            "type": spec.router.service_type,
+            "selector": selector(owner, role),
+            "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def rbac(owner: Owner) -> list[dict[str, Any]]:
+    role = C.ROLE_ROUTER
+    name = owner.child(role)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(owner, role), "automountServiceAccountToken": True},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": metadata(owner, role),
+            # Membership only: the router reads which engine pods are ready, nothing else.
+            "rules": [
+                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": metadata(owner, role),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        },
+    ]
+
+
+def build_router(spec: PDClusterSpec, owner: Owner, *, suspended: bool) -> list[dict[str, Any]]:
+    replicas = 0 if suspended else spec.router.replicas
+    return [*rbac(owner), deployment(spec, owner, replicas), service(spec, owner)]

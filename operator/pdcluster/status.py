@@ -1,0 +1,152 @@
+"""Pure status: what was observed in, the PDCluster status out.
+
+Conditions follow Kubernetes conventions and are what GitOps tools read:
+- Ready:       every component serves (>= 1 ready pod each); False while suspended.
+- Progressing: a rollout or scale is under way (workloads not yet at their desired state).
+- Degraded:    something needs a person (an apply error, a missing Secret, a scale-up
+               that cannot schedule); the message says what to fix.
+- Autoscaling: present when autoscaling is on; False when the control law is holding
+               because it cannot trust its inputs (e.g. Prometheus is down).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import (
+    AutoscalingState,
+    ComponentStatus,
+    Condition,
+    PDClusterSpec,
+    PDClusterStatus,
+    RoleStatus,
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    reason: str  # CamelCase, e.g. SecretNotFound
+    message: str  # what to fix
+
+
+@dataclass
+class Observation:
+    """What one reconcile saw and did."""
+
+    workloads: dict[str, dict[str, Any] | None]  # role -> StatefulSet/Deployment as read back
+    desired: dict[str, int]  # role -> replicas rendered
+    problems: list[Problem] = field(default_factory=list)
+    autoscaling: tuple[bool, str, str] | None = None  # (ok, reason, message)
+    latency_p99_ms: tuple[int | None, int | None] = (None, None)  # router TTFT, ITL
+
+
+def timestamp(now: datetime) -> str:
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _workload_counts(obj: dict[str, Any] | None) -> tuple[int, int, int, bool]:
+    """(replicas, ready, updated, settled) from a StatefulSet or Deployment."""
+    if not obj:
+        return 0, 0, 0, False
+    st = obj.get("status") or {}
+    replicas = st.get("replicas", 0)
+    ready = st.get("readyReplicas", 0)
+    updated = st.get("updatedReplicas", 0)
+    seen = st.get("observedGeneration", 0) >= obj.get("metadata", {}).get("generation", 1)
+    if obj.get("kind") == "StatefulSet" and st.get("currentRevision") != st.get("updateRevision"):
+        seen = False
+    return replicas, ready, updated, seen
+
+
+def _role_status(obs: Observation, role: str, gpus_per_pod: int) -> tuple[RoleStatus, bool]:
+    replicas, ready, updated, seen = _workload_counts(obs.workloads.get(role))
+    desired = obs.desired.get(role, 0)
+    settled = seen and replicas == desired and ready == desired and updated >= desired
+    return RoleStatus(desired=desired, replicas=replicas, ready=ready, updated=updated, gpus=replicas * gpus_per_pod), settled
+
+
+def _condition(previous: list[Condition], type_: str, ok: bool, reason: str, message: str, now: str, generation: int | None) -> Condition:
+    status = "True" if ok else "False"
+    old = next((c for c in previous if c.type == type_), None)
+    since = old.last_transition_time if old is not None and old.status == status else now
+    return Condition(
+        type=type_, status=status, reason=reason, message=message, last_transition_time=since, observed_generation=generation
+    )
+
+
+def compute_status(
+    spec: PDClusterSpec,
+    generation: int | None,
+    obs: Observation,
+    previous: PDClusterStatus | None,
+    autoscaling: AutoscalingState | None,
+    now: datetime,
+) -> PDClusterStatus:
+    previous = previous or PDClusterStatus()
+    prefill, prefill_settled = _role_status(obs, C.ROLE_PREFILL, spec.prefill.gpus)
+    decode, decode_settled = _role_status(obs, C.ROLE_DECODE, spec.decode.gpus)
+    router, router_settled = _role_status(obs, C.ROLE_ROUTER, 0)
+    master, master_settled = _role_status(obs, C.ROLE_MOONCAKE_MASTER, 0)
+
+    components = {"prefill": prefill, "decode": decode, "router": router, "mooncake master": master}
+    missing = [name for name, s in components.items() if s.desired > 0 and s.ready == 0]
+    if spec.suspend:
+        ready, ready_reason, ready_msg = False, "Suspended", "spec.suspend is true: pools and router are scaled to zero"
+    elif missing:
+        ready, ready_reason, ready_msg = False, "ComponentsUnavailable", f"no ready pods yet: {', '.join(missing)}"
+    else:
+        ready, ready_reason, ready_msg = True, "AllComponentsReady", (
+            f"{prefill.ready} prefill, {decode.ready} decode, {router.ready} router pods ready"
+        )
+
+    moving = [
+        name
+        for name, settled in (
+            ("prefill", prefill_settled),
+            ("decode", decode_settled),
+            ("router", router_settled),
+            ("mooncake master", master_settled),
+        )
+        if not settled
+    ]
+    if spec.paused:
+        progressing, prog_reason, prog_msg = False, "Paused", "spec.paused is true: changes are not applied"
+    elif moving:
+        progressing, prog_reason, prog_msg = True, "Reconciling", f"waiting for {', '.join(moving)} to reach the desired state"
+    else:
+        progressing, prog_reason, prog_msg = False, "Stable", "all workloads match the desired state"
+
+    if obs.problems:
+        first = obs.problems[0]
+        degraded, deg_reason = True, first.reason
+        deg_msg = "; ".join(p.message for p in obs.problems)
+    else:
+        degraded, deg_reason, deg_msg = False, "AsExpected", "no problems found"
+
+    now_s = timestamp(now)
+    prev = previous.conditions
+    conditions = [
+        _condition(prev, "Ready", ready, ready_reason, ready_msg, now_s, generation),
+        _condition(prev, "Progressing", progressing, prog_reason, prog_msg, now_s, generation),
+        _condition(prev, "Degraded", degraded, deg_reason, deg_msg, now_s, generation),
+    ]
+    if obs.autoscaling is not None:
+        ok, reason, message = obs.autoscaling
+        conditions.append(_condition(prev, "Autoscaling", ok, reason, message, now_s, generation))
+
+    ttft, itl = obs.latency_p99_ms
+    return PDClusterStatus(
+        observed_generation=generation,
+        conditions=conditions,
+        prefill=prefill,
+        decode=decode,
+        ratio=f"{prefill.ready}:{decode.ready}",
+        router=ComponentStatus(replicas=router.replicas, ready=router.ready),
+        mooncake=ComponentStatus(replicas=master.replicas, ready=master.ready),
+        ttft_p99_ms=ttft if ttft is not None else previous.ttft_p99_ms,
+        itl_p99_ms=itl if itl is not None else previous.itl_p99_ms,
+        autoscaling=autoscaling,
+    )

@@ -1,0 +1,157 @@
+"""Rendering is pure: goldens for each example, plus the invariants every child keeps."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
+from pdcluster.render import Owner, Replicas, render_all
+from pdcluster.render.engine import engine_args
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("pdcluster-*.yaml"))
+GOLDEN = Path(__file__).parent / "golden"
+VLLM_FLAGS = {
+    line.strip()
+    for line in (ROOT / "tests/fixtures/vllm-serve-flags.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+}
+
+
+class _NoAliases(yaml.SafeDumper):
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
+def _load(path: Path) -> tuple[PDClusterSpec, Owner]:
+    doc = yaml.safe_load(path.read_text())
+    return PDClusterSpec.model_validate(doc["spec"]), Owner(doc["metadata"]["name"], "serving", "uid-1234")
+
+
+def _render(path: Path) -> list[dict]:
+    spec, owner = _load(path)
+    return render_all(spec, owner, Replicas.choose(spec, None))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_golden(example: Path) -> None:
+    text = yaml.dump_all(_render(example), Dumper=_NoAliases, sort_keys=False, width=120)
+    golden = GOLDEN / f"{example.stem}.yaml"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), f"rendering of {example.name} changed; rerun with UPDATE_GOLDEN=1 and review"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_children_invariants(example: Path) -> None:
+    objects = _render(example)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names))
+    for obj in objects:
+        meta = obj["metadata"]
+        assert len(meta["name"]) <= 63
+        assert meta["ownerReferences"][0]["kind"] == "PDCluster"
+        assert meta["ownerReferences"][0]["controller"] is True
+        assert meta["labels"][C.LABEL_CLUSTER] == objects[0]["metadata"]["labels"][C.LABEL_CLUSTER]
+        assert meta["labels"][C.LABEL_ROLE]
+        template = obj.get("spec", {}).get("template")
+        if template:
+            selector = obj["spec"]["selector"]["matchLabels"]
+            assert selector.items() <= template["metadata"]["labels"].items()
+
+
+def test_longest_name_fits() -> None:
+    spec, _ = _load(EXAMPLES[0])
+    owner = Owner("x" * C.MAX_CLUSTER_NAME_LEN, "ns", "uid")
+    for obj in render_all(spec, owner, Replicas(1, 1)):
+        assert len(obj["metadata"]["name"]) <= 63
+        if obj["kind"] == "StatefulSet":  # pods add "-<ordinal>", revisions "-<10-char hash>"
+            assert len(obj["metadata"]["name"]) + 11 <= 63
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_engine_args_are_vllm_flags(example: Path) -> None:
+    spec, _ = _load(example)
+    if spec.engine.command[0] != "vllm":
+        pytest.skip("engine simulator example")
+    for role in C.ENGINE_ROLES:
+        for arg in engine_args(spec, role):
+            if arg.startswith("--"):
+                assert arg.split("=", 1)[0] in VLLM_FLAGS, f"{arg} is not a vllm serve flag"
+
+
+def test_kv_transfer_config_matches_connector() -> None:
+    spec, _ = _load(ROOT / "examples/pdcluster-rdma.yaml")
+    for role, kv_role in ((C.ROLE_PREFILL, "kv_producer"), (C.ROLE_DECODE, "kv_consumer")):
+        args = engine_args(spec, role)
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert config == {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {"mooncake_protocol": "rdma", "device_name": "mlx5_0,mlx5_1,mlx5_2,mlx5_3"},
+        }
+
+
+def _engine_pod(objects: list[dict], role: str) -> dict:
+    sts = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["labels"][C.LABEL_ROLE] == role)
+    return sts["spec"]["template"]["spec"]
+
+
+def _env(container: dict) -> dict[str, object]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_engine_pod_wiring() -> None:
+    objects = _render(ROOT / "examples/pdcluster-rdma.yaml")
+    prefill, decode = _engine_pod(objects, C.ROLE_PREFILL), _engine_pod(objects, C.ROLE_DECODE)
+    p_env, d_env = _env(prefill["containers"][0]), _env(decode["containers"][0])
+    assert p_env["VLLM_HOST_IP"] == "$(POD_IP)"
+    assert p_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8998"
+    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in d_env
+    assert p_env["PYTHONHASHSEED"] == d_env["PYTHONHASHSEED"]
+    assert p_env["NCCL_IB_HCA"] == "mlx5_0,mlx5_1,mlx5_2,mlx5_3"
+    assert p_env["NCCL_IB_GID_INDEX"] == p_env["MC_GID_INDEX"] == "3"
+    limits = prefill["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 4 and limits["rdma/rdma_shared_device_a"] == 1
+    assert _engine_pod(objects, C.ROLE_DECODE)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert prefill["containers"][0]["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert prefill["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+
+
+def test_tcp_engines_get_no_capabilities() -> None:
+    objects = _render(ROOT / "examples/pdcluster-tcp.yaml")
+    container = _engine_pod(objects, C.ROLE_PREFILL)["containers"][0]
+    assert "capabilities" not in container["securityContext"]
+    assert "rdma/rdma_shared_device_a" not in container["resources"]["limits"]
+
+
+def test_rdma_modes() -> None:
+    sriov = _render(ROOT / "examples/pdcluster-sriov.yaml")
+    pod = next(o for o in sriov if o["kind"] == "StatefulSet")["spec"]["template"]
+    assert pod["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "roce-net"
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/sriov_rdma_vf"] == 1
+    hostnet = _render(ROOT / "examples/pdcluster-hostnetwork.yaml")
+    pod = next(o for o in hostnet if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert {"name": "infiniband", "mountPath": "/dev/infiniband"} in pod["containers"][0]["volumeMounts"]
+
+
+def test_replicas_come_from_one_place() -> None:
+    spec, owner = _load(ROOT / "examples/pdcluster-autoscaling.yaml")
+    state = AutoscalingState(prefill=5, decode=1)
+    assert Replicas.choose(spec, state) == Replicas(2, 2)  # recommend mode: spec wins
+    auto = spec.model_copy(update={"autoscaling": spec.autoscaling.model_copy(update={"mode": "auto"})})
+    assert Replicas.choose(auto, state) == Replicas(5, 1)
+    assert Replicas.choose(auto, AutoscalingState(prefill=50, decode=0)) == Replicas(8, 1)  # clamped to min/max
+    assert Replicas.choose(auto, None) == Replicas(2, 2)
+    suspended = auto.model_copy(update={"suspend": True})
+    assert Replicas.choose(suspended, state) == Replicas(0, 0)
+    objects = render_all(suspended, owner, Replicas.choose(suspended, state))
+    workloads = {o["metadata"]["name"]: o["spec"]["replicas"] for o in objects if o["kind"] in ("StatefulSet", "Deployment")}
+    assert set(workloads.values()) == {0}
