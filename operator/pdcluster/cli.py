@@ -1,10 +1,10 @@
 """`pdctl`: the PDCluster toolbox.
 
-    pdctl crd                     print the CustomResourceDefinition
-    pdctl docs                    print the API reference (Markdown)
-    pdctl render -f cluster.yaml  print the children a PDCluster becomes
-    pdctl validate -f cluster.yaml
-    pdctl plan --trace FILE ...   compare autoscaling policies on a real trace
+pdctl crd                     print the CustomResourceDefinition
+pdctl docs                    print the API reference (Markdown)
+pdctl render -f cluster.yaml  print the children a PDCluster becomes
+pdctl validate -f cluster.yaml
+pdctl plan --trace FILE ...   compare autoscaling policies on a real trace
 """
 
 from __future__ import annotations
@@ -88,15 +88,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("crd", help="print the CRD").set_defaults(func=cmd_crd)
     sub.add_parser("docs", help="print the API reference").set_defaults(func=cmd_docs)
-    for name, func, text in (("render", cmd_render, "print the children"), ("validate", cmd_validate, "check a spec")):
+    for name, func, text in (
+        ("render", cmd_render, "print the children"),
+        ("validate", cmd_validate, "check a spec"),
+    ):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("-f", "--filename", required=True, help="PDCluster YAML, or - for stdin")
         if name == "render":
-            sp.add_argument("-n", "--namespace", help="namespace to render into (default: the object's, else default)")
+            sp.add_argument(
+                "-n", "--namespace", help="namespace to render into (default: the object's, else default)"
+            )
         sp.set_defaults(func=func)
     plan_parser = sub.add_parser("plan", help="compare autoscaling policies on a trace (fleet simulator)")
     try:

@@ -14,6 +14,8 @@ import copy
 import logging
 from typing import Any
 
+from pdcluster import constants as C
+from pdcluster import metrics
 from pdcluster.io.lease import LeaderElector
 from pdcluster.reconcile import Context, reconcile
 
@@ -47,6 +49,7 @@ class Worker:
             except asyncio.CancelledError:
                 raise
             except Exception:  # keep the worker alive; the next attempt may succeed
+                metrics.RECONCILES.labels("error").inc()
                 log.exception("reconcile %s/%s failed; retrying in %.0fs", *self.key, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
@@ -84,6 +87,9 @@ class Controller:
         worker = self.workers.pop((namespace, name), None)
         if worker is not None:
             worker.task.cancel()
+        for role in C.ENGINE_ROLES:
+            with contextlib.suppress(KeyError):
+                metrics.DESIRED_REPLICAS.remove(namespace, name, role)
 
     def wake(self, namespace: str, name: str) -> None:
         worker = self.workers.get((namespace, name))

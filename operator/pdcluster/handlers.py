@@ -63,7 +63,12 @@ def register(registry: kopf.OperatorRegistry, controller: Controller, config: Ku
     for group, version, plural in CHILD_RESOURCES:
 
         @kopf.on.event(
-            group, version, plural, labels={C.LABEL_MANAGED_BY: C.MANAGED_BY}, registry=registry, id=f"child-{plural}"
+            group,
+            version,
+            plural,
+            labels={C.LABEL_MANAGED_BY: C.MANAGED_BY},
+            registry=registry,
+            id=f"child-{plural}",
         )
         def child_event(body: kopf.Body, **_: Any) -> None:
             meta = body["metadata"]

@@ -24,12 +24,24 @@ log = logging.getLogger("pdcluster")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdcluster-operator", description=__doc__)
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig path (default: $KUBECONFIG, in-cluster, ~/.kube/config)")
+    p.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="kubeconfig path (default: $KUBECONFIG, in-cluster, ~/.kube/config)",
+    )
     scope = p.add_mutually_exclusive_group()
-    scope.add_argument("-n", "--namespace", action="append", default=[], help="watch only this namespace (repeatable)")
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch only this namespace (repeatable)"
+    )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
-    p.add_argument("--prometheus-url", default=os.environ.get("PDCLUSTER_PROMETHEUS_URL"), help="Prometheus for autoscaling")
-    p.add_argument("--resync-seconds", type=float, default=30.0, help="reconcile every cluster at least this often")
+    p.add_argument(
+        "--prometheus-url",
+        default=os.environ.get("PDCLUSTER_PROMETHEUS_URL"),
+        help="Prometheus for autoscaling",
+    )
+    p.add_argument(
+        "--resync-seconds", type=float, default=30.0, help="reconcile every cluster at least this often"
+    )
     p.add_argument("--metrics-port", type=int, default=8080, help="operator /metrics; 0 disables")
     p.add_argument("--health-port", type=int, default=8081, help="liveness endpoint /healthz; 0 disables")
     p.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=True)
@@ -83,7 +95,9 @@ def _autoscaler(args: argparse.Namespace):  # noqa: ANN202 - wired when autoscal
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)
     with contextlib.suppress(ImportError):

@@ -150,7 +150,9 @@ def _distserve(root: Path, engine: str, model: str, tp: int) -> Profile:
     weights = {"facebook/opt-13b": 26e9, "facebook/opt-66b": 132e9}[model]
     capacity = int((80e9 * tp * 0.9 - weights) / kv_bytes)
     short = model.split("/")[-1]
-    return Profile(f"distserve-{engine}-{short}-tp{tp}", (a, b, c), (d0, d1, d2), max(capacity, 1), kv_bytes, tp)
+    return Profile(
+        f"distserve-{engine}-{short}-tp{tp}", (a, b, c), (d0, d1, d2), max(capacity, 1), kv_bytes, tp
+    )
 
 
 def profile_names() -> list[str]:

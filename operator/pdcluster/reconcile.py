@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from pdcluster import constants as C
+from pdcluster import metrics
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec, PDClusterStatus
 from pdcluster.drift import in_sync, merge_patch
 from pdcluster.io.events import EventRecorder
@@ -52,7 +53,6 @@ class Context:
     events: EventRecorder
     autoscaler: Autoscaler | None = None
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
-    on_reconciled: Callable[[str, float], Awaitable[None] | None] | None = None
 
 
 def _key(obj: dict[str, Any]) -> tuple[str, str]:
@@ -85,7 +85,11 @@ async def preflight(kube: Kube, spec: PDClusterSpec, namespace: str) -> tuple[li
     for name, key, roles in _secret_users(spec):
         secret = await kube.get("v1", "Secret", name, namespace)
         if secret is None:
-            problems.append(Problem("SecretNotFound", f"Secret {namespace}/{name} does not exist; create it with key {key!r}"))
+            problems.append(
+                Problem(
+                    "SecretNotFound", f"Secret {namespace}/{name} does not exist; create it with key {key!r}"
+                )
+            )
         elif key not in (secret.get("data") or {}) and key not in (secret.get("stringData") or {}):
             problems.append(Problem("SecretKeyNotFound", f"Secret {namespace}/{name} has no key {key!r}"))
         else:
@@ -94,7 +98,9 @@ async def preflight(kube: Kube, spec: PDClusterSpec, namespace: str) -> tuple[li
     return problems, blocked
 
 
-def _invalid_spec_status(previous: PDClusterStatus, generation: int | None, error: ValidationError, now: datetime) -> PDClusterStatus:
+def _invalid_spec_status(
+    previous: PDClusterStatus, generation: int | None, error: ValidationError, now: datetime
+) -> PDClusterStatus:
     details = "; ".join(f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()[:5])
     spec = PDClusterSpec.model_construct()  # only for the shape of compute_status's inputs
     obs = Observation(workloads={}, desired={}, problems=[Problem("InvalidSpec", details)])
@@ -126,12 +132,16 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     if spec.autoscaling.enabled and ctx.autoscaler is not None:
         result = await ctx.autoscaler.step(spec, owner, previous, now)
     replicas = Replicas.choose(spec, result.state)
+    for role in C.ENGINE_ROLES:
+        metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name, role).set(replicas.of(role))
     desired = render_all(spec, owner, replicas)
 
     problems, blocked = await preflight(ctx.kube, spec, owner.namespace)
     live: dict[tuple[str, str], dict[str, Any] | None] = {}
     for obj in desired:
-        live[_key(obj)] = await ctx.kube.get(obj["apiVersion"], obj["kind"], obj["metadata"]["name"], owner.namespace)
+        live[_key(obj)] = await ctx.kube.get(
+            obj["apiVersion"], obj["kind"], obj["metadata"]["name"], owner.namespace
+        )
 
     if not spec.paused:
         for obj in desired:
@@ -142,15 +152,15 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
             try:
                 live[key] = await ctx.kube.apply(obj, field_manager=C.FIELD_MANAGER)
             except ApiError as e:
-                problems.append(Problem("ApplyFailed", f"{obj['kind']} {obj['metadata']['name']}: {e.message}"))
+                problems.append(
+                    Problem("ApplyFailed", f"{obj['kind']} {obj['metadata']['name']}: {e.message}")
+                )
                 continue
             verb = "Created" if created else "Updated"
             log.info("%s %s/%s %s", verb, owner.namespace, obj["metadata"]["name"], obj["kind"])
             await ctx.events.normal(body, verb, f"{verb} {obj['kind']} {obj['metadata']['name']}")
 
-    workloads = {
-        _workload_role(obj): live[_key(obj)] for obj in desired if _workload_role(obj) is not None
-    }
+    workloads = {_workload_role(obj): live[_key(obj)] for obj in desired if _workload_role(obj) is not None}
     desired_counts = {
         C.ROLE_PREFILL: replicas.prefill,
         C.ROLE_DECODE: replicas.decode,
@@ -170,10 +180,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
     await _write_status(ctx, body, previous, status)
-    if ctx.on_reconciled is not None:
-        maybe = ctx.on_reconciled("error" if problems else "ok", time.monotonic() - started)
-        if maybe is not None:
-            await maybe
+    metrics.observe_reconcile("degraded" if problems else "ok", time.monotonic() - started)
     return status
 
 
@@ -181,7 +188,9 @@ def _had_condition(status: PDClusterStatus, type_: str, reason: str) -> bool:
     return any(c.type == type_ and c.status == "True" and c.reason == reason for c in status.conditions)
 
 
-async def _write_status(ctx: Context, body: dict[str, Any], previous: PDClusterStatus, status: PDClusterStatus) -> None:
+async def _write_status(
+    ctx: Context, body: dict[str, Any], previous: PDClusterStatus, status: PDClusterStatus
+) -> None:
     old, new = body.get("status") or {}, status.wire()
     if old == new:
         return  # at rest: no writes

@@ -65,15 +65,30 @@ def _role_status(obs: Observation, role: str, gpus_per_pod: int) -> tuple[RoleSt
     replicas, ready, updated, seen = _workload_counts(obs.workloads.get(role))
     desired = obs.desired.get(role, 0)
     settled = seen and replicas == desired and ready == desired and updated >= desired
-    return RoleStatus(desired=desired, replicas=replicas, ready=ready, updated=updated, gpus=replicas * gpus_per_pod), settled
+    return RoleStatus(
+        desired=desired, replicas=replicas, ready=ready, updated=updated, gpus=replicas * gpus_per_pod
+    ), settled
 
 
-def _condition(previous: list[Condition], type_: str, ok: bool, reason: str, message: str, now: str, generation: int | None) -> Condition:
+def _condition(
+    previous: list[Condition],
+    type_: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    now: str,
+    generation: int | None,
+) -> Condition:
     status = "True" if ok else "False"
     old = next((c for c in previous if c.type == type_), None)
     since = old.last_transition_time if old is not None and old.status == status else now
     return Condition(
-        type=type_, status=status, reason=reason, message=message, last_transition_time=since, observed_generation=generation
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=generation,
     )
 
 
@@ -94,12 +109,22 @@ def compute_status(
     components = {"prefill": prefill, "decode": decode, "router": router, "mooncake master": master}
     missing = [name for name, s in components.items() if s.desired > 0 and s.ready == 0]
     if spec.suspend:
-        ready, ready_reason, ready_msg = False, "Suspended", "spec.suspend is true: pools and router are scaled to zero"
+        ready, ready_reason, ready_msg = (
+            False,
+            "Suspended",
+            "spec.suspend is true: pools and router are scaled to zero",
+        )
     elif missing:
-        ready, ready_reason, ready_msg = False, "ComponentsUnavailable", f"no ready pods yet: {', '.join(missing)}"
+        ready, ready_reason, ready_msg = (
+            False,
+            "ComponentsUnavailable",
+            f"no ready pods yet: {', '.join(missing)}",
+        )
     else:
-        ready, ready_reason, ready_msg = True, "AllComponentsReady", (
-            f"{prefill.ready} prefill, {decode.ready} decode, {router.ready} router pods ready"
+        ready, ready_reason, ready_msg = (
+            True,
+            "AllComponentsReady",
+            (f"{prefill.ready} prefill, {decode.ready} decode, {router.ready} router pods ready"),
         )
 
     moving = [
@@ -115,7 +140,11 @@ def compute_status(
     if spec.paused:
         progressing, prog_reason, prog_msg = False, "Paused", "spec.paused is true: changes are not applied"
     elif moving:
-        progressing, prog_reason, prog_msg = True, "Reconciling", f"waiting for {', '.join(moving)} to reach the desired state"
+        progressing, prog_reason, prog_msg = (
+            True,
+            "Reconciling",
+            f"waiting for {', '.join(moving)} to reach the desired state",
+        )
     else:
         progressing, prog_reason, prog_msg = False, "Stable", "all workloads match the desired state"
 

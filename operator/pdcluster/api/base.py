@@ -34,9 +34,7 @@ def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str
     return entry
 
 
-_QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
+_QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 
 # A Kubernetes resource.Quantity: an integer or a string like "16Gi" / "500m".
 Quantity = Annotated[

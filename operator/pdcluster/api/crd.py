@@ -12,11 +12,31 @@ from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus
 
 PRINTER_COLUMNS = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
-    {"name": "Prefill", "type": "integer", "jsonPath": ".status.prefill.ready", "description": "Ready prefill pods"},
-    {"name": "Decode", "type": "integer", "jsonPath": ".status.decode.ready", "description": "Ready decode pods"},
+    {
+        "name": "Prefill",
+        "type": "integer",
+        "jsonPath": ".status.prefill.ready",
+        "description": "Ready prefill pods",
+    },
+    {
+        "name": "Decode",
+        "type": "integer",
+        "jsonPath": ".status.decode.ready",
+        "description": "Ready decode pods",
+    },
     {"name": "Ratio", "type": "string", "jsonPath": ".status.ratio", "description": "Ready prefill:decode"},
-    {"name": "TTFT-p99", "type": "integer", "jsonPath": ".status.ttftP99Ms", "description": "Router TTFT p99 (ms)"},
-    {"name": "ITL-p99", "type": "integer", "jsonPath": ".status.itlP99Ms", "description": "Router ITL p99 (ms)"},
+    {
+        "name": "TTFT-p99",
+        "type": "integer",
+        "jsonPath": ".status.ttftP99Ms",
+        "description": "Router TTFT p99 (ms)",
+    },
+    {
+        "name": "ITL-p99",
+        "type": "integer",
+        "jsonPath": ".status.itlP99Ms",
+        "description": "Router ITL p99 (ms)",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

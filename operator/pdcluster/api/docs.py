@@ -76,7 +76,14 @@ def _models(root: type[BaseModel]) -> list[type[BaseModel]]:
 
 def _section(model: type[BaseModel]) -> str:
     doc = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ else ""
-    lines = [f"### {model.__name__}", "", doc, "", "| Field | Type | Default | Description |", "|---|---|---|---|"]
+    lines = [
+        f"### {model.__name__}",
+        "",
+        doc,
+        "",
+        "| Field | Type | Default | Description |",
+        "|---|---|---|---|",
+    ]
     for name, info in model.model_fields.items():
         alias = info.alias or name
         desc = (info.description or "").replace("|", "\\|")

@@ -110,7 +110,9 @@ def _assert_structural(node: Any, path: str = "") -> None:
     if node.get("type") == "null":
         raise ValueError(f"type: null at {path or '/'}")
     if node.get("type") == "number":
-        raise ValueError(f"floating-point field at {path or '/'}: use integers (percent, millis) or quantities")
+        raise ValueError(
+            f"floating-point field at {path or '/'}: use integers (percent, millis) or quantities"
+        )
     if node.get("uniqueItems"):
         raise ValueError(f"uniqueItems at {path or '/'}: use x-kubernetes-list-type: set")
     for key, value in node.items():

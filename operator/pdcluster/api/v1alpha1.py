@@ -29,7 +29,9 @@ class EnvVar(Model):
 
     name: str = Field(min_length=1, description="Variable name.")
     value: str | None = Field(None, description="Literal value.")
-    value_from: FreeForm | None = Field(None, description="Source for the value (secretKeyRef, fieldRef, ...).")
+    value_from: FreeForm | None = Field(
+        None, description="Source for the value (secretKeyRef, fieldRef, ...)."
+    )
 
 
 class Toleration(Model):
@@ -38,7 +40,9 @@ class Toleration(Model):
     key: str | None = None
     operator: str | None = Field(None, json_schema_extra={"enum": ["Exists", "Equal"]})
     value: str | None = None
-    effect: str | None = Field(None, json_schema_extra={"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]})
+    effect: str | None = Field(
+        None, json_schema_extra={"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]}
+    )
     toleration_seconds: int | None = None
 
 
@@ -80,7 +84,9 @@ class ReadinessProbe(Probe):
 class ModelSpec(Model):
     """The model every engine serves."""
 
-    name: str = Field(min_length=1, description="Model name or path passed to `vllm serve` (e.g. a Hugging Face id).")
+    name: str = Field(
+        min_length=1, description="Model name or path passed to `vllm serve` (e.g. a Hugging Face id)."
+    )
     served_model_name: str | None = Field(
         None, description="Name clients use in requests; defaults to `name`."
     )
@@ -90,8 +96,12 @@ class ModelSpec(Model):
 class EngineSpec(Model):
     """How engine pods (both roles) are launched."""
 
-    image: str = Field("vllm/vllm-openai:v0.32.0", min_length=1, description="Engine image (vLLM with Mooncake).")
-    image_pull_policy: str = Field("IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]})
+    image: str = Field(
+        "vllm/vllm-openai:v0.32.0", min_length=1, description="Engine image (vLLM with Mooncake)."
+    )
+    image_pull_policy: str = Field(
+        "IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]}
+    )
     command: list[str] = Field(
         default_factory=lambda: ["vllm", "serve"],
         min_length=1,
@@ -100,7 +110,9 @@ class EngineSpec(Model):
     port: Port = Field(C.ENGINE_PORT, description="OpenAI-compatible HTTP port.")
     args: list[str] = Field(default_factory=list, description="Extra engine arguments for both roles.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for both roles.")
-    hf_token_secret: SecretKeyRef | None = Field(None, description="Secret holding a Hugging Face token (HF_TOKEN).")
+    hf_token_secret: SecretKeyRef | None = Field(
+        None, description="Secret holding a Hugging Face token (HF_TOKEN)."
+    )
     shm_size: Quantity = Field("16Gi", description="Size of the in-memory /dev/shm volume.")
     python_hash_seed: int = Field(
         0, ge=0, description="PYTHONHASHSEED, identical on both roles so block hashes agree."
@@ -131,7 +143,9 @@ class KVTransferSpec(Model):
     devices: str | None = Field(
         None, description="Mooncake `device_name`, e.g. `mlx5_0,mlx5_1`; defaults to `rdma.hcas`."
     )
-    bootstrap_port: Port = Field(C.BOOTSTRAP_PORT, description="VLLM_MOONCAKE_BOOTSTRAP_PORT on prefill pods.")
+    bootstrap_port: Port = Field(
+        C.BOOTSTRAP_PORT, description="VLLM_MOONCAKE_BOOTSTRAP_PORT on prefill pods."
+    )
 
 
 class RDMAMode(StrEnum):
@@ -144,7 +158,9 @@ class RDMAMode(StrEnum):
 class RDMASpec(Model):
     """How engine pods reach the RDMA fabric."""
 
-    mode: RDMAMode = Field(RDMAMode.none, description="`sharedDevicePlugin`, `sriov` (Multus), `hostNetwork` or `none`.")
+    mode: RDMAMode = Field(
+        RDMAMode.none, description="`sharedDevicePlugin`, `sriov` (Multus), `hostNetwork` or `none`."
+    )
     resource_name: str = Field(
         "rdma/rdma_shared_device_a", description="Extended resource requested per engine pod."
     )
@@ -152,7 +168,9 @@ class RDMASpec(Model):
     networks: list[str] = Field(
         default_factory=list, description="Multus NetworkAttachmentDefinitions for `sriov` mode."
     )
-    gid_index: int | None = Field(None, ge=0, description="RoCE GID index (NCCL_IB_GID_INDEX, MC_GID_INDEX); 3 is typical for RoCEv2.")
+    gid_index: int | None = Field(
+        None, ge=0, description="RoCE GID index (NCCL_IB_GID_INDEX, MC_GID_INDEX); 3 is typical for RoCEv2."
+    )
     hcas: list[str] = Field(default_factory=list, description="HCA names, e.g. `[mlx5_0, mlx5_1]`.")
 
 
@@ -172,7 +190,9 @@ class RoleSpec(Model):
 
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _ROLE_RULES}}
 
-    replicas: int = Field(1, ge=0, description="Pods when autoscaling is off; the starting point when it is on.")
+    replicas: int = Field(
+        1, ge=0, description="Pods when autoscaling is off; the starting point when it is on."
+    )
     min_replicas: int = Field(1, ge=0, description="Lower bound for the autoscaler.")
     max_replicas: int = Field(8, ge=1, description="Upper bound for the autoscaler.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="`--tensor-parallel-size`.")
@@ -217,7 +237,9 @@ class MooncakeSpec(Model):
     http_metadata_server: bool = Field(False, description="Run the master's HTTP metadata server.")
     http_metadata_port: Port = Field(8080)
     lease_ttl_ms: int = Field(10000, ge=1, description="`--default_kv_lease_ttl` in milliseconds.")
-    eviction_high_watermark_percent: int = Field(90, ge=1, le=100, description="`--eviction_high_watermark_ratio` x 100.")
+    eviction_high_watermark_percent: int = Field(
+        90, ge=1, le=100, description="`--eviction_high_watermark_ratio` x 100."
+    )
     eviction_percent: int = Field(5, ge=1, le=100, description="`--eviction_ratio` x 100.")
     resources: Resources | None = None
     store: MooncakeStoreSpec = section(MooncakeStoreSpec)
@@ -245,13 +267,19 @@ class RouterSpec(Model):
 
     replicas: int = Field(1, ge=0)
     image: str = Field(C.DEFAULT_ROUTER_IMAGE, min_length=1)
-    image_pull_policy: str = Field("IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]})
+    image_pull_policy: str = Field(
+        "IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]}
+    )
     port: Port = Field(C.ROUTER_PORT, description="OpenAI-compatible HTTP port; also serves /metrics.")
     policy: RouterPolicy = Field(RouterPolicy.prefix_aware)
     admission: AdmissionSpec = section(AdmissionSpec)
     request_timeout_seconds: int = Field(600, ge=1)
-    api_key_secret: SecretKeyRef | None = Field(None, description="When set, clients must send this key as a Bearer token.")
-    service_type: str = Field("ClusterIP", json_schema_extra={"enum": ["ClusterIP", "NodePort", "LoadBalancer"]})
+    api_key_secret: SecretKeyRef | None = Field(
+        None, description="When set, clients must send this key as a Bearer token."
+    )
+    service_type: str = Field(
+        "ClusterIP", json_schema_extra={"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}
+    )
     resources: Resources | None = None
 
 
@@ -286,10 +314,14 @@ _AUTOSCALING_RULES = [
 class AutoscalingSpec(Model):
     """Rebalancing prefill:decode from Prometheus TTFT/ITL within a GPU budget."""
 
-    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _AUTOSCALING_RULES}}
+    model_config = Model.model_config | {
+        "json_schema_extra": {"x-kubernetes-validations": _AUTOSCALING_RULES}
+    }
 
     enabled: bool = Field(False)
-    mode: AutoscalingMode = Field(AutoscalingMode.auto, description="`auto` applies decisions; `recommend` only records them.")
+    mode: AutoscalingMode = Field(
+        AutoscalingMode.auto, description="`auto` applies decisions; `recommend` only records them."
+    )
     slo: SLOSpec = section(SLOSpec)
     gpu_budget: int | None = Field(
         None, ge=1, description="Most GPUs prefill plus decode may hold; unbounded when unset."
@@ -297,14 +329,28 @@ class AutoscalingSpec(Model):
     interval_seconds: int = Field(30, ge=5, le=3600, description="How often the control law runs.")
     window_seconds: int = Field(120, ge=15, le=3600, description="PromQL rate window.")
     scale_up_stabilization_seconds: int = Field(0, ge=0, description="A scale-up must be wanted this long.")
-    scale_down_stabilization_seconds: int = Field(300, ge=0, description="A scale-down must be wanted this long.")
+    scale_down_stabilization_seconds: int = Field(
+        300, ge=0, description="A scale-down must be wanted this long."
+    )
     cooldown_seconds: int = Field(60, ge=0, description="No new change this soon after the last one.")
     max_step: int = Field(2, ge=1, description="Most replicas one role moves per decision.")
     tolerance_percent: int = Field(10, ge=0, le=100, description="Hysteresis band around the SLO targets.")
     scale_up_timeout_seconds: int = Field(
         600, ge=30, description="Give up on a scale-up whose pods never become ready (e.g. no free GPUs)."
     )
-    prometheus_url: str | None = Field(None, description="Prometheus base URL; defaults to the operator's setting.")
+    prometheus_url: str | None = Field(
+        None, description="Prometheus base URL; defaults to the operator's setting."
+    )
+    profile: str = Field(
+        "h200-llama3.1-8b",
+        min_length=1,
+        description="Latency profile of one engine that the capacity model uses (`pdctl plan --help` lists them).",
+    )
+    ttft_includes_prefill: bool = Field(
+        True,
+        description="When false, `slo.ttftMs` bounds TTFT minus the prompt's own prefill time (queueing, KV "
+        "transfer, first decode step): for long prompts whose prefill alone exceeds any fixed target.",
+    )
 
 
 def _cluster_rules() -> list[dict[str, str]]:
@@ -423,13 +469,26 @@ class Decision(Model):
 class AutoscalingState(Model):
     """Control-law memory, kept in status so a restarted operator continues where it stopped."""
 
-    prefill: int | None = Field(None, description="Replicas the autoscaler wants for prefill (used in `auto` mode).")
-    decode: int | None = Field(None, description="Replicas the autoscaler wants for decode (used in `auto` mode).")
+    prefill: int | None = Field(
+        None, description="Replicas the autoscaler wants for prefill (used in `auto` mode)."
+    )
+    decode: int | None = Field(
+        None, description="Replicas the autoscaler wants for decode (used in `auto` mode)."
+    )
     last_run_time: str | None = None
     last_change_time: str | None = None
-    pending_since: str | None = Field(None, description="Since when a scale-up has been waiting for ready pods.")
-    up_wanted_since: StringMap | None = Field(None, description="Per role, since when a scale-up has been wanted.")
-    down_wanted_since: StringMap | None = Field(None, description="Per role, since when a scale-down has been wanted.")
+    pending_since: StringMap | None = Field(
+        None, description="Per role, since when a scale-up has been waiting for ready pods."
+    )
+    blocked_until: StringMap | None = Field(
+        None, description="Per role, no scale-up before this time (set when a scale-up timed out)."
+    )
+    up_wanted_since: StringMap | None = Field(
+        None, description="Per role, since when a scale-up has been wanted."
+    )
+    down_wanted_since: StringMap | None = Field(
+        None, description="Per role, since when a scale-down has been wanted."
+    )
     last_decision: Decision | None = None
     decisions: int = Field(0, description="Decisions that changed replicas so far.")
 

@@ -96,7 +96,11 @@ class KubeConfig:
         """`path`, else $KUBECONFIG, else the in-cluster service account, else ~/.kube/config."""
         if path is None:
             path = os.environ.get("KUBECONFIG") or None
-        if path is None and (SERVICE_ACCOUNT_DIR / "token").exists() and "KUBERNETES_SERVICE_HOST" in os.environ:
+        if (
+            path is None
+            and (SERVICE_ACCOUNT_DIR / "token").exists()
+            and "KUBERNETES_SERVICE_HOST" in os.environ
+        ):
             return cls.in_cluster()
         return cls.from_file(path or Path.home() / ".kube" / "config", context)
 
@@ -211,6 +215,9 @@ class Kube:
             method, path, data=data, params=params, headers=self._headers(content_type if data else None)
         ) as resp:
             text = await resp.text()
+            if resp.status >= 400 and not text.lstrip().startswith("{"):
+                # e.g. "404 page not found" for a group/version that is not served (yet)
+                raise ApiError(resp.status, resp.reason or "", text[:500])
             payload = json.loads(text) if text else {}
             if resp.status >= 400:
                 raise ApiError(
@@ -221,7 +228,9 @@ class Kube:
                 )
             return payload
 
-    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+    async def get(
+        self, api_version: str, kind: str, name: str, namespace: str | None = None
+    ) -> dict[str, Any] | None:
         try:
             return await self.request("GET", resource_path(api_version, kind, namespace, name))
         except ApiError as e:
@@ -240,7 +249,9 @@ class Kube:
             item.setdefault("kind", kind)
         return items
 
-    async def apply(self, obj: dict[str, Any], *, field_manager: str, force: bool = True, dry_run: bool = False) -> dict[str, Any]:
+    async def apply(
+        self, obj: dict[str, Any], *, field_manager: str, force: bool = True, dry_run: bool = False
+    ) -> dict[str, Any]:
         """Server-side apply: the apiserver merges our fields and tracks ownership."""
         params = {"fieldManager": field_manager, "force": "true" if force else "false"}
         if dry_run:
@@ -256,13 +267,26 @@ class Kube:
         return await self.request("POST", path, body=obj, params=params)
 
     async def merge_patch(
-        self, api_version: str, kind: str, name: str, namespace: str | None, patch: dict[str, Any], *, subresource: str | None = None
+        self,
+        api_version: str,
+        kind: str,
+        name: str,
+        namespace: str | None,
+        patch: dict[str, Any],
+        *,
+        subresource: str | None = None,
     ) -> dict[str, Any]:
         path = resource_path(api_version, kind, namespace, name) + (f"/{subresource}" if subresource else "")
         return await self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
 
     async def delete(
-        self, api_version: str, kind: str, name: str, namespace: str | None = None, *, grace_period: int | None = None
+        self,
+        api_version: str,
+        kind: str,
+        name: str,
+        namespace: str | None = None,
+        *,
+        grace_period: int | None = None,
     ) -> bool:
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
         if grace_period is not None:

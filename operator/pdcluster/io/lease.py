@@ -30,7 +30,15 @@ def _parse(s: str | None) -> datetime | None:
 
 
 class LeaderElector:
-    def __init__(self, kube: Kube, namespace: str, name: str = "pdcluster-operator", *, duration: int = 15, renew_every: float = 5.0):
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        name: str = "pdcluster-operator",
+        *,
+        duration: int = 15,
+        renew_every: float = 5.0,
+    ):
         self.kube = kube
         self.namespace = namespace
         self.name = name
@@ -91,7 +99,9 @@ class LeaderElector:
         spec = lease.get("spec", {})
         holder = spec.get("holderIdentity")
         renewed = _parse(spec.get("renewTime"))
-        expired = renewed is None or now > renewed + timedelta(seconds=spec.get("leaseDurationSeconds", self.duration))
+        expired = renewed is None or now > renewed + timedelta(
+            seconds=spec.get("leaseDurationSeconds", self.duration)
+        )
         if holder not in (None, self.identity) and not expired:
             return False
         transitions = spec.get("leaseTransitions", 0) + (0 if holder == self.identity else 1)

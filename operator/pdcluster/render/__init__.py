@@ -49,5 +49,12 @@ def render_all(spec: PDClusterSpec, owner: Owner, replicas: Replicas) -> list[di
     for role in C.ENGINE_ROLES:
         objects += build_role(spec, owner, role, replicas.of(role))
     objects += build_router(spec, owner, suspended=spec.suspend)
-    order = {"ConfigMap": 0, "ServiceAccount": 0, "Role": 1, "RoleBinding": 2, "Service": 3, "PodDisruptionBudget": 4}
+    order = {
+        "ConfigMap": 0,
+        "ServiceAccount": 0,
+        "Role": 1,
+        "RoleBinding": 2,
+        "Service": 3,
+        "PodDisruptionBudget": 4,
+    }
     return sorted(objects, key=lambda o: order.get(o["kind"], 5))

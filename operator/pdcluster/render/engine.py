@@ -117,7 +117,9 @@ def _probe(path: str, port: str, probe: Any) -> dict[str, Any]:
 def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
     ports = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
     if role == C.ROLE_PREFILL:
-        ports.append({"name": "bootstrap", "containerPort": spec.kv_transfer.bootstrap_port, "protocol": "TCP"})
+        ports.append(
+            {"name": "bootstrap", "containerPort": spec.kv_transfer.bootstrap_port, "protocol": "TCP"}
+        )
     security: dict[str, Any] = {"allowPrivilegeEscalation": False}
     if spec.rdma.mode != RDMAMode.none:
         # Registering GPU and host memory with the NIC pins it: RDMA needs IPC_LOCK.
@@ -153,12 +155,16 @@ def pod_template(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]
         "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
         "enableServiceLinks": False,
         "containers": [container(spec, owner, role)],
-        "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.shm_size}}],
+        "volumes": [
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.shm_size}}
+        ],
     }
     if spec.rdma.mode == RDMAMode.host_network:
         pod["hostNetwork"] = True
         pod["dnsPolicy"] = "ClusterFirstWithHostNet"
-        pod["volumes"].append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband", "type": "Directory"}})
+        pod["volumes"].append(
+            {"name": "infiniband", "hostPath": {"path": "/dev/infiniband", "type": "Directory"}}
+        )
     if r.node_selector:
         pod["nodeSelector"] = dict(r.node_selector)
     if r.tolerations:
@@ -195,7 +201,9 @@ def statefulset(spec: PDClusterSpec, owner: Owner, role: str, replicas: int) -> 
 def headless_service(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
     ports = [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}]
     if role == C.ROLE_PREFILL:
-        ports.append({"name": "bootstrap", "port": spec.kv_transfer.bootstrap_port, "targetPort": "bootstrap"})
+        ports.append(
+            {"name": "bootstrap", "port": spec.kv_transfer.bootstrap_port, "targetPort": "bootstrap"}
+        )
     return {
         "apiVersion": "v1",
         "kind": "Service",

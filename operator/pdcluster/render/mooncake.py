@@ -37,7 +37,16 @@ def _size(quantity: int | str) -> str:
     """Mooncake parses plain byte counts and '10gb'-style sizes, not Kubernetes 'Gi'."""
     if isinstance(quantity, int):
         return str(quantity)
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    units = {
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "K": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+    }
     for suffix, factor in units.items():
         if quantity.endswith(suffix) and quantity[: -len(suffix)].isdigit():
             return str(int(quantity[: -len(suffix)]) * factor)
@@ -47,7 +56,9 @@ def _size(quantity: int | str) -> str:
 def config_map(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
     m = spec.mooncake
     host = owner.child(C.ROLE_MOONCAKE_MASTER)
-    metadata_server = f"http://{host}:{m.http_metadata_port}/metadata" if m.http_metadata_server else "P2PHANDSHAKE"
+    metadata_server = (
+        f"http://{host}:{m.http_metadata_port}/metadata" if m.http_metadata_server else "P2PHANDSHAKE"
+    )
     data = {
         "MOONCAKE_MASTER": master_address(spec, owner),
         "MOONCAKE_TE_META_DATA_SERVER": metadata_server,
@@ -118,7 +129,10 @@ def master_deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": selector(owner, role)},
             "template": {
-                "metadata": {"labels": labels(owner, role), "annotations": scrape_annotations(m.metrics_port)},
+                "metadata": {
+                    "labels": labels(owner, role),
+                    "annotations": scrape_annotations(m.metrics_port),
+                },
                 "spec": {
                     "enableServiceLinks": False,
                     "automountServiceAccountToken": False,
@@ -152,7 +166,9 @@ def master_service(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
         {"name": "metrics", "port": m.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
     ]
     if m.http_metadata_server:
-        ports.append({"name": "metadata", "port": m.http_metadata_port, "targetPort": "metadata", "protocol": "TCP"})
+        ports.append(
+            {"name": "metadata", "port": m.http_metadata_port, "targetPort": "metadata", "protocol": "TCP"}
+        )
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -184,7 +200,12 @@ def store_statefulset(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
                             "name": "store",
                             "image": spec.mooncake.image or spec.engine.image,
                             "imagePullPolicy": spec.engine.image_pull_policy,
-                            "command": ["python3", "-m", "mooncake.mooncake_store_service", f"--port={s.port}"],
+                            "command": [
+                                "python3",
+                                "-m",
+                                "mooncake.mooncake_store_service",
+                                f"--port={s.port}",
+                            ],
                             "env": [
                                 env_field("POD_IP", "status.podIP"),
                                 {"name": "MOONCAKE_LOCAL_HOSTNAME", "value": "$(POD_IP)"},

@@ -75,7 +75,12 @@ def env_field(name: str, path: str) -> dict[str, Any]:
 
 def restricted_pod() -> dict[str, Any]:
     """Pod security context meeting the Kubernetes "restricted" Pod Security Standard."""
-    return {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "runAsGroup": 65532,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def restricted_container(*, read_only_root: bool = True) -> dict[str, Any]:

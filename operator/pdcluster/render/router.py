@@ -25,6 +25,9 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     args = [
         f"--port={r.port}",
         "--kube",
+        # Ready engine pods by label, the same signal EndpointSlices carry; it also works
+        # where slices cannot hold pod addresses (loopback test clusters).
+        "--discovery=pods",
         "--namespace=$(POD_NAMESPACE)",
         f"--cluster={owner.name}",
         f"--model={spec.served_model_name}",
@@ -71,7 +74,9 @@ def deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, An
     }
     if r.api_key_secret:
         pod["volumes"] = [{"name": "api-key", "secret": {"secretName": r.api_key_secret.name}}]
-        pod["containers"][0]["volumeMounts"] = [{"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}]
+        pod["containers"][0]["volumeMounts"] = [
+            {"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}
+        ]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -106,14 +111,23 @@ def rbac(owner: Owner) -> list[dict[str, Any]]:
     role = C.ROLE_ROUTER
     name = owner.child(role)
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(owner, role), "automountServiceAccountToken": True},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": metadata(owner, role),
+            "automountServiceAccountToken": True,
+        },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": metadata(owner, role),
             # Membership only: the router reads which engine pods are ready, nothing else.
             "rules": [
-                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
             ],
         },
         {

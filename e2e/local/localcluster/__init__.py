@@ -1,0 +1,8 @@
+"""The local Kubernetes control plane for integration tests and the demo."""
+
+from __future__ import annotations
+
+from localcluster.cluster import State, down, load_state, status, up
+from localcluster.nodes import NodePool
+
+__all__ = ["NodePool", "State", "down", "load_state", "status", "up"]

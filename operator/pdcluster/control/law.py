@@ -1,0 +1,559 @@
+"""The prefill:decode control law.
+
+`decide` runs every `autoscaling.intervalSeconds`. It is pure: everything it remembers
+lives in AutoscalingState (status), the time is passed in, and the latency profile is
+loaded once and cached. The same code runs in the operator and in the fleet simulator.
+
+Per role it computes two engine counts from a calibrated capacity model (models.py):
+`need_up`, the fewest engines that keep the SLO quantile under target x (1 + tol), and
+`need_down`, the fewest that keep it under target x (1 - tol). Below `need_up` it scales
+up (fast); above `need_down` it scales down (slowly, and only with headroom observed);
+in between it holds. The band between the two is the hysteresis that keeps a steady
+load from flapping; both counts are computed for the load plus the tolerance, room for
+it to grow while new engines start. A reactive rule adds one engine when the SLO is
+violated and the model did not see why. At the GPU budget a role that misses its
+target takes engines from the other role only while that one meets its own, never
+below its model floor, and only once that role's scale-down has been wanted for the
+whole stabilization window (every decrease waits it out); when both miss, engines move
+only if that clearly lowers the worse of the two shortfalls.
+
+Guards against the known failure modes of P/D autoscalers: metrics missing or no
+traffic -> hold; a scale-up whose pods never become ready -> time out, fall back to
+what is ready and stop asking for that role a while; state older than a few intervals
+-> its timers are discarded; the autoscaler never reads back its own pending targets as
+capacity (it calibrates on ready engines only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+
+from pdcluster import perf
+from pdcluster.api.v1alpha1 import (
+    AutoscalingMode,
+    AutoscalingState,
+    Decision,
+    ObservedMetrics,
+    PDClusterSpec,
+)
+from pdcluster.control import models
+from pdcluster.control.types import MetricsSnapshot, Observed
+
+ROLES = ("prefill", "decode")
+QUANTILES = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
+# Without a reachable TTFT target (prompts whose own prefill exceeds it) prefill is
+# sized so that queueing adds at most this share of the target.
+QUEUEING_SHARE = 0.2
+
+
+def timestamp(t: datetime) -> str:
+    return t.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_time(s: str) -> datetime:
+    return datetime.fromisoformat(s.replace("Z", "+00:00"))
+
+
+@dataclass
+class _Need:
+    """What the model says one role needs, and why."""
+
+    up: int  # fewest engines within target x (1 + tol)
+    down: int  # fewest engines within target x (1 - tol)
+    pressure: float = 0.0  # observed quantile / target (0 when unseen)
+    violated: bool = False  # observed quantile above target x (1 + tol)
+    headroom: bool = False  # observed quantile below target x (1 - tol)
+    reactive: bool = False  # violated although the model was content: add one
+    notes: list[str] = field(default_factory=list)
+
+
+def decide(
+    spec: PDClusterSpec,
+    metrics: MetricsSnapshot | None,
+    state: AutoscalingState | None,
+    observed: Observed,
+    now: datetime,
+    *,
+    profile: perf.Profile | None = None,
+) -> tuple[AutoscalingState, Decision]:
+    """One run of the control law: the next state (to status) and the decision taken."""
+    return _Run(spec, metrics, state, observed, now, profile).run()
+
+
+class _Run:
+    def __init__(self, spec, metrics, state, observed, now, profile) -> None:
+        self.spec: PDClusterSpec = spec
+        self.auto = spec.autoscaling
+        self.metrics: MetricsSnapshot | None = metrics
+        self.prev = state or AutoscalingState()
+        self.observed: Observed = observed
+        self.now = now if now.tzinfo else now.replace(tzinfo=UTC)
+        self.now_s = timestamp(self.now)
+        self.profile = profile or perf.load(self.auto.profile)
+        self.recommend = self.auto.mode == AutoscalingMode.recommend
+        self.tol = self.auto.tolerance_percent / 100.0
+        self.notes: list[str] = []
+        stale = self._stale()
+        self.up_since = {} if stale else dict(self.prev.up_wanted_since or {})
+        self.down_since = {} if stale else dict(self.prev.down_wanted_since or {})
+        self.pending = dict(self.prev.pending_since or {})
+        self.blocked = {r: t for r, t in (self.prev.blocked_until or {}).items() if parse_time(t) > self.now}
+        self.stored: dict[str, int] = {}
+        self.current = self._current()
+
+    # ------------------------------------------------------------------ helpers
+    def _stale(self) -> bool:
+        """Timers only mean "wanted continuously" if the law kept running."""
+        if self.prev.last_run_time is None:
+            return True
+        gap = (self.now - parse_time(self.prev.last_run_time)).total_seconds()
+        return gap > max(3 * self.auto.interval_seconds, self.auto.window_seconds)
+
+    def _bounds(self, role: str) -> tuple[int, int]:
+        r = self.spec.role(role)
+        return r.min_replicas, max(r.max_replicas, r.min_replicas)
+
+    def _gpus(self, role: str) -> int:
+        return max(self.spec.role(role).gpus, 1)
+
+    def _gpu_total(self, counts: dict[str, int]) -> int:
+        return sum(counts[r] * self._gpus(r) for r in ROLES)
+
+    def _current(self) -> dict[str, int]:
+        out = {}
+        for role in ROLES:
+            if self.recommend:
+                value = self.observed.role(role).desired
+            else:
+                stored = getattr(self.prev, role)
+                value = stored if stored is not None else self.spec.role(role).replicas
+            self.stored[role] = value
+            low, high = self._bounds(role)
+            if not low <= value <= high:
+                self.notes.append(f"{role} {value} outside [{low}, {high}]: clamped")
+            out[role] = min(max(value, low), high)
+        budget = self.auto.gpu_budget
+        if budget is not None and self._gpu_total(out) > budget:
+            out = self._split_budget({r: out[r] for r in ROLES}, budget)
+            self.notes.append(f"over the GPU budget {budget}: cut to {out['prefill']}:{out['decode']}")
+        return out
+
+    def _split_budget(self, wants: dict[str, int], budget: int) -> dict[str, int]:
+        """Share a budget that cannot hold both wishes in proportion to them (mins kept)."""
+        gp, gd = self._gpus("prefill"), self._gpus("decode")
+        (p_min, p_max), (d_min, d_max) = self._bounds("prefill"), self._bounds("decode")
+        total = wants["prefill"] * gp + wants["decode"] * gd
+        share = math.floor(budget * wants["prefill"] * gp / total / gp) if total else p_min
+        p = min(max(share, p_min), max(p_min, (budget - d_min * gd) // gp), p_max)
+        d = min(max((budget - p * gp) // gd, d_min), d_max)
+        return {"prefill": p, "decode": d}
+
+    def _in_flight(self, role: str) -> bool:
+        return not self.recommend and self.current[role] > self.observed.role(role).ready
+
+    # ------------------------------------------------------------------ steps
+    def run(self) -> tuple[AutoscalingState, Decision]:
+        hold = f"hold {self.current['prefill']}:{self.current['decode']}"
+        if not self.auto.enabled or self.spec.suspend:
+            why = "autoscaling disabled" if not self.auto.enabled else "cluster suspended"
+            return self._finish(dict(self.current), self._with_notes(f"{why}: {hold}"))
+        fallback = self._time_out_scale_ups()
+        if fallback:
+            return self._finish(fallback, "; ".join(self.notes))
+        m = self.metrics
+        if m is None or m.request_rate <= 0 or m.mean_input_tokens is None or m.mean_output_tokens is None:
+            # Nothing to go on: no timer may keep running across the gap.
+            self.up_since.clear()
+            self.down_since.clear()
+            why = (
+                "metrics unavailable (Prometheus unreachable or no series)"
+                if m is None
+                else f"no traffic in the last {m.window_s} s"
+            )
+            return self._finish(dict(self.current), self._with_notes(f"{why}: {hold}"))
+        needs = {"prefill": self._prefill_need(m), "decode": self._decode_need(m)}
+        wants = {r: self._want(r, needs[r]) for r in ROLES}
+        wants, donor = self._fit_budget(wants, needs)
+        target = self._stabilise(wants, donor)
+        return self._finish(target, self._reason(m, needs, target))
+
+    def _with_notes(self, reason: str) -> str:
+        return f"{reason} ({'; '.join(self.notes)})" if self.notes else reason
+
+    def _time_out_scale_ups(self) -> dict[str, int] | None:
+        """Fall back to the ready count when a scale-up has waited too long for its pods."""
+        if self.recommend:
+            self.pending.clear()
+            return None
+        timeout = self.auto.scale_up_timeout_seconds
+        out = None
+        for role in ROLES:
+            obs = self.observed.role(role)
+            if self.current[role] <= obs.ready:
+                self.pending.pop(role, None)
+                continue
+            since = parse_time(self.pending.setdefault(role, self.now_s))
+            waited = (self.now - since).total_seconds()
+            if waited < timeout:
+                continue
+            low, _ = self._bounds(role)
+            out = out or dict(self.current)
+            out[role] = max(low, obs.ready)
+            self.pending.pop(role, None)
+            self.up_since.pop(role, None)
+            self.blocked[role] = timestamp(self.now + timedelta(seconds=timeout))
+            stuck = f", {obs.unschedulable} unschedulable" if obs.unschedulable else ""
+            self.notes.append(
+                f"{role} scale-up to {self.current[role]} not ready after {waited:.0f} s "
+                f"({obs.ready} ready{stuck}): falling back to {out[role]}, no {role} scale-up "
+                f"for {timeout} s"
+            )
+        return out
+
+    def _engines_seen(self, role: str, seen: float | None) -> float:
+        return seen if seen is not None else float(self.observed.role(role).ready)
+
+    def _limit(self, role: str) -> int:
+        _, high = self._bounds(role)
+        budget = self.auto.gpu_budget
+        return high if budget is None else min(high, budget // self._gpus(role))
+
+    def _grown(self, model):
+        """The model at the load plus the tolerance: room for the load to grow while new
+        engines start, since latency rises steeply near capacity."""
+        return replace(model, rate=model.rate * (1.0 + self.tol))
+
+    def _prefill_latency(self, m: MetricsSnapshot) -> float | None:
+        """The TTFT quantile the target applies to, or None when unseen."""
+        ttft = m.ttft_ms if m.ttft_ms is not None else m.prefill.ttft_ms
+        if self.auto.ttft_includes_prefill or ttft is None:
+            return ttft
+        # Without the prompt's own prefill: the prefill wait plus what follows prefill
+        # (KV transfer, the first decode step), the router's TTFT less the engine's.
+        wait, engine = m.prefill.queue_time_q_ms, m.prefill.ttft_ms
+        if wait is None or engine is None:
+            return ttft  # errs towards more engines
+        return wait + max(ttft - engine, 0.0)
+
+    def _prefill_need(self, m: MetricsSnapshot) -> _Need:
+        target = float(self.auto.slo.ttft_ms)
+        engines = self._engines_seen("prefill", m.prefill.ready)
+        ttft = self._prefill_latency(m)
+        wait = m.prefill.queue_time_ms
+        if wait is None and m.prefill_queue is not None:
+            wait = m.prefill_queue / m.request_rate * 1000.0  # Little's law
+        served = (
+            None if m.prefill.tokens_per_s is None else m.prefill.tokens_per_s / (m.mean_input_tokens or 1.0)
+        )
+        model = models.calibrate_prefill(
+            self.profile,
+            rate=m.request_rate,
+            input_tokens=m.mean_input_tokens or 1.0,
+            hit_ratio=min(max(m.prefix_hit_ratio or 0.0, 0.0), 0.95),
+            quantile=QUANTILES[self.auto.slo.quantile.value],
+            engines=engines,
+            observed_ttft_ms=ttft,
+            observed_wait_ms=wait,
+            # Without the quantile, the mean wait still tells queueing from the rest.
+            observed_wait_q_ms=m.prefill.queue_time_q_ms if m.prefill.queue_time_q_ms is not None else wait,
+            served_rate=served,
+            lengths=m.prefill.prompt_tokens,
+            own_prefill=self.auto.ttft_includes_prefill,
+        )
+        model = self._grown(model)
+        # Engines only shorten the queueing part; when the rest alone nearly fills the
+        # target (long prompts), queueing still gets a share of it.
+        bound_up = model.fixed_ms + max(
+            target * (1 + self.tol) - model.fixed_ms, QUEUEING_SHARE * target * (1 + self.tol)
+        )
+        bound_down = model.fixed_ms + max(
+            target * (1 - self.tol) - model.fixed_ms, QUEUEING_SHARE * target * (1 - self.tol)
+        )
+        need = _Need(0, 0)
+        if model.fixed_ms > target * (1 - QUEUEING_SHARE) * (1 - self.tol):
+            need.notes.append(
+                f"TTFT without queueing is {model.fixed_ms:.0f} ms: prefill sized for queueing under "
+                f"{bound_up - model.fixed_ms:.0f} ms"
+            )
+        limit = self._limit("prefill")
+        up = models.fewest_engines(model.ttft_ms, bound_up, limit)
+        if up is None:
+            need.notes.append(f"prefill load of {model.load():.1f} engines needs more than {limit}")
+        need.up = up or limit
+        need.down = models.fewest_engines(model.ttft_ms, bound_down, limit) or need.up
+        if ttft is not None:
+            need.pressure = ttft * (1 + self.tol) / bound_up
+            need.violated = ttft > bound_up
+            # Without a measured wait the split into fixed and queueing is the model's
+            # guess: then only headroom against the target itself counts.
+            measured = m.prefill.queue_time_q_ms is not None
+            need.headroom = ttft < bound_down and (measured or ttft < target * (1 - self.tol))
+            queued = (wait or 0.0) > 0.1 * target
+            need.reactive = need.violated and queued and need.up <= self.current["prefill"]
+        return need
+
+    def _decode_need(self, m: MetricsSnapshot) -> _Need:
+        target = float(self.auto.slo.itl_ms)
+        engines = self._engines_seen("decode", m.decode.ready)
+        itl = m.itl_ms if m.itl_ms is not None else m.decode.itl_ms
+        # While prefill drains a backlog, decode receives more than arrives.
+        served = (
+            0.0 if m.prefill.tokens_per_s is None else m.prefill.tokens_per_s / (m.mean_input_tokens or 1.0)
+        )
+        model = models.calibrate_decode(
+            self.profile,
+            rate=max(m.request_rate, served),
+            input_tokens=m.mean_input_tokens or 1.0,
+            output_tokens=m.mean_output_tokens or 1.0,
+            engines=engines,
+            observed_itl_ms=itl,
+            observed_kv_usage=m.decode_kv_usage,
+        )
+        model = self._grown(model)
+        need = _Need(0, 0)
+        limit = self._limit("decode")
+        kv_up, kv_down = models.KV_LIMIT, models.KV_LIMIT * (1.0 - self.tol)
+        up = models.fewest_engines(
+            model.itl_ms, target * (1.0 + self.tol), limit, lambda n: model.kv_usage(n) <= kv_up
+        )
+        down = models.fewest_engines(
+            model.itl_ms, target * (1.0 - self.tol), limit, lambda n: model.kv_usage(n) <= kv_down
+        )
+        if up is None:
+            need.notes.append(f"decode needs more than {limit} engines for ITL {target:.0f} ms")
+        need.up = up or limit
+        need.down = down or need.up
+        kv = m.decode_kv_usage
+        kv_full = kv is not None and kv > models.KV_LIMIT
+        if itl is not None:
+            need.pressure = max(itl / target, (kv or 0.0) / models.KV_LIMIT)
+            need.violated = itl > target * (1.0 + self.tol) or kv_full
+            need.headroom = itl < target * (1.0 - self.tol) and not (kv is not None and kv > kv_down)
+            need.reactive = need.violated and need.up <= self.current["decode"]
+        return need
+
+    def _want(self, role: str, need: _Need) -> int:
+        cur = self.current[role]
+        low, high = self._bounds(role)
+        if need.reactive and not self._in_flight(role):
+            want = cur + 1
+            need.notes.append(f"{role} SLO missed although the model sees enough engines: +1")
+        elif cur < need.up:
+            want = need.up
+        elif cur > need.down and need.headroom and not self._in_flight(role):
+            want = need.down
+        else:
+            want = cur
+        return min(max(want, low), high)
+
+    def _fit_budget(
+        self, wants: dict[str, int], needs: dict[str, _Need]
+    ) -> tuple[dict[str, int], str | None]:
+        """Keep prefill + decode GPUs within the budget; returns the wants and a donor role.
+
+        Scale-downs wait out their stabilization, so the budget is checked as if they
+        had not happened. Growth first takes free GPUs. Beyond them a role grows only on
+        evidence that it misses its target beyond the band: from the other role down to
+        that role's model floor while the other meets its own target, or, when both miss
+        theirs, when moving engines makes the worse of the two shortfalls clearly smaller.
+        The donor's decrease is a scale-down like any other: it waits out the window.
+        """
+        budget = self.auto.gpu_budget
+        planned = {r: max(wants[r], self.current[r]) for r in ROLES}
+        if budget is None or self._gpu_total(planned) <= budget:
+            return wants, None
+        out = {r: min(wants[r], self.current[r]) for r in ROLES}
+        spare = budget - self._gpu_total(self.current)
+        for role in sorted(ROLES, key=lambda r: -needs[r].pressure):
+            extra = max(min(wants[role] - self.current[role], spare // self._gpus(role)), 0)
+            out[role] = self.current[role] + extra if extra else out[role]
+            spare -= extra * self._gpus(role)
+        short = [r for r in ROLES if wants[r] > max(out[r], self.current[r]) and needs[r].violated]
+        if not short:
+            if any(wants[r] > max(out[r], self.current[r]) for r in ROLES):
+                self.notes.append(f"GPU budget {budget} full")
+            return out, None
+        if all(needs[r].violated for r in ROLES):
+            if self._gpu_total(self.current) < budget:
+                return self._share_free(wants, budget), None
+            return self._rebalance(needs, budget)
+        taker = short[0]
+        donor = ROLES[1 - ROLES.index(taker)]
+        low, _ = self._bounds(donor)
+        floor = max(low, needs[donor].up)
+        g, gd = self._gpus(taker), self._gpus(donor)
+        have = max(out[taker], self.current[taker])
+        missing = (wants[taker] - have) * g - spare
+        give = max(min(self.current[donor] - floor, -(-missing // gd)), 0)
+        if not give:
+            self.notes.append(f"GPU budget {budget} full and {donor} needs its {self.current[donor]} engines")
+            return {**out, taker: have}, None
+        out[donor] = self.current[donor] - give
+        spare += give * gd
+        out[taker] = have + min(wants[taker] - have, spare // g)
+        return out, donor
+
+    def _share_free(self, wants: dict[str, int], budget: int) -> dict[str, int]:
+        """Free GPUs go to both roles in proportion to what each wants; neither shrinks."""
+        split = self._split_budget(wants, budget)
+        p = max(split["prefill"], self.current["prefill"])
+        d = max(split["decode"], self.current["decode"])
+        gp, gd = self._gpus("prefill"), self._gpus("decode")
+        if p * gp + d * gd > budget:
+            d = max(self.current["decode"], (budget - p * gp) // gd)
+            p = min(p, (budget - d * gd) // gp)
+        self.notes.append(f"both roles miss their targets: free GPUs shared towards {p}:{d}")
+        return {"prefill": p, "decode": d}
+
+    def _rebalance(self, needs: dict[str, _Need], budget: int) -> tuple[dict[str, int], str | None]:
+        """Both roles miss their targets: move up to max_step engines from one role to the
+        other when that lowers the worse need/engines ratio by more than the tolerance."""
+
+        def shortfall(split: dict[str, int]) -> float:
+            return max(needs[r].up / split[r] for r in ROLES)
+
+        best, best_score = self.current, shortfall(self.current)
+        for taker in ROLES:
+            donor = ROLES[1 - ROLES.index(taker)]
+            (_, high), (low, _) = self._bounds(taker), self._bounds(donor)
+            for k in range(1, self.auto.max_step + 1):
+                freed = -(-k * self._gpus(taker) // self._gpus(donor))
+                split = {taker: self.current[taker] + k, donor: self.current[donor] - freed}
+                if split[taker] > high or split[donor] < low or self._gpu_total(split) > budget:
+                    break
+                if shortfall(split) < best_score:
+                    best, best_score = split, shortfall(split)
+        now = shortfall(self.current)
+        if best is self.current or best_score > now * (1.0 - self.tol):
+            self.notes.append(
+                f"both roles miss their targets (model needs {needs['prefill'].up}:{needs['decode'].up}) "
+                f"and moving engines would not help enough"
+            )
+            return dict(self.current), None
+        self.notes.append(
+            f"both roles miss their targets (model needs {needs['prefill'].up}:{needs['decode'].up}): "
+            f"rebalancing towards {best['prefill']}:{best['decode']}"
+        )
+        return dict(best), next(r for r in ROLES if best[r] < self.current[r])
+
+    def _stabilise(self, wants: dict[str, int], donor: str | None) -> dict[str, int]:
+        auto, now = self.auto, self.now
+        target = dict(self.current)
+        cooling = False
+        if self.prev.last_change_time and not self.recommend:
+            since = (now - parse_time(self.prev.last_change_time)).total_seconds()
+            cooling = since < auto.cooldown_seconds
+        for role in ROLES:
+            cur, want = self.current[role], wants[role]
+            if want > cur:
+                self.down_since.pop(role, None)
+                if role in self.blocked:
+                    self.notes.append(f"{role} scale-up blocked until {self.blocked[role]} (earlier timeout)")
+                    continue
+                since = parse_time(self.up_since.setdefault(role, self.now_s))
+                if (now - since).total_seconds() < auto.scale_up_stabilization_seconds:
+                    self.notes.append(f"{role} scale-up wanted for {(now - since).total_seconds():.0f} s")
+                    continue
+                target[role] = cur + min(want - cur, auto.max_step)
+            elif want < cur:
+                self.up_since.pop(role, None)
+                since = parse_time(self.down_since.setdefault(role, self.now_s))
+                waited = (now - since).total_seconds()
+                if waited < auto.scale_down_stabilization_seconds:
+                    self.notes.append(
+                        f"{role} scale-down to {want} wanted for {waited:.0f}/{auto.scale_down_stabilization_seconds} s"
+                    )
+                    continue
+                target[role] = cur - min(cur - want, auto.max_step)
+            else:
+                self.up_since.pop(role, None)
+                self.down_since.pop(role, None)
+        if donor is not None and all(target[r] <= self.current[r] for r in ROLES if r != donor):
+            target[donor] = self.current[donor]  # nobody took the GPUs: the donor keeps them
+        budget = auto.gpu_budget
+        if budget is not None:
+            for role in ROLES:  # a donor limited by max_step limits the taker too
+                while self._gpu_total(target) > budget and target[role] > self.current[role]:
+                    target[role] -= 1
+        if cooling and target != self.current:
+            self.notes.append(f"cooling down after the change at {self.prev.last_change_time}")
+            return dict(self.current)
+        return target
+
+    # ------------------------------------------------------------------ output
+    def _reason(self, m: MetricsSnapshot, needs: dict[str, _Need], target: dict[str, int]) -> str:
+        slo = self.auto.slo
+        parts = []
+        ttft = self._prefill_latency(m)
+        itl = m.itl_ms if m.itl_ms is not None else m.decode.itl_ms
+        ttft_name = "TTFT" if self.auto.ttft_includes_prefill else "TTFT less own prefill"
+        for name, value, goal in ((ttft_name, ttft, slo.ttft_ms), ("ITL", itl, slo.itl_ms)):
+            if value is None:
+                parts.append(f"{name} unseen")
+            elif value > goal * (1.0 + self.tol):
+                parts.append(f"{name} {slo.quantile.value} {value:.0f} ms > {goal} ms")
+            else:
+                parts.append(
+                    f"{name} {slo.quantile.value} {value:.0f} ms ({100 * (1 - value / goal):+.0f}% headroom)"
+                )
+        parts[-1] = parts[-1] + f" at {m.request_rate:.2f} req/s"
+        moves = []
+        for role in ROLES:
+            delta = target[role] - self.current[role]
+            if delta:
+                moves.append(f"{delta:+d} {role}")
+        summary = ", ".join(parts)
+        model = f"model needs {needs['prefill'].up}:{needs['decode'].up}"
+        action = ", ".join(moves) if moves else f"hold {self.current['prefill']}:{self.current['decode']}"
+        notes = [n for r in ROLES for n in needs[r].notes] + self.notes
+        return f"{summary}; {model}: {action}" + (f" ({'; '.join(notes)})" if notes else "")
+
+    def _finish(self, target: dict[str, int], reason: str) -> tuple[AutoscalingState, Decision]:
+        changed = target != self.stored
+        action = ("recommend" if self.recommend else "scale") if changed else "hold"
+        applied = changed and not self.recommend
+        if applied:
+            for role in ROLES:  # a scale-up's wait for ready pods starts now (or earlier)
+                if target[role] > self.observed.role(role).ready:
+                    self.pending.setdefault(role, self.now_s)
+        decision = Decision(
+            time=self.now_s,
+            prefill=target["prefill"],
+            decode=target["decode"],
+            action=action,
+            reason=reason,
+            metrics=_observed_metrics(self.metrics),
+        )
+        state = AutoscalingState(
+            prefill=target["prefill"],
+            decode=target["decode"],
+            last_run_time=self.now_s,
+            last_change_time=self.now_s if applied else self.prev.last_change_time,
+            pending_since=self.pending or None,
+            blocked_until=self.blocked or None,
+            up_wanted_since=self.up_since or None,
+            down_wanted_since=self.down_since or None,
+            last_decision=decision,
+            decisions=self.prev.decisions + (1 if applied else 0),
+        )
+        return state, decision
+
+
+def _observed_metrics(m: MetricsSnapshot | None) -> ObservedMetrics | None:
+    if m is None:
+        return None
+
+    def whole(x: float | None) -> int | None:
+        return None if x is None or not math.isfinite(x) else round(x)
+
+    return ObservedMetrics(
+        ttft_ms=whole(m.ttft_ms if m.ttft_ms is not None else m.prefill.ttft_ms),
+        itl_ms=whole(m.itl_ms if m.itl_ms is not None else m.decode.itl_ms),
+        request_rate_milli=whole(m.request_rate * 1000.0),
+        mean_input_tokens=whole(m.mean_input_tokens),
+        mean_output_tokens=whole(m.mean_output_tokens),
+        prefill_queue=whole(m.prefill_queue),
+        decode_kv_usage_percent=whole(None if m.decode_kv_usage is None else m.decode_kv_usage * 100.0),
+    )

@@ -1,0 +1,123 @@
+"""Inputs of the control law: what Prometheus showed and what the StatefulSets report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RoleMetrics:
+    """Engine-side (vLLM) view of one pool over the rate window.
+
+    Latencies are at the SLO quantile, in milliseconds; None when the pool had no
+    observations in the window.
+    """
+
+    ttft_ms: float | None = None  # vllm:time_to_first_token_seconds (prefill: queue + prefill)
+    itl_ms: float | None = None  # vllm:inter_token_latency_seconds
+    queue_time_ms: float | None = None  # mean of vllm:request_queue_time_seconds (time WAITING)
+    queue_time_q_ms: float | None = None  # the same at the SLO quantile
+    tokens_per_s: float | None = None  # prefill: prompt tokens prefilled; decode: tokens generated
+    ready: float | None = None  # engines reporting, mean over the window
+    # Prompt lengths the engines finished in the window (vllm:request_prompt_tokens):
+    # (bucket upper bound, requests in that bucket), the last bound +Inf.
+    prompt_tokens: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """One window of metrics as PromQL returns them.
+
+    `ttft_ms` / `itl_ms` are the router's (user-visible) quantiles; the per-role ones come
+    from vLLM. A field is None when its series was absent; the whole snapshot is None when
+    Prometheus could not be asked at all.
+    """
+
+    window_s: int
+    request_rate: float  # requests arriving per second (router prompt tokens / mean prompt)
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    mean_input_tokens: float | None = None
+    mean_output_tokens: float | None = None
+    prefill_queue: float | None = None  # requests WAITING, summed over prefill engines (window mean)
+    decode_kv_usage: float | None = None  # 0..1, mean over decode engines (window mean)
+    prefix_hit_ratio: float | None = None  # share of prompt tokens served from the prefix cache
+    prefill: RoleMetrics = field(default_factory=RoleMetrics)
+    decode: RoleMetrics = field(default_factory=RoleMetrics)
+
+
+@dataclass(frozen=True)
+class RoleObserved:
+    """One StatefulSet as the operator sees it."""
+
+    desired: int  # spec.replicas
+    replicas: int  # pods that exist
+    ready: int  # pods that are ready
+    unschedulable: int = 0  # pods Pending with reason Unschedulable
+
+
+@dataclass(frozen=True)
+class Observed:
+    prefill: RoleObserved
+    decode: RoleObserved
+
+    def role(self, name: str) -> RoleObserved:
+        return self.prefill if name == "prefill" else self.decode
+
+
+def assemble(
+    *,
+    window_s: int,
+    prompt_tokens_rate: float,
+    prefilled_tokens_rate: float,
+    prefilled_rate: float,
+    finished_rate: float,
+    generated_tokens_rate: float,
+    ttft_ms: float | None = None,
+    itl_ms: float | None = None,
+    prefill_ttft_ms: float | None = None,
+    decode_itl_ms: float | None = None,
+    queue_time_ms: float | None = None,
+    queue_time_q_ms: float | None = None,
+    prefill_queue: float | None = None,
+    decode_kv_usage: float | None = None,
+    prefix_queries_rate: float = 0.0,
+    prefix_hits_rate: float = 0.0,
+    decode_tokens_rate: float | None = None,
+    prefill_ready: float | None = None,
+    decode_ready: float | None = None,
+    prompt_tokens: tuple[tuple[float, float], ...] = (),
+) -> MetricsSnapshot:
+    """A snapshot from per-second rates of the router's and the engines' counters.
+
+    The router counts prompt tokens when it dispatches and requests when they finish, so
+    under a backlog finished requests understate demand. The arrival rate is therefore
+    prompt tokens arriving / mean prompt, the mean prompt taken from what the prefill
+    engines finished (vllm:prompt_tokens / vllm:request_success on prefill).
+    """
+    if prefilled_rate > 0:
+        isl = prefilled_tokens_rate / prefilled_rate
+    elif finished_rate > 0:
+        isl = prompt_tokens_rate / finished_rate
+    else:
+        return MetricsSnapshot(window_s, 0.0)
+    return MetricsSnapshot(
+        window_s=window_s,
+        request_rate=prompt_tokens_rate / isl if isl > 0 else 0.0,
+        ttft_ms=ttft_ms,
+        itl_ms=itl_ms,
+        mean_input_tokens=isl,
+        mean_output_tokens=generated_tokens_rate / finished_rate if finished_rate > 0 else None,
+        prefill_queue=prefill_queue,
+        decode_kv_usage=decode_kv_usage,
+        prefix_hit_ratio=prefix_hits_rate / prefix_queries_rate if prefix_queries_rate > 0 else None,
+        prefill=RoleMetrics(
+            ttft_ms=prefill_ttft_ms,
+            queue_time_ms=queue_time_ms,
+            queue_time_q_ms=queue_time_q_ms,
+            tokens_per_s=prefilled_tokens_rate,
+            ready=prefill_ready,
+            prompt_tokens=prompt_tokens,
+        ),
+        decode=RoleMetrics(itl_ms=decode_itl_ms, tokens_per_s=decode_tokens_rate, ready=decode_ready),
+    )

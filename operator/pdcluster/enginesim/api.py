@@ -1,0 +1,338 @@
+"""The simulator's OpenAI-compatible HTTP server, shaped like vLLM 0.33's.
+
+Responses follow vllm/entrypoints/openai/{completion,chat_completion}/serving.py: ids
+`cmpl-<X-Request-Id or random>` / `chatcmpl-...`, usage, finish_reason, streamed chunks
+ending in `data: [DONE]`, errors as {"error": {...}}. Generated text is filler drawn
+deterministically from the prompt and seed: one word (about 4 characters, so about one
+token by the router's count) per token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+import zlib
+from array import array
+from collections import deque
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pdcluster.enginesim.cli import SimConfig
+from pdcluster.enginesim.engine import EngineCore, RemotePrefill, Seq
+from pdcluster.router import openai
+from pdcluster.router.prompt import count_tokens, prompt_of
+
+log = logging.getLogger(__name__)
+
+_WORDS = (
+    " the", " of", " and", " to", " in", " is", " for", " on", " with", " as", " at", " by",
+    " data", " node", " cache", " token", " model", " layer", " batch", " queue", " load",
+    " time", " rate", " path", " key", " value", " block", " page", " link", " fast",
+)  # fmt: skip
+_WORDS_JSON = tuple(orjson.dumps(w) for w in _WORDS)
+_DONE = b"data: [DONE]\n\n"
+
+
+def _json(status: int, payload: Any) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=openai.error_body(status, message, param), content_type="application/json"
+    )
+
+
+class _Request:
+    """What the server needs of one validated generate request."""
+
+    __slots__ = ("chat", "created", "first_word", "id", "include_usage", "model", "seq")
+
+    def __init__(
+        self, chat: bool, request_id: str, model: str, seq: Seq, first_word: int, include_usage: bool
+    ):
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.model = model
+        self.seq = seq
+        self.first_word = first_word
+        self.include_usage = include_usage
+
+    def words(self, start: int, stop: int) -> list[int]:
+        return [(self.first_word + i) % len(_WORDS) for i in range(start, stop)]
+
+    def usage(self) -> dict[str, int]:
+        prompt, completion = self.seq.prompt_tokens, self.seq.generated
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+class OpenAIServer:
+    def __init__(self, config: SimConfig, cores: list[EngineCore], registry: Any):
+        self.config = config
+        self.cores = cores
+        self.registry = registry
+        self.created = int(time.time())
+        self._producer = config.has_connector and config.role in ("prefill", "both")
+        self._consumer = config.has_connector and config.role in ("decode", "both")
+        self._warned: set[str] = set()
+        self.recorded: deque[dict[str, Any]] = deque(maxlen=config.record or None)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        if self.config.record:
+            app.router.add_get("/sim/requests", self.requests)
+        return app
+
+    async def requests(self, request: web.Request) -> web.Response:
+        """The last generate requests as received: path, routing headers, body."""
+        return _json(200, list(self.recorded))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "vllm",
+                "root": self.config.model,
+                "parent": None,
+                "max_model_len": self.config.max_model_len,
+                "permission": [],
+            }
+            for name in self.config.served_model_names
+        ]
+        return _json(200, {"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    # ------------------------------------------------------------------ generate
+    def _authorized(self, request: web.Request) -> bool:
+        key = self.config.api_key
+        if key is None:
+            return True
+        return hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {key}")
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if not self._authorized(request):
+            return _json(401, {"error": "Unauthorized"})
+        body, why = openai.parse_json(await request.read())
+        if body is None:
+            return _error(400, why or "bad request")
+        if self.config.record:
+            headers = {
+                k: request.headers[k]
+                for k in ("X-Request-Id", "X-data-parallel-rank")
+                if k in request.headers
+            }
+            self.recorded.append({"path": request.path, "headers": headers, "body": body})
+        problem = openai.check_request(body, chat)
+        if problem:
+            return _error(400, *problem)
+        model = body.get("model")
+        if model is not None and model not in self.config.served_model_names:
+            return _error(404, f"The model `{model}` does not exist.", "model")
+        if (body.get("n") or 1) > 1 or (
+            not chat and isinstance(body["prompt"], list) and _is_batch(body["prompt"])
+        ):
+            return _error(400, "the engine simulator serves one prompt and n=1 per request")
+        core = self._core(request)
+        if core is None:
+            return _error(400, f"X-data-parallel-rank must be in [0, {len(self.cores)})")
+        prompt = prompt_of(body, chat)
+        prompt_tokens = max(count_tokens(prompt), 1)
+        limit = self.config.max_model_len
+        max_tokens = openai.max_tokens_of(body, chat) or max(limit - prompt_tokens, 1)
+        if prompt_tokens + max_tokens > limit or prompt_tokens > core.capacity:
+            return _error(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion).",
+            )
+        min_tokens = body.get("min_tokens") or 0
+        if min_tokens > max_tokens:  # vLLM's SamplingParams check
+            return _error(
+                400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
+            )
+        digest = zlib.crc32(
+            prompt.encode("utf-8", "surrogatepass")
+            if isinstance(prompt, str)
+            else array("q", prompt).tobytes()
+        )
+        digest ^= self.config.seed * 0x9E3779B1
+        remote, hold = self._kv_params(body.get("kv_transfer_params"))
+        seq = Seq(
+            prompt_tokens,
+            max_tokens,
+            min_tokens=min_tokens,
+            eos_at=self._eos_at(digest, body),
+            remote=remote,
+            hold_transfer_id=hold,
+        )
+        stream = bool(body.get("stream"))
+        seq.streaming = stream
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage")) or self.config.force_include_usage
+        request_id = request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
+        req = _Request(
+            chat, str(request_id), self.config.model_name, seq, digest % len(_WORDS), include_usage
+        )
+        core.submit(seq)
+        try:
+            if stream:
+                return await self._stream(request, req)
+            return await self._complete(req)
+        finally:
+            core.abort(seq)  # no-op once finished; frees everything on a disconnect
+
+    def _core(self, request: web.Request) -> EngineCore | None:
+        rank = request.headers.get("X-data-parallel-rank")
+        if rank is None:
+            return min(self.cores, key=lambda c: c.load)
+        try:
+            index = int(rank)
+        except ValueError:
+            return min(self.cores, key=lambda c: c.load)  # vLLM ignores a non-integer rank
+        return self.cores[index] if 0 <= index < len(self.cores) else None
+
+    def _warn_once(self, message: str, *args: Any) -> None:
+        """vLLM warns on every such request; once is enough for a simulator under load."""
+        level = logging.DEBUG if message in self._warned else logging.WARNING
+        self._warned.add(message)
+        log.log(level, message, *args)
+
+    def _eos_at(self, digest: int, body: dict[str, Any]) -> int | None:
+        mean = self.config.output_mean
+        if mean <= 0 or body.get("ignore_eos"):
+            return None
+        return 1 + ((digest * 2654435761) >> 7) % (2 * mean - 1)
+
+    def _kv_params(self, params: dict[str, Any] | None) -> tuple[RemotePrefill | None, str | None]:
+        """(where decode pulls KV from, transfer_id prefill keeps KV for)."""
+        if not params:
+            return None, None
+        if self._consumer and params.get("do_remote_prefill"):
+            if all(k in params for k in ("remote_engine_id", "remote_bootstrap_addr", "transfer_id")):
+                return RemotePrefill(
+                    str(params["remote_engine_id"]),
+                    str(params["remote_bootstrap_addr"]),
+                    str(params["transfer_id"]),
+                ), None
+            self._warn_once(
+                "Got invalid KVTransferParams: %s. This request will not utilize KVTransfer", params
+            )
+        if self._producer and params.get("do_remote_decode"):
+            if params.get("transfer_id"):
+                return None, str(params["transfer_id"])
+            self._warn_once("Missing transfer_id in kv_transfer_params from router!")
+        return None, None
+
+    async def _complete(self, req: _Request) -> web.Response:
+        seq = req.seq
+        while not seq.finished:
+            await seq.wait()
+        if seq.finish_reason == "error":
+            return _error(500, "Internal server error")
+        text = "".join(_WORDS[w] for w in req.words(0, seq.generated))
+        end = {"logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}
+        payload: dict[str, Any] = {"id": req.id, "created": req.created, "model": req.model}
+        if req.chat:
+            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                       "function_call": None, "tool_calls": [], "reasoning": None}  # fmt: skip
+            payload["object"] = "chat.completion"
+            payload["choices"] = [{"index": 0, "message": message, **end}]
+        else:
+            payload["object"] = "text_completion"
+            payload["choices"] = [{"index": 0, "text": text, **end, "prompt_logprobs": None}]
+        payload |= {
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": req.usage() | {"prompt_tokens_details": None},
+        }
+        if req.chat:
+            payload["prompt_logprobs"] = None
+        payload["kv_transfer_params"] = None
+        return _json(200, payload)
+
+    async def _stream(self, request: web.Request, req: _Request) -> web.StreamResponse:
+        seq = req.seq
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        kind = "chat.completion.chunk" if req.chat else "text_completion"
+        head = orjson.dumps({"id": req.id, "object": kind, "created": req.created, "model": req.model})[:-1]
+        if req.chat:
+            open_, close = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":', b"}"
+            tail = b',"logprobs":null,"finish_reason":%s%s}],"kv_transfer_params":null%s}\n\n'
+        else:
+            open_, close = b"data: " + head + b',"choices":[{"index":0,"text":', b""
+            tail = (
+                b',"logprobs":null,"finish_reason":%s%s,"prompt_token_ids":null,"token_ids":null,'
+                b'"weight_versions":null}],"kv_transfer_params":null%s}\n\n'
+            )
+        not_final = b',"stop_reason":null' if not req.chat else b""
+        sent = 0
+        while True:
+            if seq.generated == sent and not seq.finished:
+                await seq.wait()
+            generated, finished = seq.generated, seq.finished
+            if finished and seq.finish_reason == "error":
+                error = openai.error_body(500, "Internal server error")
+                await response.write(b"data: " + error + b"\n\n" + _DONE)
+                break
+            out = []
+            if req.chat and sent == 0 and generated > 0:
+                out.append(b"data: " + head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+                           b'"logprobs":null,"finish_reason":null}]}\n\n')  # fmt: skip
+            # Relay-latency probe for benchmarks: when this batch of tokens left the engine.
+            stamp = b',"sim_sent_at":%.6f' % time.monotonic() if self.config.stamp_tokens else b""
+            running = tail % (b"null", not_final, stamp)
+            words = req.words(sent, generated)
+            for i, word in enumerate(words):
+                last = finished and i == len(words) - 1
+                if last:
+                    reason = orjson.dumps(seq.finish_reason)
+                    end = tail % (reason, b',"stop_reason":null', stamp)
+                else:
+                    end = running
+                out.append(open_ + _WORDS_JSON[word] + close + end)
+            sent = generated
+            if finished:
+                if req.include_usage:
+                    usage = {"id": req.id, "object": kind, "created": req.created, "model": req.model,
+                             "choices": [], "usage": req.usage()}  # fmt: skip
+                    out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
+                out.append(_DONE)
+            if out:
+                await response.write(b"".join(out))
+            if finished:
+                break
+        await response.write_eof()
+        return response
+
+
+def _is_batch(prompt: list[Any]) -> bool:
+    """A list of several prompts (strings or token-id lists), not one token-id prompt."""
+    return len(prompt) > 1 and isinstance(prompt[0], (str, list))

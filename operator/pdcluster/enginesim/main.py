@@ -1,0 +1,184 @@
+"""`pdcluster-engine-sim serve MODEL [vllm serve flags] [--sim-* flags]`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+
+import aiohttp
+from aiohttp import web
+
+from pdcluster import perf
+from pdcluster.enginesim.api import OpenAIServer
+from pdcluster.enginesim.cli import SimConfig, parse
+from pdcluster.enginesim.engine import EngineCore, Seq, TransferHook
+from pdcluster.enginesim.kv import BootstrapServer, KvPuller, MooncakeStore, SideChannel, TransferTable
+from pdcluster.enginesim.metrics import EngineMetrics, MetricFamilies
+
+log = logging.getLogger("pdcluster.enginesim")
+
+ZERO_PROFILE = perf.Profile(
+    "zero", (0.0, 0.0, 0.0), (0.0, 0.0, 0.0), max_kv_tokens=1 << 40, kv_bytes_per_token=0
+)
+
+
+def load_profile(name: str) -> perf.Profile:
+    return ZERO_PROFILE if name == "zero" else perf.load(name)
+
+
+class Simulator:
+    """All the parts of one simulated `vllm serve` process."""
+
+    def __init__(self, config: SimConfig):
+        self.config = config
+        self.profile = load_profile(config.profile)
+        self.families = MetricFamilies(config.max_model_len)
+        self.engine_ids = config.engine_ids
+        self.table = TransferTable(
+            config.abort_timeout_s, on_expired=lambda rank: self.cores[rank].metrics.expired.inc()
+        )
+        self.cores: list[EngineCore] = []
+        self.store: MooncakeStore | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self._runners: list[web.AppRunner] = []
+        self.side_channel: SideChannel | None = None
+
+    @property
+    def advertised_ip(self) -> str:
+        """The address peers use: VLLM_HOST_IP, else --host if it names one, else what
+        the host name resolves to (a pod's own IP in Kubernetes)."""
+        host = self.config.host
+        if self.config.host_ip:
+            return self.config.host_ip
+        if host and host not in ("0.0.0.0", "::"):
+            return host
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+    def _on_prefilled(self, rank: int) -> TransferHook:
+        def hook(transfer_id: str, seq: Seq, kept: bool) -> None:
+            core = self.cores[rank]
+            tokens = seq.kv
+            release = (lambda: core.release_held(tokens)) if kept else None
+            self.table.prefilled(transfer_id, rank, seq.prompt_tokens, release)
+
+        return hook
+
+    def _transfer_seconds(self, tokens: int) -> float:
+        if self.profile.kv_bytes_per_token == 0:
+            return 0.0
+        return self.profile.kv_transfer_ms(tokens, self.config.kv_gbps) / 1000.0 / self.config.time_scale
+
+    def _on_transferred(self, rank: int, seconds: float, size: int) -> None:
+        metrics = self.cores[rank].metrics
+        metrics.xfer_time.observe(seconds)
+        metrics.xfer_bytes.observe(size)
+
+    async def start(self) -> None:
+        c = self.config
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        if c.mooncake_master:
+            self.store = await MooncakeStore.connect(c.mooncake_master, self.advertised_ip)
+        puller = KvPuller(self.session, c.abort_timeout_s + 60.0, self.store) if c.role != "prefill" else None
+        for rank in range(c.data_parallel_size):
+            core = EngineCore(
+                self.profile,
+                EngineMetrics(self.families, c.model_name, rank),
+                time_scale=c.time_scale,
+                max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens,
+                max_model_len=c.max_model_len,
+                recompute_on_load_failure=c.recompute_on_load_failure,
+                pull_kv=puller.pull if puller else None,
+                on_prefilled=self._on_prefilled(rank),
+            )
+            core.start()
+            self.cores.append(core)
+        api = OpenAIServer(c, self.cores, self.families.registry)
+        await self._serve(api.app(), c.host or "0.0.0.0", c.port)
+        if c.serves_bootstrap:
+            # vLLM binds 0.0.0.0; binding the advertised address instead lets several
+            # simulated pods share one host's loopback network.
+            bind = c.host_ip or (c.host if c.host else "0.0.0.0")
+            self.side_channel = SideChannel(
+                self.table,
+                self.engine_ids,
+                self._transfer_seconds,
+                lambda tokens: tokens * self.profile.kv_bytes_per_token,
+                self._on_transferred,
+                self.store,
+            )
+            port = await self.side_channel.start(bind)
+            app = BootstrapServer(self.engine_ids, self._worker_addrs(port)).app()
+            await self._serve(app, bind, c.bootstrap_port)
+            log.info("bootstrap server on %s:%d, engine ids %s", bind, c.bootstrap_port, self.engine_ids)
+        log.info("role %s, profile %s, time scale %g", c.role, self.profile.name, c.time_scale)
+        log.info("Application startup complete.")
+
+    def _worker_addrs(self, port: int) -> list[dict[str, dict[str, str]]]:
+        """vLLM lists each worker's ZMQ address; every simulated worker shares the one
+        side channel."""
+        c = self.config
+        address = f"tcp://{self.advertised_ip}:{port}"
+        per_rank = {
+            str(tp): {str(pp): address for pp in range(c.pipeline_parallel_size)}
+            for tp in range(c.tensor_parallel_size)
+        }
+        return [per_rank for _ in range(c.data_parallel_size)]
+
+    async def _serve(self, app: web.Application, host: str, port: int) -> None:
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, host, port, backlog=1024).start()
+        self._runners.append(runner)
+
+    async def stop(self) -> None:
+        if self.side_channel is not None:
+            await self.side_channel.stop()
+        for runner in self._runners:
+            await runner.cleanup()
+        for core in self.cores:
+            await core.stop()
+        if self.session is not None:
+            await self.session.close()
+        if self.store is not None:
+            self.store.close()
+
+
+async def serve(config: SimConfig) -> None:
+    sim = Simulator(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await sim.start()
+    try:
+        await stop.wait()
+    finally:
+        await sim.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        sys.exit("usage: pdcluster-engine-sim serve MODEL [vllm serve flags] [--sim-* flags]")
+    config = parse(argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    with contextlib.suppress(KeyboardInterrupt):
+        runner(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""`pdcluster-router`: the PD-aware router in front of vLLM prefill and decode pools."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from pdcluster.constants import ROUTER_PORT
+from pdcluster.io.kube import Kube, KubeConfig
+from pdcluster.router.membership import Members, Pool, parse_static, watch_kube
+from pdcluster.router.policy import Admission, make_policy
+from pdcluster.router.prompt import BLOCK_TOKENS
+from pdcluster.router.server import Router, RouterConfig
+
+log = logging.getLogger("pdcluster.router")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdcluster-router",
+        description="Disaggregated prefill/decode router for vLLM's MooncakeConnector. Backends come from the "
+        "cluster's EndpointSlices or Pods (--kube) or from --prefill/--decode. Prompt tokens are counted "
+        "without a tokenizer (UTF-8 bytes / 4; token-id prompts exactly).",
+    )
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=ROUTER_PORT)
+    members = p.add_argument_group("backends")
+    members.add_argument("--kube", action="store_true", help="follow the cluster's engines in Kubernetes")
+    members.add_argument("--namespace", help="namespace to watch (default: the service account's)")
+    members.add_argument("--cluster", help="PDCluster name (label pdcluster.io/cluster)")
+    members.add_argument(
+        "--discovery",
+        choices=("endpointslices", "pods"),
+        default="endpointslices",
+        help="with --kube: read ready engines from EndpointSlices, or from Pods where slices cannot hold "
+        "the addresses (a loopback test cluster)",
+    )
+    members.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, in-cluster, ~/.kube/config)"
+    )
+    members.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL[#bootstrap=PORT]",
+        help="a prefill engine, e.g. http://127.0.0.1:8100#bootstrap=8998 (bootstrap port default 8998); repeatable",
+    )
+    members.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="a decode engine; repeatable"
+    )
+    p.add_argument("--model", help="served model name; requests naming another model get 404")
+    p.add_argument("--policy", choices=("least-loaded", "prefix-aware"), default="least-loaded")
+    slo = p.add_argument_group("admission")
+    slo.add_argument("--admission-ttft-ms", type=float, default=500.0, help="TTFT target")
+    slo.add_argument(
+        "--admission-reject-factor",
+        type=float,
+        default=2.0,
+        help="reject when predicted TTFT > target x factor",
+    )
+    slo.add_argument("--no-admission", action="store_true", help="admit everything")
+    slo.add_argument(
+        "--admission-prefill-rate",
+        type=float,
+        default=20000.0,
+        help="prefill tokens/s assumed for a backend before any measurement",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per request, streams included"
+    )
+    p.add_argument(
+        "--api-key-file", type=Path, help="require `Authorization: Bearer <key>` with the key in this file"
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
+    )
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+class RouterService:
+    """The router with its backends, listening; `start()`, then `drain()` and `stop()`."""
+
+    def __init__(self, args: argparse.Namespace, members: Members | None):
+        self.args = args
+        self.members = members  # None: from EndpointSlices
+        self.session: aiohttp.ClientSession | None = None
+        self.pool: Pool | None = None
+        self.router: Router | None = None
+        self._runner: web.AppRunner | None = None
+        self._kube: Kube | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        args = self.args
+        api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
+        # For the few calls off the hot path (bootstrap /query, /v1/models).
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        admission = None
+        if not args.no_admission:
+            admission = Admission(
+                args.admission_ttft_ms, args.admission_reject_factor, args.admission_prefill_rate
+            )
+        self.pool = Pool(self.session, on_forget=self._forget)
+        self.router = Router(
+            RouterConfig(model=args.model, request_timeout_s=args.request_timeout, api_key=api_key),
+            self.pool,
+            self.session,
+            make_policy(args.policy, BLOCK_TOKENS),
+            admission,
+        )
+        if self.members is None:
+            config = KubeConfig.load(args.kubeconfig)
+            self._kube = Kube(config)
+            await self._kube.__aenter__()
+            namespace = args.namespace or config.namespace
+            self._watcher = asyncio.get_running_loop().create_task(
+                watch_kube(self._kube, namespace, args.cluster, self.pool, args.discovery)
+            )
+        else:
+            self.pool.update(self.members)
+        # The drain has already waited for in-flight requests; cut whatever is left.
+        self._runner = web.AppRunner(
+            self.router.app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        await web.TCPSite(self._runner, args.host, args.port, backlog=2048).start()
+        log.info(
+            "listening on %s:%d, policy %s, admission %s",
+            args.host,
+            args.port,
+            args.policy,
+            "off" if admission is None else "on",
+        )
+
+    def _forget(self, backend_id: str) -> None:
+        if self.router is not None:
+            self.router.forget(backend_id)
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests (readiness fails) and wait for the in-flight ones."""
+        router = self.router
+        assert router is not None
+        router.draining = True
+        log.info("draining %d in-flight requests (up to %g s)", router.inflight, timeout)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(router.idle.wait(), timeout)
+        if router.inflight:
+            log.warning("drain timeout: dropping %d requests", router.inflight)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+        if self._kube is not None:
+            await self._kube.close()
+        if self.pool is not None:
+            await self.pool.close()
+        if self.router is not None:
+            self.router.upstream.close()
+        if self.session is not None:
+            await self.session.close()
+
+
+async def run(args: argparse.Namespace, members: Members | None) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    service = RouterService(args, members)
+    await service.start()
+    await stop.wait()
+    await service.drain(args.drain_timeout)
+    await service.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.kube and not args.cluster:
+        parser().error("--kube needs --cluster")
+    if not args.kube and not (args.prefill and args.decode):
+        parser().error("give --kube, or at least one --prefill and one --decode")
+    try:
+        members = None if args.kube else parse_static(args.prefill, args.decode)
+    except ValueError as e:
+        sys.exit(f"pdcluster-router: {e}")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    runner(run(args, members))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""Which engines the router may use: from static flags, EndpointSlices or Pods.
+
+The operator's headless Services carry `pdcluster.io/cluster` and `pdcluster.io/role`
+labels, which their EndpointSlices inherit. An endpoint counts when its `ready`
+condition is not false (the API says an unset condition means ready); the API port is
+the one named `http`, the Mooncake bootstrap port the one named `bootstrap`.
+
+Pods (`--discovery pods`) carry the same labels; a pod counts when it is Ready and not
+being deleted, with the container ports named `http`/`bootstrap` (default 8000/8998).
+This is for clusters whose EndpointSlices cannot hold the pod addresses (the local test
+cluster gives pods loopback addresses, which EndpointSlice validation rejects).
+
+A prefill instance becomes routable once its bootstrap server has told us its DP
+ranks' engine ids (`GET /query`); each rank is then its own `Upstream`. Ids are
+re-queried periodically and after a failure, so a restarted instance (new random
+engine_id, see vllm==0.33.0 config/kv_transfer.py) is picked up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from pdcluster.constants import (
+    BOOTSTRAP_PORT,
+    ENGINE_PORT,
+    LABEL_CLUSTER,
+    LABEL_ROLE,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+)
+from pdcluster.io.kube import ApiError, Kube
+from pdcluster.router.policy import Backend
+from pdcluster.router.protocol import BootstrapError, MooncakeProtocol, PrefillEngine
+from pdcluster.router.upstream import Origin
+
+log = logging.getLogger(__name__)
+
+REQUERY_INTERVAL_S = 30.0
+RETRY_INTERVAL_S = 0.5
+
+
+@dataclass(eq=False)
+class Upstream(Backend):
+    """A routable engine: a prefill DP rank or a decode instance."""
+
+    url: str = ""
+    engine: PrefillEngine | None = None  # prefill only
+    cooldown_until: float = 0.0  # set after a connection failure
+    origin: Origin = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.origin = Origin.parse(self.url)
+
+
+@dataclass(frozen=True)
+class Members:
+    """Desired membership: prefill API URL -> bootstrap base URL, and decode API URLs."""
+
+    prefill: dict[str, str] = field(default_factory=dict)
+    decode: frozenset[str] = frozenset()
+
+
+def parse_static(prefill: Iterable[str], decode: Iterable[str]) -> Members:
+    """`--prefill URL[#bootstrap=PORT]` and `--decode URL` values."""
+    prefills = {}
+    for spec in prefill:
+        url, _, fragment = spec.partition("#")
+        url = url.rstrip("/")
+        port = BOOTSTRAP_PORT
+        if fragment:
+            key, _, value = fragment.partition("=")
+            if key != "bootstrap" or not value.isdigit():
+                raise ValueError(f"--prefill {spec!r}: expected URL[#bootstrap=PORT]")
+            port = int(value)
+        prefills[url] = f"http://{_host(Origin.parse(url).host)}:{port}"
+    decodes = frozenset(d.rstrip("/") for d in decode)
+    for url in decodes:
+        Origin.parse(url)
+    return Members(prefills, decodes)
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def members_from_slices(slices: Iterable[dict[str, Any]]) -> Members:
+    prefill: dict[str, str] = {}
+    decode: set[str] = set()
+    for s in slices:
+        role = ((s.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE)
+        if role not in (ROLE_PREFILL, ROLE_DECODE):
+            continue
+        ports = {p.get("name"): p.get("port") for p in s.get("ports") or [] if isinstance(p, dict)}
+        http = ports.get("http")
+        if not http:
+            continue
+        for endpoint in s.get("endpoints") or []:
+            if (endpoint.get("conditions") or {}).get("ready") is False:
+                continue
+            addresses = endpoint.get("addresses") or []
+            if not addresses:
+                continue
+            host = _host(addresses[0])
+            url = f"http://{host}:{http}"
+            if role == ROLE_PREFILL:
+                prefill[url] = f"http://{host}:{ports.get('bootstrap') or BOOTSTRAP_PORT}"
+            else:
+                decode.add(url)
+    return Members(prefill, frozenset(decode))
+
+
+def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
+    prefill: dict[str, str] = {}
+    decode: set[str] = set()
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        role = (meta.get("labels") or {}).get(LABEL_ROLE)
+        status = pod.get("status") or {}
+        ip = status.get("podIP")
+        if role not in (ROLE_PREFILL, ROLE_DECODE) or not ip or meta.get("deletionTimestamp"):
+            continue
+        conditions = status.get("conditions") or []
+        if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
+            continue
+        ports = {
+            port.get("name"): port.get("containerPort")
+            for container in (pod.get("spec") or {}).get("containers") or []
+            for port in container.get("ports") or []
+        }
+        host = _host(ip)
+        url = f"http://{host}:{ports.get('http') or ENGINE_PORT}"
+        if role == ROLE_PREFILL:
+            prefill[url] = f"http://{host}:{ports.get('bootstrap') or BOOTSTRAP_PORT}"
+        else:
+            decode.add(url)
+    return Members(prefill, frozenset(decode))
+
+
+_DISCOVERY = {
+    "endpointslices": ("discovery.k8s.io/v1", "EndpointSlice", members_from_slices),
+    "pods": ("v1", "Pod", members_from_pods),
+}
+
+
+class _PrefillInstance:
+    def __init__(self, url: str, bootstrap_addr: str):
+        self.url = url
+        self.bootstrap_addr = bootstrap_addr
+        self.ranks: list[Upstream] = []
+        self.task: asyncio.Task[None] | None = None
+        self.stale = asyncio.Event()
+
+
+class Pool:
+    """The router's live view of its backends."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, on_forget: Callable[[str], None] = lambda backend_id: None
+    ):
+        self.session = session
+        self.on_forget = on_forget  # a backend's cached state (prefix cache, rate) is gone
+        self._prefill: dict[str, _PrefillInstance] = {}
+        self._decode: dict[str, Upstream] = {}
+        self.prefill: list[Upstream] = []  # routable prefill ranks
+        self.decode: list[Upstream] = []
+        self.changed = asyncio.Event()  # set on every change (tests, readiness)
+
+    # ---------------------------------------------------------------- membership
+    def update(self, members: Members) -> None:
+        for url in set(self._prefill) - set(members.prefill):
+            self._drop_prefill(url)
+        for url, bootstrap_addr in members.prefill.items():
+            instance = self._prefill.get(url)
+            if instance is not None and instance.bootstrap_addr != bootstrap_addr:
+                self._drop_prefill(url)
+                instance = None
+            if instance is None:
+                instance = _PrefillInstance(url, bootstrap_addr)
+                self._prefill[url] = instance
+                instance.task = asyncio.get_running_loop().create_task(self._resolve(instance))
+        for url in set(self._decode) - members.decode:
+            self.on_forget(self._decode.pop(url).id)
+        for url in members.decode - set(self._decode):
+            self._decode[url] = Upstream(url, ROLE_DECODE, url=url)
+        self._publish()
+
+    def _drop_prefill(self, url: str) -> None:
+        instance = self._prefill.pop(url)
+        if instance.task is not None:
+            instance.task.cancel()
+        for rank in instance.ranks:
+            self.on_forget(rank.id)
+
+    def _publish(self) -> None:
+        self.prefill = [rank for instance in self._prefill.values() for rank in instance.ranks]
+        self.decode = list(self._decode.values())
+        self.changed.set()
+
+    def invalidate(self, upstream: Upstream) -> None:
+        """A request to this prefill failed: re-query its engine ids now."""
+        for instance in self._prefill.values():
+            if upstream in instance.ranks:
+                instance.stale.set()
+
+    async def _resolve(self, instance: _PrefillInstance) -> None:
+        """Query the engine ids, soon again while the answer is changing or empty (DP
+        ranks register one by one as their KV caches are allocated), then every
+        REQUERY_INTERVAL_S, or at once after `invalidate`."""
+        interval = RETRY_INTERVAL_S
+        while True:
+            try:
+                engines = await MooncakeProtocol.query(self.session, instance.bootstrap_addr)
+            except BootstrapError as e:
+                if instance.ranks:
+                    log.warning("prefill %s unusable until its bootstrap answers: %s", instance.url, e)
+                    self._set_ranks(instance, [])
+                await asyncio.sleep(RETRY_INTERVAL_S)
+                continue
+            if engines != [r.engine for r in instance.ranks]:
+                self._set_ranks(instance, engines)
+                interval = RETRY_INTERVAL_S
+            elif engines:
+                interval = min(interval * 2, REQUERY_INTERVAL_S)
+            instance.stale.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(instance.stale.wait(), interval)
+
+    def _set_ranks(self, instance: _PrefillInstance, engines: list[PrefillEngine]) -> None:
+        for rank in instance.ranks:
+            self.on_forget(rank.id)
+        many = len(engines) > 1
+        instance.ranks = [
+            Upstream(
+                f"{instance.url}#dp{e.dp_rank}" if many else instance.url,
+                ROLE_PREFILL,
+                url=instance.url,
+                engine=e,
+            )
+            for e in engines
+        ]
+        if engines:
+            log.info("prefill %s: engines %s", instance.url, [e.engine_id for e in engines])
+        self._publish()
+
+    # ---------------------------------------------------------------- views
+    def routable(self, upstreams: list[Upstream], now: float) -> list[Upstream]:
+        """Upstreams not cooling down after a failure (all of them if every one is)."""
+        healthy = [u for u in upstreams if u.cooldown_until <= now]
+        return healthy or upstreams
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.prefill) and bool(self.decode)
+
+    def describe(self) -> dict[str, Any]:
+        def one(u: Upstream) -> dict[str, Any]:
+            out = {
+                "id": u.id,
+                "url": u.url,
+                "inflight_requests": u.inflight_requests,
+                "inflight_tokens": u.inflight_tokens,
+            }
+            if u.engine is not None:
+                out |= {
+                    "engine_id": u.engine.engine_id,
+                    "dp_rank": u.engine.dp_rank,
+                    "bootstrap_addr": u.engine.bootstrap_addr,
+                }
+            return out
+
+        return {
+            "prefill_instances": {
+                url: {"bootstrap_addr": i.bootstrap_addr, "ranks": len(i.ranks)}
+                for url, i in self._prefill.items()
+            },
+            "prefill": [one(u) for u in self.prefill],
+            "decode": [one(u) for u in self.decode],
+        }
+
+    def all_upstreams(self) -> list[Upstream]:
+        return [*self.prefill, *self.decode]
+
+    async def close(self) -> None:
+        for instance in self._prefill.values():
+            if instance.task is not None:
+                instance.task.cancel()
+        tasks = [i.task for i in self._prefill.values() if i.task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def watch_kube(
+    kube: Kube, namespace: str, cluster: str, pool: Pool, discovery: str = "endpointslices"
+) -> None:
+    """Keep `pool` equal to the ready engines of the cluster, from its EndpointSlices or
+    its Pods (see the module docstring)."""
+    api_version, kind, members = _DISCOVERY[discovery]
+    selector = f"{LABEL_CLUSTER}={cluster}"
+    while True:
+        objects: dict[str, dict[str, Any]] = {}
+        try:
+            async for event, obj in kube.watch(api_version, kind, namespace, label_selector=selector):
+                if event == "SYNC":
+                    objects = {item["metadata"]["name"]: item for item in obj["items"]}
+                elif event == "DELETED":
+                    objects.pop(obj["metadata"]["name"], None)
+                else:
+                    objects[obj["metadata"]["name"]] = obj
+                pool.update(members(objects.values()))
+        except (ApiError, aiohttp.ClientError, TimeoutError) as e:
+            log.warning("%s watch failed (%s); retrying", kind, e)
+            await asyncio.sleep(1.0)

@@ -1,0 +1,81 @@
+"""The router's Prometheus metrics (names and buckets from pdcluster.observability).
+
+Request-path metrics are plain prometheus-client objects. Per-backend load gauges and
+backend counts are read from the router's own state at scrape time instead of being
+updated on every request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pdcluster import observability as obs
+
+if TYPE_CHECKING:
+    from pdcluster.router.membership import Upstream
+
+REJECTION_REASONS = ("slo", "draining", "no_backend", "unauthorized")
+
+
+class _LoadCollector(Collector):
+    def __init__(self, snapshot: Callable[[], tuple[Iterable[Upstream], dict[str, int]]]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        upstreams, ready = self._snapshot()
+        requests = GaugeMetricFamily(
+            obs.ROUTER_INFLIGHT, "Requests the router has in flight.", labels=("role", "backend")
+        )
+        tokens = GaugeMetricFamily(
+            obs.ROUTER_INFLIGHT_TOKENS,
+            "Tokens in flight: prompt tokens not yet prefilled (prefill), KV tokens held (decode).",
+            labels=("role", "backend"),
+        )
+        for u in upstreams:
+            requests.add_metric((u.role, u.id), u.inflight_requests)
+            tokens.add_metric((u.role, u.id), u.inflight_tokens)
+        backends = GaugeMetricFamily(obs.ROUTER_BACKENDS, "Ready backends.", labels=("role",))
+        for role, count in ready.items():
+            backends.add_metric((role,), count)
+        yield from (requests, tokens, backends)
+
+
+class RouterMetrics:
+    def __init__(self, snapshot: Callable[[], tuple[Iterable[Upstream], dict[str, int]]]):
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram(
+            obs.ROUTER_TTFT,
+            "Time to first token seen by clients (streamed requests).",
+            buckets=obs.ROUTER_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            obs.ROUTER_ITL,
+            "Time between streamed tokens seen by clients.",
+            buckets=obs.ROUTER_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            obs.ROUTER_E2E, "Request latency seen by clients.", buckets=obs.ROUTER_E2E_BUCKETS, registry=r
+        )
+        requests = Counter(obs.ROUTER_REQUESTS, "Requests by outcome.", ("outcome",), registry=r)
+        self.requests = {outcome: requests.labels(outcome) for outcome in obs.ROUTER_OUTCOMES}
+        rejections = Counter(
+            obs.ROUTER_REJECTIONS, "Requests refused before dispatch, by reason.", ("reason",), registry=r
+        )
+        self.rejections = {reason: rejections.labels(reason) for reason in REJECTION_REASONS}
+        self.upstream_errors = Counter(
+            obs.ROUTER_UPSTREAM_ERRORS, "Failed upstream requests.", ("role", "backend"), registry=r
+        )
+        self.prompt_tokens = Counter(
+            obs.ROUTER_PROMPT_TOKENS, "Prompt tokens routed (approximate).", registry=r
+        )
+        self.generation_tokens = Counter(
+            obs.ROUTER_GENERATION_TOKENS, "Tokens generated for clients.", registry=r
+        )
+        r.register(_LoadCollector(snapshot))

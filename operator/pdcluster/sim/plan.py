@@ -1,0 +1,526 @@
+"""`pdctl plan`: replay a trace on a simulated fleet under several policies.
+
+Policies: `static:P:D`; `static-best` (every split of the GPUs, the best in hindsight);
+`dynamo` (Dynamo's SLA planner, sim/dynamo.py; `dynamo-constant` with its constant
+predictor); `pdcluster` (pdcluster.control.decide with a PDCluster whose autoscaling
+block matches the flags). Dynamic policies start from the split the capacity model
+gives for the trace's mean load, as a user sizing from the same trace would.
+
+A request meets the SLO when its TTFT and its mean ITL are within the targets;
+attainment is the share that does, goodput those per second of trace, GPU-hours the
+integral of GPUs held (starting and draining engines count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+from pdcluster import perf
+from pdcluster.api.v1alpha1 import PDClusterSpec
+from pdcluster.control import models
+from pdcluster.sim.dynamo import Dynamo
+from pdcluster.sim.fleet import FleetConfig, Result, simulate
+from pdcluster.sim.policies import PDCluster, Static
+from pdcluster.sim.trace import Trace, load_trace
+
+BAND = (0.85, 0.95)  # static-best attainment the automatic rate scale aims for
+DEFAULT_POLICIES = ("static-best", "dynamo", "pdcluster")
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float
+    itl_ms: float
+    plus_prefill: bool  # a request's TTFT target adds its own isolated prefill time
+
+    def ttft_targets_s(self, trace: Trace, profile: perf.Profile) -> list[float]:
+        if not self.plus_prefill:
+            return [self.ttft_ms / 1000.0] * len(trace)
+        return [(self.ttft_ms + profile.prefill_one_ms(n)) / 1000.0 for n in trace.input_tokens]
+
+
+@dataclass(frozen=True)
+class Score:
+    policy: str
+    attainment: float
+    goodput_rps: float
+    gpu_hours: float
+    ttft_p90_ms: float
+    itl_p90_ms: float
+    decisions: int
+    unfinished: int
+    good: int  # requests within the SLO
+
+    @property
+    def goodput_per_gpu_hour(self) -> float:
+        """Requests within the SLO per GPU-hour."""
+        return self.good / self.gpu_hours if self.gpu_hours else 0.0
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {
+            "attainment": round(self.attainment, 4),
+            "goodput_rps": round(self.goodput_rps, 3),
+            "gpu_hours": round(self.gpu_hours, 3),
+            "goodput_per_gpu_hour": round(self.goodput_per_gpu_hour, 1),
+            "ttft_p90_ms": round(self.ttft_p90_ms, 1),
+            "itl_p90_ms": round(self.itl_p90_ms, 2),
+            "decisions": self.decisions,
+            "unfinished": self.unfinished,
+        }
+
+
+def score(result: Result, trace: Trace, ttft_targets_s: list[float], itl_ms: float) -> Score:
+    itl_s = itl_ms / 1000.0
+    good = 0
+    ttfts, itls = [], []
+    for i, done in enumerate(result.finished):
+        if not done:
+            continue
+        ttfts.append(result.ttft_s[i])
+        if trace.output_tokens[i] > 1:
+            itls.append(result.itl_s[i])
+        if result.ttft_s[i] <= ttft_targets_s[i] and result.itl_s[i] <= itl_s:
+            good += 1
+    span = max(trace.span_s, 1e-9)
+    return Score(
+        result.policy,
+        good / len(trace),
+        good / span,
+        result.gpu_seconds / 3600.0,
+        perf.percentile(ttfts, 90) * 1000.0,
+        perf.percentile(itls, 90) * 1000.0 if itls else 0.0,
+        len(result.decisions),
+        len(trace) - sum(result.finished),
+        good,
+    )
+
+
+# ------------------------------------------------------------------------- setup
+@dataclass(frozen=True)
+class Setup:
+    trace: Trace  # already scaled
+    profile: perf.Profile
+    slo: SLO
+    fleet: FleetConfig
+    args: argparse.Namespace
+
+    @property
+    def targets_s(self) -> list[float]:
+        return self.slo.ttft_targets_s(self.trace, self.profile)
+
+    @property
+    def engines(self) -> int:
+        """Engines the cluster's GPUs hold (an engine takes the profile's GPUs)."""
+        return self.fleet.gpus // self.fleet.gpus_per_engine
+
+
+def spec_for(setup: Setup, start: tuple[int, int]) -> PDClusterSpec:
+    a = setup.args
+    n, gpus = setup.engines, setup.fleet.gpus_per_engine
+    return PDClusterSpec.model_validate(
+        {
+            "model": {"name": "simulated"},
+            "prefill": {"replicas": start[0], "minReplicas": 1, "maxReplicas": n - 1, "gpusPerPod": gpus},
+            "decode": {"replicas": start[1], "minReplicas": 1, "maxReplicas": n - 1, "gpusPerPod": gpus},
+            "autoscaling": {
+                "enabled": True,
+                "gpuBudget": n,
+                "profile": setup.profile.name,
+                "slo": {
+                    "ttftMs": round(setup.slo.ttft_ms),
+                    "itlMs": round(setup.slo.itl_ms),
+                    "quantile": "p90",
+                },
+                "ttftIncludesPrefill": not setup.slo.plus_prefill,
+                "intervalSeconds": a.interval,
+                "windowSeconds": a.window,
+                "scaleUpStabilizationSeconds": a.scale_up_stabilization,
+                "scaleDownStabilizationSeconds": a.scale_down_stabilization,
+                "cooldownSeconds": a.cooldown,
+                "maxStep": a.max_step,
+                "tolerancePercent": a.tolerance,
+            },
+        }
+    )
+
+
+def model_split(setup: Setup) -> tuple[int, int]:
+    """The split the capacity models give for the trace's mean load (no observations)."""
+    tr, profile, n = setup.trace, setup.profile, setup.engines
+    rate = len(tr) / max(tr.span_s, 1e-9)
+    isl = sum(tr.input_tokens) / len(tr)
+    osl = sum(tr.output_tokens) / len(tr)
+    ttft = setup.slo.ttft_ms
+    prefill = models.calibrate_prefill(
+        profile,
+        rate=rate,
+        input_tokens=isl,
+        hit_ratio=0.0,
+        quantile=0.9,
+        engines=0,
+        observed_ttft_ms=None,
+        observed_wait_ms=None,
+        own_prefill=not setup.slo.plus_prefill,
+    )
+    bound = prefill.fixed_ms + max(ttft - prefill.fixed_ms, 0.2 * ttft)
+    p = models.fewest_engines(prefill.ttft_ms, bound, n - 1) or n - 1
+    decode = models.calibrate_decode(
+        profile, rate=rate, input_tokens=isl, output_tokens=osl, engines=0, observed_itl_ms=None
+    )
+    d = models.fewest_engines(
+        decode.itl_ms, setup.slo.itl_ms, n - 1, lambda k: decode.kv_usage(k) <= models.KV_LIMIT
+    )
+    d = d or n - 1
+    if p + d > n:
+        p = min(max(round(n * p / (p + d)), 1), n - 1)
+        d = n - p
+    return p, d
+
+
+def make_policy(name: str, setup: Setup, start: tuple[int, int] | None = None):
+    if name.startswith("static:"):
+        _, p, d = name.split(":")
+        return Static(int(p), int(d))
+    start = start or model_split(setup)
+    if name == "pdcluster":
+        return PDCluster(spec_for(setup, start), setup.profile)
+    if name in ("dynamo", "dynamo-constant"):
+        return Dynamo(
+            setup.profile,
+            ttft_ms=setup.slo.ttft_ms,
+            itl_ms=setup.slo.itl_ms,
+            gpu_budget=setup.fleet.gpus,
+            start=start,
+            interval_s=setup.args.dynamo_interval,
+            predictor="constant" if name == "dynamo-constant" else "arima",
+        )
+    raise ValueError(f"unknown policy {name!r}")
+
+
+# One setup per process: workers inherit it when they fork.
+_SETUP: Setup | None = None
+_START: tuple[int, int] | None = None
+
+
+def _run(name: str) -> tuple[Score, Result]:
+    assert _SETUP is not None
+    result = simulate(_SETUP.trace, _SETUP.profile, make_policy(name, _SETUP, _START), _SETUP.fleet)
+    return score(result, _SETUP.trace, _SETUP.targets_s, _SETUP.slo.itl_ms), result
+
+
+def run_many(
+    setup: Setup, names: list[str], jobs: int, start: tuple[int, int] | None = None
+) -> list[tuple[Score, Result]]:
+    global _SETUP, _START
+    _SETUP, _START = setup, start
+    if jobs <= 1 or len(names) == 1:
+        return [_run(n) for n in names]
+    with ProcessPoolExecutor(min(jobs, len(names)), mp_context=get_context("fork")) as pool:
+        return list(pool.map(_run, names))
+
+
+def static_best(setup: Setup, jobs: int, exhaustive: bool) -> tuple[Score, Result, list[Score]]:
+    """The best split in hindsight: every split, or a hill climb from the model's split."""
+    n = setup.engines
+    splits = [f"static:{p}:{n - p}" for p in range(1, n)]
+    if exhaustive:
+        runs = run_many(setup, splits, jobs)
+    else:
+        seen: dict[int, tuple[Score, Result]] = {}
+        p = model_split(setup)[0]
+        while True:
+            todo = [q for q in (p - 1, p, p + 1) if 1 <= q < n and q not in seen]
+            for q, run in zip(
+                todo, run_many(setup, [f"static:{q}:{n - q}" for q in todo], jobs), strict=True
+            ):
+                seen[q] = run
+            best = max(seen, key=lambda q: (seen[q][0].attainment, -abs(q - p)))
+            if best == p:
+                break
+            p = best
+        runs = [seen[q] for q in sorted(seen)]
+    best_score, best_result = max(runs, key=lambda r: r[0].attainment)
+    named = Score(**{**best_score.__dict__, "policy": f"static-best ({best_score.policy[7:]})"})
+    return named, best_result, [r[0] for r in runs]
+
+
+def find_rate_scale(base: Trace, make_setup, jobs: int, log) -> float:
+    """A rate scale at which static-best attains BAND (geometric bisection)."""
+    setup = make_setup(1.0)
+    tr, profile = setup.trace, setup.profile
+    rate = len(tr) / max(tr.span_s, 1e-9)
+    isl = sum(tr.input_tokens) / len(tr)
+    osl = sum(tr.output_tokens) / len(tr)
+    context = isl + osl / 2
+    gpu_load = rate * isl / profile.prefill_tokens_per_s(int(isl)) + rate * osl / max(
+        profile.decode_tokens_per_s(setup.slo.itl_ms, int(context)), 1.0
+    )
+    scale = 0.8 * setup.engines / gpu_load
+    low, high = 0.0, math.inf
+    for _ in range(12):
+        attained = static_best(make_setup(scale), jobs, exhaustive=False)[0].attainment
+        log(f"  rate scale {scale:.2f}: static-best attainment {attained:.3f}")
+        if BAND[0] <= attained <= BAND[1]:
+            return scale
+        if attained > BAND[1]:
+            low = scale
+        else:
+            high = scale
+        if low and math.isfinite(high):
+            scale = math.sqrt(low * high)
+        else:
+            scale = scale * 1.6 if math.isfinite(scale) and not math.isfinite(high) else scale / 1.6
+    return scale
+
+
+# ------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="Mooncake JSONL or Azure CSV trace")
+    parser.add_argument(
+        "--format", choices=("mooncake", "azure"), help="trace format (default: from the suffix)"
+    )
+    parser.add_argument(
+        "--profile",
+        default=perf.DEFAULT_PROFILE,
+        choices=perf.profile_names(),
+        metavar="NAME",
+        help="latency profile of one engine: " + ", ".join(perf.profile_names()),
+    )
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs of the cluster (the budget)")
+    parser.add_argument("--slo-ttft-ms", type=float, required=True, help="TTFT target")
+    parser.add_argument("--slo-itl-ms", type=float, required=True, help="mean ITL target per request")
+    parser.add_argument(
+        "--ttft-plus-prefill",
+        action="store_true",
+        help="a request's TTFT target is --slo-ttft-ms plus its own isolated prefill time (long prompts)",
+    )
+    parser.add_argument(
+        "--rate-scale", type=float, help="raise the request rate by this factor (default: searched)"
+    )
+    parser.add_argument(
+        "--rate-mode",
+        choices=("compress", "replicate"),
+        default="compress",
+        help="compress: replay the trace faster (time shrinks); replicate: keep the time axis and add "
+        "independent copies of the trace's users (load patterns keep their duration)",
+    )
+    parser.add_argument("--startup-s", type=float, default=60.0, help="engine start-up delay")
+    parser.add_argument("--link-gbps", type=float, default=200.0, help="P->D KV transfer bandwidth")
+    parser.add_argument("--router", choices=("prefix-aware", "least-loaded"), default="prefix-aware")
+    parser.add_argument(
+        "--policy",
+        action="append",
+        help="static:P:D, static-best, dynamo, dynamo-constant or pdcluster (repeatable; default: "
+        + ", ".join(DEFAULT_POLICIES)
+        + ")",
+    )
+    parser.add_argument(
+        "--start",
+        default="best",
+        help="split the dynamic policies start from: best (static-best's), model (the capacity model's "
+        "for the mean load) or P:D",
+    )
+    parser.add_argument("--interval", type=int, default=30, help="pdcluster: autoscaling.intervalSeconds")
+    parser.add_argument("--window", type=int, default=120, help="pdcluster: autoscaling.windowSeconds")
+    parser.add_argument("--scale-up-stabilization", type=int, default=0)
+    parser.add_argument("--scale-down-stabilization", type=int, default=300)
+    parser.add_argument("--cooldown", type=int, default=60)
+    parser.add_argument("--max-step", type=int, default=2)
+    parser.add_argument("--tolerance", type=int, default=10, help="pdcluster: tolerancePercent")
+    parser.add_argument("--dynamo-interval", type=float, default=180.0, help="dynamo: adjustment_interval")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival jitter")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel simulations")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", help="write a PNG of replicas and latency over time (needs matplotlib)")
+
+
+def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dict[str, Result], Setup]:
+    """Simulate every requested policy; the report, the raw results and the setup."""
+    profile = perf.load(args.profile)
+    base = load_trace(args.trace, args.format, seed=args.seed)
+    slo = SLO(args.slo_ttft_ms, args.slo_itl_ms, args.ttft_plus_prefill)
+    fleet = FleetConfig(
+        gpus=args.gpus,
+        startup_s=args.startup_s,
+        link_gbps=args.link_gbps,
+        router=args.router,
+        gpus_per_engine=profile.gpus,
+    )
+
+    def make_setup(scale: float) -> Setup:
+        trace = base.scaled(scale) if args.rate_mode == "compress" else base.replicated(scale, args.seed)
+        return Setup(trace, profile, slo, fleet, args)
+
+    searched = args.rate_scale is None
+    if searched:
+        say(f"searching the rate scale at which static-best attains {BAND[0]:.0%}-{BAND[1]:.0%} ...")
+    scale = args.rate_scale or find_rate_scale(base, make_setup, args.jobs, say)
+    setup = make_setup(scale)
+    names = args.policy or list(DEFAULT_POLICIES)
+    scores: list[Score] = []
+    results: dict[str, Result] = {}
+    simple = [n for n in names if n != "static-best"]
+    dynamic = [n for n in simple if not n.startswith("static:")]
+    best = None
+    if "static-best" in names or (dynamic and args.start == "best"):
+        best, result, _ = static_best(setup, args.jobs, exhaustive=True)
+        if "static-best" in names:
+            scores.append(best)
+            results[best.policy] = result
+    start = _start(args.start, setup, best)
+    for sc, result in run_many(setup, simple, args.jobs, start):
+        scores.append(sc)
+        results[sc.policy] = result
+    return _report(setup, scale, searched, scores, results, start), results, setup
+
+
+def run(args: argparse.Namespace) -> int:
+    say = (lambda _msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
+    report, results, setup = evaluate(args, say)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    if args.plot:
+        return _plot(args.plot, results, setup)
+    return 0
+
+
+def _start(spec: str, setup: Setup, best: Score | None) -> tuple[int, int]:
+    if spec == "best" and best is not None:
+        p, d = best.policy[len("static-best (") : -1].split(":")
+        return int(p), int(d)
+    if spec in ("best", "model"):
+        return model_split(setup)
+    p, d = spec.split(":")
+    return int(p), int(d)
+
+
+def _report(
+    setup: Setup,
+    scale: float,
+    searched: bool,
+    scores: list[Score],
+    results: dict[str, Result],
+    start: tuple[int, int],
+) -> dict:
+    trace = setup.trace
+    report: dict = {
+        "trace": trace.name,
+        "requests": len(trace),
+        "span_s": round(trace.span_s, 1),
+        "rate_scale": round(scale, 3),
+        "rate_mode": setup.args.rate_mode,
+        "rate_scale_searched": searched,
+        "profile": setup.profile.name,
+        "gpus": setup.fleet.gpus,
+        "slo": {
+            "ttft_ms": setup.slo.ttft_ms,
+            "itl_ms": setup.slo.itl_ms,
+            "ttft_plus_prefill": setup.slo.plus_prefill,
+        },
+        "dynamic_start": f"{start[0]}:{start[1]}",
+        "policies": {s.policy: s.as_dict() for s in scores},
+    }
+    best = next((s for s in scores if s.policy.startswith("static-best")), None)
+    ours = next((s for s in scores if s.policy == "pdcluster"), None)
+    lines = []
+    if best is not None:
+        lines.append(
+            f"Static: deploy {best.policy[13:-1]} (prefill:decode); it meets the SLO for "
+            f"{best.attainment:.1%} of requests at {scale:.2f}x the trace's rate."
+        )
+    if ours is not None:
+        timeline = results["pdcluster"].timeline
+        p, d = _time_weighted_split(timeline, results["pdcluster"].end_s)
+        lines.append(
+            f"Autoscaled: start at {start[0]}:{start[1]} with autoscaling.gpuBudget {setup.fleet.gpus}; "
+            f"pdcluster held {p:.1f}:{d:.1f} on average and met the SLO for {ours.attainment:.1%} "
+            f"with {ours.gpu_hours:.2f} GPU-hours"
+            + (f" ({ours.gpu_hours / best.gpu_hours:.0%} of static-best's)." if best else ".")
+        )
+    report["recommendation"] = " ".join(lines)
+    return report
+
+
+def _time_weighted_split(timeline, end_s: float) -> tuple[float, float]:
+    total_p = total_d = 0.0
+    for (t, p, d, *_), nxt in zip(timeline, [*timeline[1:], (end_s,)], strict=True):
+        total_p += p * (nxt[0] - t)
+        total_d += d * (nxt[0] - t)
+    span = max(end_s - timeline[0][0], 1e-9)
+    return total_p / span, total_d / span
+
+
+def print_table(report: dict) -> None:
+    slo = report["slo"]
+    ttft = f"TTFT <= {slo['ttft_ms']:.0f} ms" + (" + isolated prefill" if slo["ttft_plus_prefill"] else "")
+    print(
+        f"{report['trace']}: {report['requests']} requests over {report['span_s']:.0f} s "
+        f"(rate x{report['rate_scale']} by {report['rate_mode']}{', searched' if report['rate_scale_searched'] else ''}), "
+        f"{report['gpus']} GPUs, {report['profile']}, SLO {ttft} and mean ITL <= {slo['itl_ms']:.0f} ms"
+    )
+    head = ("policy", "attain", "goodput/s", "GPU-h", "good/GPU-h", "TTFT p90", "ITL p90", "decisions")
+    print(f"{head[0]:<24}" + "".join(f"{h:>11}" for h in head[1:]))
+    for name, s in report["policies"].items():
+        print(
+            f"{name:<24}{s['attainment']:>11.1%}{s['goodput_rps']:>11.2f}{s['gpu_hours']:>11.2f}"
+            f"{s['goodput_per_gpu_hour']:>11.0f}{s['ttft_p90_ms']:>9.0f}ms{s['itl_p90_ms']:>9.1f}ms{s['decisions']:>11}"
+        )
+    print(report["recommendation"])
+
+
+def _plot(path: str, results: dict[str, Result], setup: Setup) -> int:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install 'pdcluster-operator[plot]')", file=sys.stderr)
+        return 2
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for name, result in results.items():
+        times = [row[0] for row in result.timeline] + [result.end_s]
+        prefill = [row[1] for row in result.timeline]
+        decode = [row[2] for row in result.timeline]
+        line = top.step(times[:-1], prefill, where="post", label=f"{name} prefill")[0]
+        top.step(
+            times[:-1], decode, where="post", linestyle="--", color=line.get_color(), label=f"{name} decode"
+        )
+        bins = _ttft_p90_over_time(result, setup.trace)
+        bottom.plot([b[0] for b in bins], [b[1] for b in bins], color=line.get_color(), label=name)
+    top.set_ylabel("ready engines")
+    top.legend(fontsize=7, ncol=2)
+    bottom.set_ylabel("TTFT p90 per 30 s (ms)")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=110)
+    return 0
+
+
+def _ttft_p90_over_time(result: Result, trace: Trace, width: float = 30.0) -> list[tuple[float, float]]:
+    buckets: dict[int, list[float]] = {}
+    for i, t in enumerate(trace.arrival_s):
+        if result.finished[i]:
+            buckets.setdefault(int(t // width), []).append(result.ttft_s[i] * 1000.0)
+    return [(k * width, perf.percentile(v, 90)) for k, v in sorted(buckets.items())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdctl plan", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

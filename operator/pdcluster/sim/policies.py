@@ -1,0 +1,67 @@
+"""Policies the fleet simulator compares: a fixed split, and ours through the control law."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+
+from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
+from pdcluster.control import Observed, RoleObserved, decide
+from pdcluster.control.law import QUANTILES
+from pdcluster.perf import Profile
+from pdcluster.sim import metrics
+from pdcluster.sim.fleet import PENDING, Fleet
+
+# Simulated time 0 on the wall clock the control law reads.
+EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class Static:
+    interval_s = math.inf
+
+    def __init__(self, prefill: int, decode: int) -> None:
+        self.split = (prefill, decode)
+        self.name = f"static:{prefill}:{decode}"
+
+    def initial(self) -> tuple[int, int]:
+        return self.split
+
+    def decide(self, now_s: float, fleet: Fleet) -> tuple[int, int] | None:
+        return None
+
+
+def observed(fleet: Fleet) -> Observed:
+    roles = {}
+    for index, role in enumerate(("prefill", "decode")):
+        engines = fleet.active(role)
+        roles[role] = RoleObserved(
+            desired=fleet.targets[index],
+            replicas=len(engines),
+            ready=len(fleet.ready[role]),
+            unschedulable=sum(1 for e in engines if e.state == PENDING),
+        )
+    return Observed(**roles)
+
+
+class PDCluster:
+    """pdcluster.control.decide, fed with what Prometheus would show of the fleet."""
+
+    name = "pdcluster"
+
+    def __init__(self, spec: PDClusterSpec, profile: Profile) -> None:
+        self.spec = spec
+        self.profile = profile
+        self.interval_s = float(spec.autoscaling.interval_seconds)
+        self.state: AutoscalingState | None = None
+        self.last_reason = ""
+
+    def initial(self) -> tuple[int, int]:
+        return self.spec.prefill.replicas, self.spec.decode.replicas
+
+    def decide(self, now_s: float, fleet: Fleet) -> tuple[int, int] | None:
+        auto = self.spec.autoscaling
+        snap = metrics.snapshot(fleet.scrapes, now_s, auto.window_seconds, QUANTILES[auto.slo.quantile.value])
+        now = EPOCH + timedelta(seconds=now_s)
+        self.state, decision = decide(self.spec, snap, self.state, observed(fleet), now, profile=self.profile)
+        self.last_reason = decision.reason
+        return decision.prefill, decision.decode

@@ -1,0 +1,155 @@
+"""Shared fixtures. The cluster fixtures start (or reuse) the local control plane
+(e2e/local/cluster); pure unit tests never request them, so they start nothing.
+
+  PDCLUSTER_TEST_CLUSTER   cluster name used by the tests (default: pdtest)
+  PDCLUSTER_KEEP_CLUSTER=1 leave the cluster up after the session (the next one reuses it)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "e2e" / "local"))
+
+from localcluster import State, load_state  # noqa: E402
+from localcluster.kubeconfig import for_service_account  # noqa: E402
+from pdcluster.io.kube import Kube, KubeConfig  # noqa: E402
+
+CLUSTER_NAME = os.environ.get("PDCLUSTER_TEST_CLUSTER", "pdtest")
+_timings: list[tuple[str, str, float]] = []
+
+
+async def wait_until(
+    predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2, message: str = ""
+) -> Any:
+    """Polls `predicate` (sync or async) until it returns something truthy, and returns it.
+    A predicate may also raise AssertionError to mean "not yet"."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            value = predicate()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value
+            last = value
+        except AssertionError as e:
+            last = e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true after {timeout}s: {message or predicate}; last: {last!r}")
+        await asyncio.sleep(interval)
+
+
+def _cluster(*args: str) -> None:
+    subprocess.run([sys.executable, str(REPO / "e2e" / "local" / "cluster"), "--name", CLUSTER_NAME, *args], check=True)
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[State]:
+    """The local control plane, started once per session (or reused if it is already up)."""
+    started = time.monotonic()
+    _cluster("up")
+    _timings.append(("session", "cluster up", time.monotonic() - started))
+    state = load_state(CLUSTER_NAME)
+    assert state is not None
+    yield state
+    if os.environ.get("PDCLUSTER_KEEP_CLUSTER") != "1":
+        _cluster("down")
+
+
+@pytest.fixture(scope="session")
+def prometheus_url(local_cluster: State) -> str:
+    return local_cluster.prometheus_url
+
+
+@pytest.fixture
+async def kube(local_cluster: State) -> AsyncIterator[Kube]:
+    """An async client with the admin kubeconfig (system:masters)."""
+    async with Kube(KubeConfig.from_file(local_cluster.kubeconfig)) as client:
+        yield client
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., Awaitable[Any]]:
+    return wait_until
+
+
+@pytest.fixture
+async def namespace(kube: Kube, request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """A fresh namespace for one test, deleted afterwards. Teardown waits until its pods are
+    gone, so the next test finds the nodes' GPUs free again."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].rstrip("-")
+    name = f"{slug}-{uuid.uuid4().hex[:5]}"
+    await kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    # Pods are refused until the service account controller has made "default".
+    await wait_until(lambda: kube.get("v1", "ServiceAccount", "default", name), timeout=30,
+                     message=f"default ServiceAccount in {name}")
+    yield name
+    # Deleting the namespace first stops controllers from re-creating pods (the apiserver
+    # refuses new objects in a terminating namespace); deleting the pods ourselves saves
+    # the namespace controller's fixed 5 s delay before it starts.
+    await kube.delete("v1", "Namespace", name)
+    await kube.request("DELETE", f"/api/v1/namespaces/{name}/pods")
+
+    async def pods_gone() -> bool:
+        return not await kube.list("v1", "Pod", name)
+
+    await wait_until(pods_gone, timeout=120, interval=0.5, message=f"pods of namespace {name} deleted")
+
+
+@pytest.fixture
+def service_account_kubeconfig(kube: Kube, tmp_path: Path) -> Callable[[str, str], Awaitable[Path]]:
+    """`await service_account_kubeconfig(namespace, name)`: a kubeconfig that authenticates
+    as that ServiceAccount (a TokenRequest token), to run a component with its own RBAC."""
+
+    async def mint(namespace: str, name: str) -> Path:
+        return await for_service_account(kube, tmp_path / f"{namespace}-{name}.kubeconfig", namespace, name)
+
+    return mint
+
+
+@pytest.fixture
+def pod_log(local_cluster: State) -> Callable[[str, str, str], str]:
+    """`pod_log(namespace, pod, container)`: what the container has written so far."""
+
+    def read(namespace: str, pod: str, container: str) -> str:
+        path = Path(local_cluster.run_dir) / "pods" / f"{namespace}_{pod}" / f"{container}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    return read
+
+
+@pytest.fixture
+def stopwatch(request: pytest.FixtureRequest) -> Callable[[str], Any]:
+    """`with stopwatch("what"):` records how long a part of a test took; the figures are
+    printed at the end of the session."""
+
+    @contextmanager
+    def measure(what: str) -> Iterator[None]:
+        started = time.monotonic()
+        yield
+        _timings.append((request.node.name, what, time.monotonic() - started))
+
+    return measure
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _timings:
+        terminalreporter.section("local cluster timings")
+        for test, what, seconds in _timings:
+            terminalreporter.write_line(f"{seconds:7.2f}s  {test}: {what}")

@@ -1,0 +1,177 @@
+"""Calibration: requests from a real trace, replayed through simulators over HTTP and
+timed from the client side, reproduce the latency profile the simulator runs on.
+
+- isolated requests (one at a time): TTFT = Profile.prefill_one_ms(L) and the mean
+  inter-token latency = Profile.decode_step_ms(1, kv);
+- a batch of B concurrent requests: TTFT = Profile.prefill_ms([L] * B) and ITL =
+  Profile.decode_step_ms(B, B * kv);
+- prefill on one simulator, decode on another, through the router: TTFT = prefill +
+  KV transfer (bytes per token over the link) + one decode step.
+All within 10%. Prompts are token-id lists, so their length is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import statistics
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+import pytest
+
+from pdcluster import perf
+from pdcluster.enginesim.cli import parse
+from pdcluster.enginesim.main import Simulator
+from pdcluster.router.main import RouterService, parser
+from pdcluster.router.membership import parse_static
+
+# No chunking, so a prompt is one prefill pass, as in the profile's measurements.
+BUDGET = ("--max-num-batched-tokens", "65536")
+MAX_OUTPUT = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trace_slice(count: int) -> list[tuple[int, int]]:
+    """(input, output) lengths of the first requests of the Mooncake conversation trace
+    within the profile's measured range (100 to ~16k tokens), outputs capped."""
+    path = perf.traces_dir() / "mooncake_conversation_trace.jsonl"
+    picked = []
+    with path.open() as f:
+        for line in f:
+            row = json.loads(line)
+            if 1000 <= row["input_length"] <= 16000 and row["output_length"] >= 8:
+                picked.append((row["input_length"], min(row["output_length"], MAX_OUTPUT)))
+            if len(picked) == count:
+                return picked
+    raise AssertionError("trace too short")
+
+
+@contextlib.asynccontextmanager
+async def simulator(*argv: str) -> AsyncIterator[Simulator]:
+    config = parse(["m", "--host", "127.0.0.1", "--port", str(free_port()), *BUDGET, *argv])
+    config.bootstrap_port = free_port()
+    sim = Simulator(config)
+    await sim.start()
+    try:
+        yield sim
+    finally:
+        await sim.stop()
+
+
+async def timed_stream(
+    http: aiohttp.ClientSession, url: str, prompt_tokens: int, max_tokens: int
+) -> list[float]:
+    """Client-side arrival times of each token, relative to sending."""
+    body = {
+        "prompt": list(range(prompt_tokens)),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    data = orjson.dumps(body)
+    times: list[float] = []
+    started = time.monotonic()
+    async with http.post(
+        f"{url}/v1/completions", data=data, headers={"Content-Type": "application/json"}
+    ) as resp:
+        assert resp.status == 200
+        buffer = b""
+        async for chunk in resp.content.iter_any():
+            now = time.monotonic() - started
+            buffer += chunk
+            events, _, buffer = buffer.rpartition(b"\n\n")
+            times += [now] * events.count(b'"text":')
+    assert len(times) == max_tokens
+    return times
+
+
+def mean_itl(times: list[float]) -> float:
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def assert_close(ratios: list[float], what: str) -> None:
+    """Measured/expected ratios: the median within 10%; none off by more than 30%, which
+    leaves room for a stall of a loaded 2-core machine but not for a wrong model."""
+    median = statistics.median(ratios)
+    assert 0.9 <= median <= 1.1, f"{what}: median ratio {median:.3f} ({[round(r, 3) for r in ratios]})"
+    assert all(0.7 <= r <= 1.3 for r in ratios), f"{what}: {[round(r, 3) for r in ratios]}"
+
+
+async def test_isolated_requests_match_the_profile(http: aiohttp.ClientSession) -> None:
+    ttft, itl = [], []
+    async with simulator() as sim:
+        profile, url = sim.profile, f"http://127.0.0.1:{sim.config.port}"
+        for prompt, output in trace_slice(10):
+            times = await timed_stream(http, url, prompt, output)
+            ttft.append(times[0] / (profile.prefill_one_ms(prompt) / 1000))
+            # Mean step over the KV sizes this request's decode passed through.
+            expected_itl = (
+                statistics.fmean(profile.decode_step_ms(1, prompt + i) for i in range(1, output)) / 1000
+            )
+            itl.append(mean_itl(times) / expected_itl)
+    assert_close(ttft, "TTFT")
+    assert_close(itl, "ITL")
+
+
+async def test_a_batch_matches_the_profile(http: aiohttp.ClientSession) -> None:
+    batch, prompt, output = 16, 2000, 48
+    async with simulator() as sim:
+        profile, url = sim.profile, f"http://127.0.0.1:{sim.config.port}"
+        # The requests must reach the engine together to share one prefill batch; send
+        # them, then time each from the moment all are out.
+        runs = await asyncio.gather(*(timed_stream(http, url, prompt, output) for _ in range(batch)))
+    expected_ttft = profile.prefill_ms([prompt] * batch) / 1000
+    expected_itl = (
+        statistics.fmean(profile.decode_step_ms(batch, batch * (prompt + i)) for i in range(1, output)) / 1000
+    )
+    assert statistics.median(t[0] for t in runs) == pytest.approx(expected_ttft, rel=0.10)
+    assert statistics.median(mean_itl(t) for t in runs) == pytest.approx(expected_itl, rel=0.10)
+
+
+async def test_disaggregated_ttft_adds_the_kv_transfer(http: aiohttp.ClientSession) -> None:
+    producer = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
+    consumer = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}'
+    gbps = 50.0  # a slow link, so the transfer is a visible share of TTFT
+    async with (
+        simulator("--kv-transfer-config", producer, "--sim-kv-gbps", str(gbps)) as p,
+        simulator("--kv-transfer-config", consumer) as d,
+    ):
+        args = parser().parse_args(
+            ["--host", "127.0.0.1", "--port", str(free_port()), "--no-admission",
+             "--prefill", f"http://127.0.0.1:{p.config.port}#bootstrap={p.config.bootstrap_port}",
+             "--decode", f"http://127.0.0.1:{d.config.port}"]
+        )  # fmt: skip
+        service = RouterService(args, parse_static(args.prefill, args.decode))
+        await service.start()
+        try:
+            async with asyncio.timeout(5):
+                while not service.pool.ready:  # type: ignore[union-attr]
+                    await asyncio.sleep(0.02)
+            profile, ratios = p.profile, []
+            for prompt, output in trace_slice(6):
+                times = await timed_stream(http, f"http://127.0.0.1:{args.port}", prompt, output)
+                expected = (
+                    profile.prefill_one_ms(prompt)
+                    + profile.kv_transfer_ms(prompt, gbps)
+                    + profile.decode_step_ms(1, prompt)
+                ) / 1000
+                ratios.append(times[0] / expected)
+            assert_close(ratios, "disaggregated TTFT")
+        finally:
+            await service.stop()

@@ -1,0 +1,122 @@
+"""SIGTERM: the router stops taking requests, finishes in-flight streams, exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from pdcluster.enginesim.cli import parse
+from pdcluster.enginesim.main import Simulator
+
+ROUTER = str(Path(sys.executable).parent / "pdcluster-router")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def engines() -> AsyncIterator[tuple[str, str]]:
+    """A prefill and a decode simulator at real time (decode steps of ~6 ms)."""
+    sims = []
+    for role in ("kv_producer", "kv_consumer"):
+        kv = f'{{"kv_connector":"MooncakeConnector","kv_role":"{role}"}}'
+        config = parse(["m", "--host", "127.0.0.1", "--port", str(free_port()), "--kv-transfer-config", kv])
+        config.bootstrap_port = free_port()
+        sims.append(Simulator(config))
+        await sims[-1].start()
+    p, d = sims
+    try:
+        yield (
+            f"http://127.0.0.1:{p.config.port}#bootstrap={p.config.bootstrap_port}",
+            f"http://127.0.0.1:{d.config.port}",
+        )
+    finally:
+        for sim in sims:
+            await sim.stop()
+
+
+@contextlib.asynccontextmanager
+async def router(
+    prefill: str, decode: str, *args: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        ROUTER, "--host", "127.0.0.1", "--port", str(port), "--prefill", prefill, "--decode", decode, *args,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http, asyncio.timeout(15):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"{url}/ready") as resp:
+                        if resp.status == 200:
+                            break
+                await asyncio.sleep(0.05)
+        yield proc, url
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def stream(http: aiohttp.ClientSession, url: str, max_tokens: int) -> tuple[int, list[bytes]]:
+    body = {"prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        raw = await resp.read()
+    return resp.status, [e for e in raw.split(b"\n\n") if e]
+
+
+async def test_sigterm_drains_in_flight_streams() -> None:
+    async with (
+        engines() as (prefill, decode),
+        router(prefill, decode, "--drain-timeout", "20") as (proc, url),
+    ):
+        async with aiohttp.ClientSession() as http:
+            streams = [asyncio.ensure_future(stream(http, url, 150)) for _ in range(4)]
+            await asyncio.sleep(0.3)  # all four are mid-stream (~1 s each)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            async with http.get(f"{url}/ready") as resp:
+                assert resp.status == 503
+            async with http.get(f"{url}/health") as resp:
+                assert resp.status == 200
+            async with http.post(f"{url}/v1/completions", json={"prompt": "late"}) as resp:
+                assert resp.status == 503
+                assert (await resp.json())["error"]["code"] == 503
+            results = await asyncio.gather(*streams)
+        started = time.monotonic()
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert time.monotonic() - started < 5
+    for status, events in results:
+        assert status == 200 and events[-1] == b"data: [DONE]"
+        tokens = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+        assert len(tokens) == 150 and tokens[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_drain_timeout_bounds_the_wait() -> None:
+    async with (
+        engines() as (prefill, decode),
+        router(prefill, decode, "--drain-timeout", "0.5") as (proc, url),
+        aiohttp.ClientSession() as http,
+    ):
+        long_stream = asyncio.ensure_future(stream(http, url, 5000))  # ~30 s
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert 0.4 < time.monotonic() - started < 5
+        with contextlib.suppress(aiohttp.ClientError):
+            await long_stream

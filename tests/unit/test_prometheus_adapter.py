@@ -1,0 +1,222 @@
+"""The Prometheus adapter against a real Prometheus (Debian's binary) on loopback.
+
+Three exporters (prometheus_client, as vLLM and the router use) stand in for the router
+and one engine of each role; prometheus_client spells vLLM's colons as underscores for
+this Prometheus (OpenMetrics negotiation), so the adapter must find either. Prometheus scrapes
+them every second and attaches `pdcluster`, `namespace` and `role` as target labels,
+as the cluster's scrape config does from pod labels. The expected quantiles come from
+the fleet simulator's histogram_quantile on the same buckets, so this also checks that
+the simulator evaluates PromQL the way Prometheus does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from pdcluster import observability as obs
+from pdcluster.io.prometheus import VLLM_PREFIX_HITS, VLLM_PREFIX_QUERIES, Prometheus, PrometheusUnavailable
+from pdcluster.sim.metrics import histogram_quantile
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason="Debian's prometheus is not installed"),
+]
+
+WINDOW_S = 15
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Exporters:
+    def __init__(self) -> None:
+        self.router, self.prefill, self.decode = CollectorRegistry(), CollectorRegistry(), CollectorRegistry()
+        r, p, d = self.router, self.prefill, self.decode
+        self.ttft = Histogram(obs.ROUTER_TTFT, "", buckets=obs.ROUTER_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(obs.ROUTER_ITL, "", buckets=obs.ROUTER_ITL_BUCKETS, registry=r)
+        self.requests = Counter(obs.ROUTER_REQUESTS, "", ("outcome",), registry=r)
+        self.requests.labels("ok")  # a counter's child exists from the start, as in the router
+        self.prompt_tokens = Counter(obs.ROUTER_PROMPT_TOKENS, "", registry=r)
+        self.generation_tokens = Counter(obs.ROUTER_GENERATION_TOKENS, "", registry=r)
+        self.prefill_ttft = Histogram(obs.VLLM_TTFT, "", buckets=obs.VLLM_TTFT_BUCKETS, registry=p)
+        self.queue_time = Histogram(
+            obs.VLLM_QUEUE_TIME, "", buckets=obs.VLLM_REQUEST_LATENCY_BUCKETS, registry=p
+        )
+        self.waiting = Gauge(obs.VLLM_WAITING, "", registry=p)
+        self.prefilled_tokens = Counter(obs.VLLM_PROMPT_TOKENS, "", registry=p)
+        self.prefilled = Counter(obs.VLLM_REQUEST_SUCCESS, "", registry=p)
+        self.prefix_queries = Counter(VLLM_PREFIX_QUERIES, "", registry=p)
+        self.prefix_hits = Counter(VLLM_PREFIX_HITS, "", registry=p)
+        self.decode_itl = Histogram(obs.VLLM_ITL, "", buckets=obs.VLLM_ITL_BUCKETS, registry=d)
+        self.kv_usage = Gauge(obs.VLLM_KV_USAGE, "", registry=d)
+        Gauge(obs.VLLM_WAITING, "", registry=d)
+        self.generated = Counter(obs.VLLM_GENERATION_TOKENS, "", registry=d)
+        self.waiting.set(4)  # gauges are constant for the whole test
+        self.kv_usage.set(0.42)
+        self.servers = []
+        self.ports = {}
+        for role, registry in (("router", r), ("prefill", p), ("decode", d)):
+            port = free_port()
+            self.servers.append(start_http_server(port, addr="127.0.0.1", registry=registry))
+            self.ports[role] = port
+
+    def close(self) -> None:
+        for server, _ in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture(scope="module")
+def exporters() -> Iterator[Exporters]:
+    ex = Exporters()
+    yield ex
+    ex.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(exporters: Exporters, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("prometheus")
+    jobs = "".join(
+        f"""
+  - job_name: {role}
+    static_configs:
+      - targets: ["127.0.0.1:{port}"]
+        labels: {{{obs.PROM_LABEL_CLUSTER}: demo, namespace: team-a, {obs.PROM_LABEL_ROLE}: {role}}}
+"""
+        for role, port in exporters.ports.items()
+    )
+    (root / "prometheus.yml").write_text(f"global:\n  scrape_interval: 1s\nscrape_configs:{jobs}")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={root / 'prometheus.yml'}",
+            f"--storage.tsdb.path={root / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+async def wait_for(url: str, promql: str, want: float, deadline_s: float = 30.0) -> None:
+    async with aiohttp.ClientSession() as session:
+        client = Prometheus(url, session, timeout_s=1.0)
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            try:
+                if (await client.query(promql)) == want:
+                    return
+            except PrometheusUnavailable:
+                pass
+            await asyncio.sleep(0.25)
+    raise AssertionError(f"{promql} never became {want}")
+
+
+def bucket_counts(bounds: tuple[float, ...], values: list[float]) -> list[int]:
+    counts = [0] * (len(bounds) + 1)
+    for v in values:
+        counts[next((i for i, b in enumerate(bounds) if v <= b), len(bounds))] += 1
+    return counts
+
+
+async def test_snapshot_matches_what_was_exported(exporters: Exporters, prometheus: str) -> None:
+    await wait_for(prometheus, 'count(up{pdcluster="demo"} == 1)', 3)
+    started = time.monotonic()
+    await asyncio.sleep(1.5)  # a zero sample of every series before the traffic
+    ttfts = [0.05 * (i % 20) + 0.01 for i in range(200)]
+    itls = [0.004 + 0.0003 * (i % 50) for i in range(2000)]
+    prefill_ttfts = [0.03 * (i % 10) + 0.02 for i in range(200)]
+    queue = [0.001 * i for i in range(200)]
+    for v in ttfts:
+        exporters.ttft.observe(v)
+    for v in itls:
+        exporters.itl.observe(v)
+        exporters.decode_itl.observe(v)
+    for v in prefill_ttfts:
+        exporters.prefill_ttft.observe(v)
+    for v in queue:
+        exporters.queue_time.observe(v)
+    exporters.requests.labels("ok").inc(200)
+    exporters.prompt_tokens.inc(200 * 3000)
+    exporters.generation_tokens.inc(200 * 150)
+    exporters.prefilled.inc(200)
+    exporters.prefilled_tokens.inc(200 * 3000)
+    exporters.prefix_queries.inc(200 * 3000)
+    exporters.prefix_hits.inc(200 * 750)
+    exporters.generated.inc(200 * 150)
+    await asyncio.sleep(3.0)  # two or more scrapes after it
+
+    async with aiohttp.ClientSession() as session:
+        snap = await Prometheus(prometheus, session).snapshot("team-a", "demo", WINDOW_S, 0.9)
+    elapsed = time.monotonic() - started
+
+    assert snap is not None
+    expected_ttft = histogram_quantile(
+        0.9, obs.ROUTER_TTFT_BUCKETS, bucket_counts(obs.ROUTER_TTFT_BUCKETS, ttfts)
+    )
+    assert snap.ttft_ms == pytest.approx(expected_ttft * 1000)
+    expected_itl = histogram_quantile(
+        0.9, obs.ROUTER_ITL_BUCKETS, bucket_counts(obs.ROUTER_ITL_BUCKETS, itls)
+    )
+    assert snap.itl_ms == pytest.approx(expected_itl * 1000)
+    expected_decode = histogram_quantile(0.9, obs.VLLM_ITL_BUCKETS, bucket_counts(obs.VLLM_ITL_BUCKETS, itls))
+    assert snap.decode.itl_ms == pytest.approx(expected_decode * 1000)
+    expected_prefill = histogram_quantile(
+        0.9, obs.VLLM_TTFT_BUCKETS, bucket_counts(obs.VLLM_TTFT_BUCKETS, prefill_ttfts)
+    )
+    assert snap.prefill.ttft_ms == pytest.approx(expected_prefill * 1000)
+    assert snap.prefill.queue_time_ms == pytest.approx(sum(queue) / len(queue) * 1000)
+    # Ratios of counters of one target: rate() extrapolates both alike (up to rounding).
+    assert snap.mean_input_tokens == pytest.approx(3000, rel=1e-3)
+    assert snap.mean_output_tokens == pytest.approx(150, rel=1e-3)
+    assert snap.prefix_hit_ratio == pytest.approx(0.25, rel=1e-3)
+    assert snap.decode_kv_usage == pytest.approx(0.42)
+    assert snap.prefill_queue == pytest.approx(4)
+    assert snap.prefill.ready == pytest.approx(1.0)
+    assert snap.decode.ready == pytest.approx(1.0)
+    # A rate: the 200 requests arrived within `elapsed`; rate() spreads them over at
+    # most the window and at least the sampled span.
+    assert 200 / WINDOW_S <= snap.request_rate <= 200 / (elapsed - 2.0)
+    assert snap.prefill.tokens_per_s == pytest.approx(snap.request_rate * 3000, rel=0.35)
+
+
+async def test_a_cluster_prometheus_has_never_seen_is_none(prometheus: str, exporters: Exporters) -> None:
+    await wait_for(prometheus, 'count(up{pdcluster="demo"} == 1)', 3)
+    async with aiohttp.ClientSession() as session:
+        assert await Prometheus(prometheus, session).snapshot("team-a", "other", WINDOW_S, 0.9) is None
+        assert await Prometheus(prometheus, session).snapshot("team-b", "demo", WINDOW_S, 0.9) is None
+
+
+async def test_an_unreachable_prometheus_is_unavailable() -> None:
+    async with aiohttp.ClientSession() as session:
+        client = Prometheus(f"http://127.0.0.1:{free_port()}", session, timeout_s=1.0)
+        with pytest.raises(PrometheusUnavailable, match=r"127\.0\.0\.1"):
+            await client.snapshot("team-a", "demo", WINDOW_S, 0.9)
+
+
+async def test_an_error_answer_is_unavailable(prometheus: str) -> None:
+    await wait_for(prometheus, "vector(1)", 1)
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(PrometheusUnavailable, match="query failed"):
+            await Prometheus(prometheus, session).query("sum(rate(")
+        assert await Prometheus(prometheus, session).query("0/0") is None

@@ -1,0 +1,199 @@
+"""The fleet simulator: calibration against the profile, conservation, determinism, GPU
+accounting, and its Prometheus emulation."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from pdcluster import perf
+from pdcluster.sim.fleet import FleetConfig, simulate
+from pdcluster.sim.metrics import Histogram, histogram_quantile, snapshot
+from pdcluster.sim.policies import Static
+from pdcluster.sim.trace import Trace
+
+PROFILE = perf.load()
+LINK_GBPS = 200.0
+
+
+def trace(
+    n: int, rate: float, seed: int = 1, isl: tuple[int, int] = (500, 8000), osl: tuple[int, int] = (20, 400)
+):
+    rng = random.Random(seed)
+    t, arrival, inputs, outputs, blocks = 0.0, [], [], [], []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        arrival.append(t)
+        inputs.append(rng.randint(*isl))
+        outputs.append(rng.randint(*osl))
+        # A few shared conversation prefixes, so that prefix caching has work to do.
+        root = rng.randrange(20)
+        blocks.append(tuple(root * 1000 + k for k in range(math.ceil(inputs[-1] / 512))))
+    return Trace("synthetic", arrival, inputs, outputs, blocks)
+
+
+class Scripted:
+    """A policy that moves the fleet along a fixed schedule."""
+
+    name = "scripted"
+    interval_s = 20.0
+
+    def __init__(self, start: tuple[int, int], steps: list[tuple[int, int]]) -> None:
+        self.start, self.steps = start, list(steps)
+
+    def initial(self) -> tuple[int, int]:
+        return self.start
+
+    def decide(self, now_s, fleet):
+        return self.steps.pop(0) if self.steps else None
+
+
+@pytest.mark.parametrize(("prompt", "output"), [(100, 2), (3000, 150), (16000, 40)])
+def test_an_isolated_request_takes_exactly_the_profiles_time(prompt: int, output: int) -> None:
+    single = Trace("one", [5.0], [prompt], [output], [()])
+    result = simulate(single, PROFILE, Static(1, 1), FleetConfig(gpus=2, link_gbps=LINK_GBPS))
+    d0, d1, d2 = PROFILE.decode_coef
+    transfer_ms = PROFILE.kv_transfer_ms(prompt, LINK_GBPS)
+    first_step_ms = d0 + d1 + d2 * prompt
+    assert result.ttft_s[0] * 1000 == pytest.approx(
+        PROFILE.prefill_one_ms(prompt) + transfer_ms + first_step_ms
+    )
+    # Tokens 2..n come one decode step apart; the KV grows by one token per step.
+    steps = [d0 + d1 + d2 * (prompt + k) for k in range(1, output)]
+    assert result.itl_s[0] * 1000 == pytest.approx(sum(steps) / len(steps))
+    assert result.finished == [True]
+
+
+def test_prompts_that_queue_together_are_prefilled_in_one_batch() -> None:
+    # A long prompt keeps the one prefill engine busy; two short ones queue behind it.
+    three = Trace("three", [1.0, 1.05, 1.05], [8000, 1000, 1000], [1, 2, 2], [(), (), ()])
+    result = simulate(three, PROFILE, Static(1, 2), FleetConfig(gpus=3))
+    a, b, c = PROFILE.prefill_coef
+    batch_starts = 1.0 + PROFILE.prefill_one_ms(8000) / 1000
+    batch_ms = a + 2 * (b * 1000 + c * 1000**2)
+    rest_ms = PROFILE.kv_transfer_ms(1000, 200.0) + PROFILE.decode_step_ms(1, 1000)
+    expected_ms = (batch_starts - 1.05) * 1000 + batch_ms + rest_ms
+    assert result.ttft_s[1] * 1000 == pytest.approx(expected_ms)
+
+
+def test_a_cached_prefix_skips_prefill_work() -> None:
+    first = tuple(range(20))  # 10240 tokens in 20 blocks
+    second = first[:12] + tuple(range(100, 108))  # the same conversation, a new turn
+    pair = Trace("two", [1.0, 30.0], [10240, 10240], [2, 2], [first, second])
+    result = simulate(pair, PROFILE, Static(1, 1), FleetConfig(gpus=2))
+    a, b, c = PROFILE.prefill_coef
+    cached = 12 * 512
+    again_ms = a + b * (10240 - cached) + c * (10240**2 - cached**2)
+    rest_ms = PROFILE.kv_transfer_ms(10240, 200.0) + PROFILE.decode_step_ms(1, 10240)
+    assert result.ttft_s[1] * 1000 == pytest.approx(again_ms + rest_ms)
+    assert result.ttft_s[1] < result.ttft_s[0]
+
+
+def test_every_request_finishes_through_scale_ups_and_drains() -> None:
+    busy = trace(1500, rate=12.0)
+    policy = Scripted((2, 2), [(4, 3), (1, 1), (3, 2), (1, 4), (5, 1), (2, 2)])
+    result = simulate(busy, PROFILE, policy, FleetConfig(gpus=8, startup_s=15.0))
+    assert all(result.finished)
+    assert not any(math.isnan(t) for t in result.ttft_s)
+    assert all(t > 0 for t in result.ttft_s)
+    assert len(result.decisions) == 6
+
+
+def test_the_same_seed_gives_the_same_run() -> None:
+    one = simulate(trace(800, 8.0, seed=3), PROFILE, Static(2, 2), FleetConfig(gpus=4))
+    two = simulate(trace(800, 8.0, seed=3), PROFILE, Static(2, 2), FleetConfig(gpus=4))
+    other = simulate(trace(800, 8.0, seed=4), PROFILE, Static(2, 2), FleetConfig(gpus=4))
+    assert one.ttft_s == two.ttft_s and one.itl_s == two.itl_s and one.gpu_seconds == two.gpu_seconds
+    assert one.ttft_s != other.ttft_s
+
+
+def test_gpu_hours_count_starting_and_draining_engines() -> None:
+    quiet = Trace("quiet", [1.0, 400.0], [100, 100], [2, 2], [(), ()])
+    static = simulate(quiet, PROFILE, Static(3, 2), FleetConfig(gpus=8))
+    assert static.gpu_seconds == pytest.approx(5 * static.end_s)
+    grow = Scripted((1, 1), [(3, 1)])  # at 20 s: two more prefill engines start (60 s) and stay
+    grown = simulate(quiet, PROFILE, grow, FleetConfig(gpus=8, startup_s=60.0))
+    assert grown.gpu_seconds == pytest.approx(2 * grown.end_s + 2 * (grown.end_s - 20.0))
+
+
+def test_no_more_gpus_are_held_than_the_cluster_has() -> None:
+    busy = trace(600, 10.0)
+    greedy = Scripted((2, 2), [(6, 6), (6, 6), (2, 6), (6, 2)])
+    result = simulate(busy, PROFILE, greedy, FleetConfig(gpus=8, startup_s=10.0))
+    assert max(row[5] for row in result.timeline) <= 8
+    assert all(result.finished)
+
+
+def test_observe_steps_is_observing_every_step() -> None:
+    bounds = (0.005, 0.01, 0.0125, 0.02, 0.05)
+    fast, slow = Histogram(bounds), Histogram(bounds)
+    first, growth, steps, batch, fresh = 0.0061, 0.00037, 40, 7, 3
+    fast.observe_steps(first, growth, steps, batch, fresh)
+    for k in range(steps):
+        for _ in range(batch - (fresh if k == 0 else 0)):
+            slow.observe(first + growth * k)
+    assert fast.counts == slow.counts
+    assert fast.count == slow.count
+    assert fast.sum == pytest.approx(slow.sum)
+
+
+def test_histogram_quantile_interpolates_like_prometheus() -> None:
+    bounds = (0.1, 0.2, 0.5)
+    assert histogram_quantile(0.5, bounds, [0, 10, 0, 0]) == pytest.approx(0.15)
+    assert histogram_quantile(0.9, bounds, [10, 0, 0, 0]) == pytest.approx(0.09)
+    assert histogram_quantile(0.99, bounds, [0, 0, 0, 5]) == 0.5  # +Inf: the last finite bound
+    assert histogram_quantile(0.9, bounds, [0, 0, 0, 0]) is None
+
+
+def test_policies_see_scraped_windows_not_exact_latencies() -> None:
+    busy = trace(2000, 10.0)
+
+    class Watch(Static):
+        interval_s = 60.0
+        seen: list = []
+
+        def decide(self, now_s, fleet):
+            self.seen.append(snapshot(fleet.scrapes, now_s, 120, 0.9))
+
+    result = simulate(busy, PROFILE, Watch(2, 2), FleetConfig(gpus=4, scrape_s=15.0))
+    seen = [s for s in Watch.seen if s is not None and s.request_rate > 0]
+    assert len(seen) >= 3
+    exact_p90 = perf.percentile([t * 1000 for t in result.ttft_s], 90)
+    for s in seen:
+        # Arrival rate within a window, from prompt tokens: near the trace's 10 req/s.
+        assert 5.0 < s.request_rate < 16.0
+        assert s.ttft_ms is not None and s.ttft_ms > 0
+        # Histogram quantiles land on bucket-interpolated values, never the exact ones.
+        assert s.ttft_ms != pytest.approx(exact_p90, rel=1e-9)
+        assert s.prefill.ready == pytest.approx(2.0) and s.decode.ready == pytest.approx(2.0)
+        assert 0 <= (s.prefix_hit_ratio or 0.0) < 1
+
+
+def test_a_restarted_autoscaler_replays_the_same_run() -> None:
+    """pdcluster through the simulator, its state stored as status JSON at every decision."""
+    from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
+    from pdcluster.sim.policies import PDCluster
+
+    spec = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "prefill": {"replicas": 1, "maxReplicas": 7},
+            "decode": {"replicas": 1, "maxReplicas": 7},
+            "autoscaling": {"enabled": True, "gpuBudget": 8, "cooldownSeconds": 30},
+        }
+    )
+
+    class Restarted(PDCluster):
+        def decide(self, now_s, fleet):
+            if self.state is not None:
+                self.state = AutoscalingState.model_validate_json(self.state.model_dump_json())
+            return super().decide(now_s, fleet)
+
+    busy = trace(6000, 35.0, seed=9)
+    live = simulate(busy, PROFILE, PDCluster(spec, PROFILE), FleetConfig(gpus=8, startup_s=30.0))
+    again = simulate(busy, PROFILE, Restarted(spec, PROFILE), FleetConfig(gpus=8, startup_s=30.0))
+    assert live.decisions, "the load should make the autoscaler act"
+    assert live.decisions == again.decisions
+    assert live.ttft_s == again.ttft_s
