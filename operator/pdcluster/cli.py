@@ -32,7 +32,7 @@ def _load_clusters(path: str) -> list[dict[str, Any]]:
     return clusters
 
 
-def _spec(doc: dict[str, Any]):  # noqa: ANN202
+def _spec(doc: dict[str, Any]):
     from pdcluster.api.v1alpha1 import PDClusterSpec
 
     name = doc.get("metadata", {}).get("name", "")

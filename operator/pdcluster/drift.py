@@ -38,7 +38,8 @@ def quantity(value: Any) -> Decimal | None:
 
 
 def _empty(value: Any) -> bool:
-    return value in ({}, [], None, "")
+    """Values the apiserver leaves out of a stored object (Go's omitempty)."""
+    return value is None or value is False or (not isinstance(value, bool) and value in ({}, [], "", 0))
 
 
 def differences(desired: Any, live: Any, path: str = "") -> list[str]:
@@ -50,7 +51,7 @@ def differences(desired: Any, live: Any, path: str = "") -> list[str]:
         for key, want in desired.items():
             if key in live:
                 out += differences(want, live[key], f"{path}.{key}")
-            elif not _empty(want) and want is not False:
+            elif not _empty(want):
                 out.append(f"{path}.{key}")
         return out
     if isinstance(desired, list):

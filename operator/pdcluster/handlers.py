@@ -1,7 +1,8 @@
 """Thin kopf wiring: watch PDClusters and their children, hand everything to the Controller.
 
 Only event handlers are used: they need no finalizers and write no progress annotations,
-so kopf itself never writes to our objects.
+so kopf itself never writes to our objects. They are async so that they run on the event
+loop the Controller's workers live on (kopf runs sync handlers in a thread pool).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def register(registry: kopf.OperatorRegistry, controller: Controller, config: Ku
         )
 
     @kopf.on.event(C.GROUP, C.VERSION, C.PLURAL, registry=registry)
-    def pdcluster_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+    async def pdcluster_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
         meta = body["metadata"]
         if event.get("type") == "DELETED":
             controller.forget(meta["namespace"], meta["name"])
@@ -70,7 +71,7 @@ def register(registry: kopf.OperatorRegistry, controller: Controller, config: Ku
             registry=registry,
             id=f"child-{plural}",
         )
-        def child_event(body: kopf.Body, **_: Any) -> None:
+        async def child_event(body: kopf.Body, **_: Any) -> None:
             meta = body["metadata"]
             for ref in meta.get("ownerReferences") or []:
                 if ref.get("kind") == C.KIND and ref.get("apiVersion", "").startswith(f"{C.GROUP}/"):

@@ -13,7 +13,9 @@ import kopf
 import prometheus_client
 
 from pdcluster import __version__
+from pdcluster.autoscaler import PrometheusAutoscaler
 from pdcluster.controller import Controller
+from pdcluster.handlers import register
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.io.lease import LeaderElector
@@ -58,10 +60,9 @@ async def run(args: argparse.Namespace) -> None:
         elector = None
         if args.leader_election:
             elector = LeaderElector(kube, args.leader_election_namespace or config.namespace)
-        context = Context(kube=kube, events=EventRecorder(kube), autoscaler=_autoscaler(args))
+        autoscaler = PrometheusAutoscaler(kube, args.prometheus_url)
+        context = Context(kube=kube, events=EventRecorder(kube), autoscaler=autoscaler)
         controller = Controller(context, resync=args.resync_seconds, elector=elector)
-        from pdcluster.handlers import register
-
         register(registry, controller, config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -85,12 +86,7 @@ async def run(args: argparse.Namespace) -> None:
                     await t
             if elector:
                 await elector.release()
-
-
-def _autoscaler(args: argparse.Namespace):  # noqa: ANN202 - wired when autoscaling lands
-    from pdcluster.autoscaler import PrometheusAutoscaler
-
-    return PrometheusAutoscaler(default_url=args.prometheus_url)
+            await autoscaler.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,10 @@ from pdcluster.api.docs import api_reference
 from pdcluster.api.v1alpha1 import KVProtocol, PDClusterSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD_COPIES = [ROOT / "crds/pdcluster.io_pdclusters.yaml", ROOT / "charts/pdcluster-operator/crds/pdcluster.io_pdclusters.yaml"]
+CRD_COPIES = [
+    ROOT / "crds/pdcluster.io_pdclusters.yaml",
+    ROOT / "charts/pdcluster-operator/crds/pdcluster.io_pdclusters.yaml",
+]
 
 
 @pytest.mark.parametrize("path", CRD_COPIES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -48,7 +51,11 @@ def test_schema_is_structural() -> None:
         assert forbidden not in text
     for path, node in _walk(root["properties"]["spec"], "spec"):
         assert node.get("type") != "number", f"{path}: no floats in spec"
-        has_type = "type" in node or node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
+        has_type = (
+            "type" in node
+            or node.get("x-kubernetes-int-or-string")
+            or node.get("x-kubernetes-preserve-unknown-fields")
+        )
         assert has_type, f"{path} has no type"
         if node.get("x-kubernetes-int-or-string"):
             assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}]
@@ -65,8 +72,8 @@ def test_cel_rules_and_columns() -> None:
         "Ready", "Prefill", "Decode", "Ratio", "TTFT-p99", "ITL-p99", "Age",
     ]  # fmt: skip
     assert version["subresources"] == {"status": {}}
-    # Sections default to {} so nested defaults (and CEL rules that read them) always apply.
-    assert spec["properties"]["prefill"]["default"] == {}
+    # Sections default to their full defaults, so CEL rules that read them always apply.
+    assert spec["properties"]["prefill"]["default"]["minReplicas"] == 1
     assert spec["properties"]["prefill"]["properties"]["minReplicas"]["default"] == 1
 
 
@@ -86,7 +93,12 @@ def test_defaults() -> None:
     rdma = PDClusterSpec.model_validate({"model": {"name": "m"}, "rdma": {"mode": "hostNetwork"}})
     assert rdma.kv_protocol == KVProtocol.rdma
     assert spec.prefill.gpus == 1
-    assert PDClusterSpec.model_validate({"model": {"name": "m"}, "decode": {"tensorParallelSize": 2, "dataParallelSize": 2}}).decode.gpus == 4
+    assert (
+        PDClusterSpec.model_validate(
+            {"model": {"name": "m"}, "decode": {"tensorParallelSize": 2, "dataParallelSize": 2}}
+        ).decode.gpus
+        == 4
+    )
 
 
 def test_wire_roundtrip() -> None:

@@ -26,7 +26,9 @@ def test_every_image_is_here() -> None:
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
 def test_hadolint(dockerfile: Path) -> None:
     hadolint = shutil.which("hadolint") or str(Path(__file__).resolve().parents[2] / ".venv/bin/hadolint")
-    result = subprocess.run([hadolint, "--failure-threshold", "info", str(dockerfile)], capture_output=True, text=True)
+    result = subprocess.run(
+        [hadolint, "--failure-threshold", "info", str(dockerfile)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

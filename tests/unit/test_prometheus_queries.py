@@ -26,6 +26,7 @@ def test_engine_series_are_per_role_and_match_both_spellings_of_vllm_names() -> 
     )
     assert "[60s:7s]" in qs["prefill_ready"]  # a subquery with its own step
     assert 'outcome="ok"' in qs["finished"]
+    assert qs["prompt_tokens_before"].endswith("[60s] offset 60s))")  # the window before this one
 
 
 def test_label_values_are_escaped() -> None:

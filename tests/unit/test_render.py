@@ -45,7 +45,9 @@ def test_golden(example: Path) -> None:
     golden = GOLDEN / f"{example.stem}.yaml"
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(text)
-    assert text == golden.read_text(), f"rendering of {example.name} changed; rerun with UPDATE_GOLDEN=1 and review"
+    assert text == golden.read_text(), (
+        f"rendering of {example.name} changed; rerun with UPDATE_GOLDEN=1 and review"
+    )
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
@@ -94,12 +96,17 @@ def test_kv_transfer_config_matches_connector() -> None:
         assert config == {
             "kv_connector": "MooncakeConnector",
             "kv_role": kv_role,
-            "kv_connector_extra_config": {"mooncake_protocol": "rdma", "device_name": "mlx5_0,mlx5_1,mlx5_2,mlx5_3"},
+            "kv_connector_extra_config": {
+                "mooncake_protocol": "rdma",
+                "device_name": "mlx5_0,mlx5_1,mlx5_2,mlx5_3",
+            },
         }
 
 
 def _engine_pod(objects: list[dict], role: str) -> dict:
-    sts = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["labels"][C.LABEL_ROLE] == role)
+    sts = next(
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["labels"][C.LABEL_ROLE] == role
+    )
     return sts["spec"]["template"]["spec"]
 
 
@@ -148,10 +155,16 @@ def test_replicas_come_from_one_place() -> None:
     assert Replicas.choose(spec, state) == Replicas(2, 2)  # recommend mode: spec wins
     auto = spec.model_copy(update={"autoscaling": spec.autoscaling.model_copy(update={"mode": "auto"})})
     assert Replicas.choose(auto, state) == Replicas(5, 1)
-    assert Replicas.choose(auto, AutoscalingState(prefill=50, decode=0)) == Replicas(8, 1)  # clamped to min/max
+    assert Replicas.choose(auto, AutoscalingState(prefill=50, decode=0)) == Replicas(
+        8, 1
+    )  # clamped to min/max
     assert Replicas.choose(auto, None) == Replicas(2, 2)
     suspended = auto.model_copy(update={"suspend": True})
     assert Replicas.choose(suspended, state) == Replicas(0, 0)
     objects = render_all(suspended, owner, Replicas.choose(suspended, state))
-    workloads = {o["metadata"]["name"]: o["spec"]["replicas"] for o in objects if o["kind"] in ("StatefulSet", "Deployment")}
+    workloads = {
+        o["metadata"]["name"]: o["spec"]["replicas"]
+        for o in objects
+        if o["kind"] in ("StatefulSet", "Deployment")
+    }
     assert set(workloads.values()) == {0}

@@ -10,7 +10,9 @@ NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 SPEC = PDClusterSpec.model_validate({"model": {"name": "m"}, "prefill": {"tensorParallelSize": 2}})
 
 
-def sts(replicas: int, ready: int, updated: int | None = None, generation: int = 1, observed: int = 1) -> dict:
+def sts(
+    replicas: int, ready: int, updated: int | None = None, generation: int = 1, observed: int = 1
+) -> dict:
     return {
         "kind": "StatefulSet",
         "metadata": {"generation": generation},
@@ -26,12 +28,26 @@ def sts(replicas: int, ready: int, updated: int | None = None, generation: int =
 
 
 def deploy(replicas: int, ready: int) -> dict:
-    return {"kind": "Deployment", "metadata": {"generation": 1}, "status": {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": replicas, "observedGeneration": 1}}
+    return {
+        "kind": "Deployment",
+        "metadata": {"generation": 1},
+        "status": {
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": replicas,
+            "observedGeneration": 1,
+        },
+    }
 
 
 def healthy() -> Observation:
     return Observation(
-        workloads={C.ROLE_PREFILL: sts(2, 2), C.ROLE_DECODE: sts(3, 3), C.ROLE_ROUTER: deploy(1, 1), C.ROLE_MOONCAKE_MASTER: deploy(1, 1)},
+        workloads={
+            C.ROLE_PREFILL: sts(2, 2),
+            C.ROLE_DECODE: sts(3, 3),
+            C.ROLE_ROUTER: deploy(1, 1),
+            C.ROLE_MOONCAKE_MASTER: deploy(1, 1),
+        },
         desired={C.ROLE_PREFILL: 2, C.ROLE_DECODE: 3, C.ROLE_ROUTER: 1, C.ROLE_MOONCAKE_MASTER: 1},
     )
 
@@ -76,7 +92,9 @@ def test_missing_component_is_not_ready() -> None:
 
 def test_problems_degrade_with_a_fix_message() -> None:
     obs = healthy()
-    obs.problems.append(Problem("SecretNotFound", "Secret ns/hf-token does not exist; create it with key 'token'"))
+    obs.problems.append(
+        Problem("SecretNotFound", "Secret ns/hf-token does not exist; create it with key 'token'")
+    )
     status = compute_status(SPEC, 1, obs, None, None, NOW)
     degraded = next(c for c in status.conditions if c.type == "Degraded")
     assert (degraded.status, degraded.reason) == ("True", "SecretNotFound")
@@ -99,11 +117,18 @@ def test_suspended_and_paused() -> None:
     obs = Observation(workloads={r: sts(0, 0) for r in (C.ROLE_PREFILL, C.ROLE_DECODE)}, desired={})
     assert conditions(compute_status(suspended, 1, obs, None, None, NOW))["Ready"] == ("False", "Suspended")
     paused = SPEC.model_copy(update={"paused": True})
-    assert conditions(compute_status(paused, 1, healthy(), None, None, NOW))["Progressing"] == ("False", "Paused")
+    assert conditions(compute_status(paused, 1, healthy(), None, None, NOW))["Progressing"] == (
+        "False",
+        "Paused",
+    )
 
 
 def test_autoscaling_condition() -> None:
     obs = healthy()
-    obs.autoscaling = (False, "MetricsUnavailable", "Prometheus at http://p:9090 did not answer: holding replicas")
+    obs.autoscaling = (
+        False,
+        "MetricsUnavailable",
+        "Prometheus at http://p:9090 did not answer: holding replicas",
+    )
     status = compute_status(SPEC, 1, obs, None, None, NOW)
     assert conditions(status)["Autoscaling"] == ("False", "MetricsUnavailable")

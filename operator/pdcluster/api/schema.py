@@ -90,10 +90,16 @@ def _default(value: Any, node: Schema, keep_defaults: bool) -> Any:
     if not keep_defaults or value is None:
         return None
     if isinstance(value, dict):
-        # Let nested field defaults fill in instead of freezing the whole object.
-        return {}
+        return _without_empty_lists(value)
     if isinstance(value, list) and not value:
         return None
+    return value
+
+
+def _without_empty_lists(value: Any) -> Any:
+    """Empty lists are left out of defaults, as they are for fields (they read the same)."""
+    if isinstance(value, dict):
+        return {k: _without_empty_lists(v) for k, v in value.items() if v != []}
     return value
 
 

@@ -17,11 +17,13 @@ from pdcluster import constants as C
 from pdcluster.api.base import FreeForm, Model, Port, Quantity, StringMap, cel
 
 
-def section(factory, description: str | None = None):  # noqa: ANN001, ANN201
-    """A nested object that is always present. Its CRD default is `{}`, so the apiserver
-    fills in the nested defaults (and CEL rules can rely on them) even when the user
-    leaves the whole section out."""
-    return Field(default_factory=factory, description=description, json_schema_extra={"default": {}})
+def section(factory, description: str | None = None):
+    """A nested object that is always present. Its CRD default is the object with all of
+    its own defaults, so the stored object (and every CEL rule reading it) sees the same
+    values the models use, even when the user leaves the whole section out."""
+    return Field(
+        default_factory=factory, description=description, json_schema_extra={"default": factory().wire()}
+    )
 
 
 class EnvVar(Model):

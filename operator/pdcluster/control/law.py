@@ -14,8 +14,8 @@ it to grow while new engines start. A reactive rule adds one engine when the SLO
 violated and the model did not see why. At the GPU budget a role that misses its
 target takes engines from the other role only while that one meets its own, never
 below its model floor, and only once that role's scale-down has been wanted for the
-whole stabilization window (every decrease waits it out); when both miss, engines move
-only if that clearly lowers the worse of the two shortfalls.
+whole metrics window (a voluntary scale-down waits out the longer stabilization window);
+when both miss, engines move only if that clearly lowers the worse of the two shortfalls.
 
 Guards against the known failure modes of P/D autoscalers: metrics missing or no
 traffic -> hold; a scale-up whose pods never become ready -> time out, fall back to
@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
+from pdcluster import observability as obs
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import (
     AutoscalingMode,
@@ -221,9 +222,33 @@ class _Run:
         return high if budget is None else min(high, budget // self._gpus(role))
 
     def _grown(self, model):
-        """The model at the load plus the tolerance: room for the load to grow while new
-        engines start, since latency rises steeply near capacity."""
-        return replace(model, rate=model.rate * (1.0 + self.tol))
+        """The model at the load a window ahead, plus the tolerance.
+
+        Engines asked for now serve a load one window later (the measurement lags by half
+        a window, a start-up takes about another half), so a rising rate is extrapolated
+        that far; a falling one is not (scaling down stays cautious). The tolerance is
+        room for noise, since latency rises steeply near capacity.
+        """
+        m = self.metrics
+        rate = model.rate
+        if m is not None and m.request_rate_before is not None and m.request_rate > m.request_rate_before:
+            rate *= m.request_rate / m.request_rate_before if m.request_rate_before > 0 else 1.0
+        return replace(model, rate=rate * (1.0 + self.tol))
+
+    def _wait_quantile(self, m: MetricsSnapshot) -> float | None:
+        """The prefill wait at the SLO quantile (ms).
+
+        vLLM's queue-time histogram starts with a 0-300 ms bucket; a quantile inside it
+        is histogram_quantile's interpolation, not a measurement. There the exact mean
+        says more: the quantile of an exponential tail with that mean.
+        """
+        hist, mean = m.prefill.queue_time_q_ms, m.prefill.queue_time_ms
+        if hist is None:
+            return mean
+        if mean is not None and hist <= 1000.0 * obs.VLLM_REQUEST_LATENCY_BUCKETS[0]:
+            q = QUANTILES[self.auto.slo.quantile.value]
+            return min(hist, mean * math.log(1.0 / (1.0 - q)))
+        return hist
 
     def _prefill_latency(self, m: MetricsSnapshot) -> float | None:
         """The TTFT quantile the target applies to, or None when unseen."""
@@ -232,7 +257,7 @@ class _Run:
             return ttft
         # Without the prompt's own prefill: the prefill wait plus what follows prefill
         # (KV transfer, the first decode step), the router's TTFT less the engine's.
-        wait, engine = m.prefill.queue_time_q_ms, m.prefill.ttft_ms
+        wait, engine = self._wait_quantile(m), m.prefill.ttft_ms
         if wait is None or engine is None:
             return ttft  # errs towards more engines
         return wait + max(ttft - engine, 0.0)
@@ -256,8 +281,7 @@ class _Run:
             engines=engines,
             observed_ttft_ms=ttft,
             observed_wait_ms=wait,
-            # Without the quantile, the mean wait still tells queueing from the rest.
-            observed_wait_q_ms=m.prefill.queue_time_q_ms if m.prefill.queue_time_q_ms is not None else wait,
+            observed_wait_q_ms=self._wait_quantile(m) if m.prefill.queue_time_ms is not None else wait,
             served_rate=served,
             lengths=m.prefill.prompt_tokens,
             own_prefill=self.auto.ttft_includes_prefill,
@@ -278,11 +302,15 @@ class _Run:
                 f"{bound_up - model.fixed_ms:.0f} ms"
             )
         limit = self._limit("prefill")
-        up = models.fewest_engines(model.ttft_ms, bound_up, limit)
+        busy = models.PREFILL_MAX_BUSY
+        up = models.fewest_engines(model.ttft_ms, bound_up, limit, lambda n: model.load() <= busy * n)
         if up is None:
             need.notes.append(f"prefill load of {model.load():.1f} engines needs more than {limit}")
         need.up = up or limit
-        need.down = models.fewest_engines(model.ttft_ms, bound_down, limit) or need.up
+        down = models.fewest_engines(
+            model.ttft_ms, bound_down, limit, lambda n: model.load() <= busy * (1 - self.tol) * n
+        )
+        need.down = max(down or need.up, need.up)
         if ttft is not None:
             need.pressure = ttft * (1 + self.tol) / bound_up
             need.violated = ttft > bound_up
@@ -354,11 +382,11 @@ class _Run:
         """Keep prefill + decode GPUs within the budget; returns the wants and a donor role.
 
         Scale-downs wait out their stabilization, so the budget is checked as if they
-        had not happened. Growth first takes free GPUs. Beyond them a role grows only on
-        evidence that it misses its target beyond the band: from the other role down to
-        that role's model floor while the other meets its own target, or, when both miss
-        theirs, when moving engines makes the worse of the two shortfalls clearly smaller.
-        The donor's decrease is a scale-down like any other: it waits out the window.
+        had not happened. Growth first takes free GPUs. Beyond them a role that the model
+        finds short takes engines from the other role, down to that role's model floor,
+        while the other meets its own target; when both miss theirs, engines move only if
+        that makes the worse of the two shortfalls clearly smaller. Both the donor's
+        headroom and the taker's shortfall must last a metrics window (see _stabilise).
         """
         budget = self.auto.gpu_budget
         planned = {r: max(wants[r], self.current[r]) for r in ROLES}
@@ -370,17 +398,18 @@ class _Run:
             extra = max(min(wants[role] - self.current[role], spare // self._gpus(role)), 0)
             out[role] = self.current[role] + extra if extra else out[role]
             spare -= extra * self._gpus(role)
-        short = [r for r in ROLES if wants[r] > max(out[r], self.current[r]) and needs[r].violated]
+        short = [r for r in ROLES if wants[r] > max(out[r], self.current[r])]
         if not short:
-            if any(wants[r] > max(out[r], self.current[r]) for r in ROLES):
-                self.notes.append(f"GPU budget {budget} full")
             return out, None
         if all(needs[r].violated for r in ROLES):
             if self._gpu_total(self.current) < budget:
                 return self._share_free(wants, budget), None
             return self._rebalance(needs, budget)
-        taker = short[0]
+        taker = max(short, key=lambda r: needs[r].pressure)
         donor = ROLES[1 - ROLES.index(taker)]
+        if needs[donor].violated:
+            self.notes.append(f"GPU budget {budget} full and {donor} misses its own target")
+            return {**out, taker: max(out[taker], self.current[taker])}, None
         low, _ = self._bounds(donor)
         floor = max(low, needs[donor].up)
         g, gd = self._gpus(taker), self._gpus(donor)
@@ -453,20 +482,34 @@ class _Run:
                     self.notes.append(f"{role} scale-up blocked until {self.blocked[role]} (earlier timeout)")
                     continue
                 since = parse_time(self.up_since.setdefault(role, self.now_s))
-                if (now - since).total_seconds() < auto.scale_up_stabilization_seconds:
-                    self.notes.append(f"{role} scale-up wanted for {(now - since).total_seconds():.0f} s")
+                wanted = (now - since).total_seconds()
+                if wanted < auto.scale_up_stabilization_seconds:
+                    self.notes.append(f"{role} scale-up wanted for {wanted:.0f} s")
                     continue
-                target[role] = cur + min(want - cur, auto.max_step)
+                grow = min(want - cur, auto.max_step)
+                if donor is not None and role != donor and wanted < auto.window_seconds:
+                    # Taking engines from the other role costs a drain and a start-up:
+                    # only for a shortfall seen over a whole window, not one burst.
+                    free = max(self.auto.gpu_budget - self._gpu_total(self.current), 0) // self._gpus(role)
+                    if grow > free:
+                        self.notes.append(
+                            f"{role} short for {wanted:.0f}/{auto.window_seconds} s before taking from {donor}"
+                        )
+                        grow = free
+                target[role] = cur + grow
             elif want < cur:
                 self.up_since.pop(role, None)
                 since = parse_time(self.down_since.setdefault(role, self.now_s))
                 waited = (now - since).total_seconds()
-                if waited < auto.scale_down_stabilization_seconds:
-                    self.notes.append(
-                        f"{role} scale-down to {want} wanted for {waited:.0f}/{auto.scale_down_stabilization_seconds} s"
-                    )
+                # Giving engines to the other role moves capacity rather than removing it:
+                # headroom seen over a whole window is enough.
+                needed = auto.window_seconds if role == donor else auto.scale_down_stabilization_seconds
+                if waited < needed:
+                    self.notes.append(f"{role} scale-down to {want} wanted for {waited:.0f}/{needed} s")
                     continue
                 target[role] = cur - min(cur - want, auto.max_step)
+                # The next step down is judged on what the engines show at the new count.
+                self.down_since[role] = self.now_s
             else:
                 self.up_since.pop(role, None)
                 self.down_since.pop(role, None)

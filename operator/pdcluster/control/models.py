@@ -29,6 +29,9 @@ from pdcluster.perf import Profile
 # (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults).
 MAX_BATCHED_TOKENS = 8192
 KV_LIMIT = 0.9  # plan decode KV below this share of capacity (vLLM preempts when full)
+# Plan prefill engines at most this busy: with batches of whole prompts and heavy-tailed
+# prompt lengths the wait grows much faster near saturation than a queueing formula says.
+PREFILL_MAX_BUSY = 0.75
 
 
 def erlang_c(servers: int, load: float) -> float:
@@ -68,7 +71,8 @@ def prefill_service_s(profile: Profile, input_tokens: float, hit_ratio: float) -
     new = max(input_tokens * (1.0 - hit_ratio), 1.0)
     # Attention of the new tokens over the whole prompt: c * (L^2 - cached^2).
     per_request = b * new + c * input_tokens**2 * (1.0 - hit_ratio**2)
-    per_batch = max(1, int(MAX_BATCHED_TOKENS // new))
+    # Whole prompts fill vLLM's token budget, about half a prompt short on average.
+    per_batch = max(1.0, (MAX_BATCHED_TOKENS - new / 2.0) / new)
     return (a / per_batch + per_request) / 1000.0
 
 

@@ -35,6 +35,7 @@ class MetricsSnapshot:
 
     window_s: int
     request_rate: float  # requests arriving per second (router prompt tokens / mean prompt)
+    request_rate_before: float | None = None  # the same over the window before this one
     ttft_ms: float | None = None
     itl_ms: float | None = None
     mean_input_tokens: float | None = None
@@ -87,6 +88,7 @@ def assemble(
     prefill_ready: float | None = None,
     decode_ready: float | None = None,
     prompt_tokens: tuple[tuple[float, float], ...] = (),
+    prompt_tokens_rate_before: float | None = None,
 ) -> MetricsSnapshot:
     """A snapshot from per-second rates of the router's and the engines' counters.
 
@@ -104,6 +106,7 @@ def assemble(
     return MetricsSnapshot(
         window_s=window_s,
         request_rate=prompt_tokens_rate / isl if isl > 0 else 0.0,
+        request_rate_before=None if prompt_tokens_rate_before is None else prompt_tokens_rate_before / isl,
         ttft_ms=ttft_ms,
         itl_ms=itl_ms,
         mean_input_tokens=isl,

@@ -352,7 +352,7 @@ class Kube:
                         resource_version = obj.get("metadata", {}).get("resourceVersion", resource_version)
                         if event["type"] != "BOOKMARK":
                             yield event["type"], obj
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 await asyncio.sleep(1.0)
 
 

@@ -53,7 +53,7 @@ class LeaderElector:
         while True:
             try:
                 ok = await self._try_acquire_or_renew()
-            except (ApiError, OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, ApiError, OSError) as e:
                 log.warning("leader election: %s", e)
                 ok = False
             if ok and not self.leading.is_set():

@@ -78,6 +78,9 @@ def queries(namespace: str, cluster: str, window_s: int, quantile: float) -> dic
         "queue_time_q": quantile_of(queue_time, prefill),
         "queue_time": f"{rate(queue_time + '_sum', prefill)} / {rate(queue_time + '_count', prefill)}",
         "prompt_tokens": rate(obs.ROUTER_PROMPT_TOKENS + "_total", base),
+        "prompt_tokens_before": (
+            f"sum(rate({_series(obs.ROUTER_PROMPT_TOKENS + '_total', base)}{w} offset {window_s}s))"
+        ),
         "finished": rate(obs.ROUTER_REQUESTS + "_total", f'{base},outcome="ok"'),
         "generated_tokens": rate(obs.ROUTER_GENERATION_TOKENS + "_total", base),
         "prefilled_tokens": rate(obs.VLLM_PROMPT_TOKENS + "_total", prefill),
@@ -138,6 +141,7 @@ class Prometheus:
         return assemble(
             window_s=window_s,
             prompt_tokens_rate=values["prompt_tokens"] or 0.0,
+            prompt_tokens_rate_before=values["prompt_tokens_before"],
             prefilled_tokens_rate=values["prefilled_tokens"] or 0.0,
             prefilled_rate=values["prefilled"] or 0.0,
             finished_rate=values["finished"] or 0.0,

@@ -192,7 +192,7 @@ def statefulset(spec: PDClusterSpec, owner: Owner, role: str, replicas: int) -> 
             # Engines are independent of each other: start and stop them in parallel.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(owner, role)},
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "updateStrategy": {"type": "RollingUpdate"},
             "template": pod_template(spec, owner, role),
         },
     }

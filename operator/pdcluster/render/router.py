@@ -122,13 +122,7 @@ def rbac(owner: Owner) -> list[dict[str, Any]]:
             "kind": "Role",
             "metadata": metadata(owner, role),
             # Membership only: the router reads which engine pods are ready, nothing else.
-            "rules": [
-                {
-                    "apiGroups": ["discovery.k8s.io"],
-                    "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"],
-                }
-            ],
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",

@@ -175,6 +175,13 @@ def snapshot(scrapes: Scrapes, t: float, window_s: int, quantile: float) -> Metr
         return (last.counters[name] - first.counters[name]) / dt
 
     queue_time = _delta_mean(first, last, PREFILL_QUEUE_TIME)
+    earlier = scrapes.window(t - window_s, window_s)
+    before = None
+    if earlier is not None:
+        e0, e1, _ = earlier
+        before = (e1.counters[obs.ROUTER_PROMPT_TOKENS] - e0.counters[obs.ROUTER_PROMPT_TOKENS]) / (
+            e1.t - e0.t
+        )
     return assemble(
         window_s=window_s,
         prompt_tokens_rate=rate(obs.ROUTER_PROMPT_TOKENS),
@@ -195,6 +202,7 @@ def snapshot(scrapes: Scrapes, t: float, window_s: int, quantile: float) -> Metr
         decode_tokens_rate=rate(DECODE_GENERATION_TOKENS),
         prefill_ready=_gauge_mean(inside, PREFILL_READY),
         decode_ready=_gauge_mean(inside, DECODE_READY),
+        prompt_tokens_rate_before=before,
         prompt_tokens=tuple(
             zip(
                 (*scrapes.bounds[PREFILL_REQUEST_PROMPT_TOKENS], math.inf),

@@ -92,8 +92,10 @@ def hosts_file(pod: Obj, services: list[Obj], pods: list[Obj]) -> str:
         "# Kubernetes-managed hosts file (local cluster pod runner).",
         "127.0.0.1\tlocalhost",
         "::1\tlocalhost ip6-localhost ip6-loopback",
-        f"{pod['status']['podIP']}\t{' '.join(own)}",
     ]
+    # A pod that is being torn down may already have lost its IP in the status.
+    if pod_ip := pod.get("status", {}).get("podIP"):
+        lines.append(f"{pod_ip}\t{' '.join(own)}")
     for svc in sorted(services, key=lambda s: (s["metadata"]["namespace"], s["metadata"]["name"])):
         meta = svc["metadata"]
         names = _names(meta["name"], meta["namespace"], own_ns)

@@ -1,0 +1,131 @@
+"""The autoscaler hook of reconcile: Prometheus -> control.decide -> state in status.
+
+It runs the pure control law at most once per `autoscaling.intervalSeconds` per cluster
+and returns the state reconcile stores in status (and, in `auto` mode, renders replicas
+from). Everything it remembers across runs is in that state, so a restarted operator
+continues where it stopped; the in-memory schedule only avoids querying more often.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+import aiohttp
+
+from pdcluster import constants as C
+from pdcluster import metrics
+from pdcluster.api.v1alpha1 import AutoscalingMode, PDClusterSpec, PDClusterStatus, Quantile
+from pdcluster.control import Observed, RoleObserved, decide
+from pdcluster.control.law import parse_time
+from pdcluster.io.kube import Kube
+from pdcluster.io.prometheus import Prometheus, PrometheusUnavailable
+from pdcluster.reconcile import AutoscaleResult
+from pdcluster.render import Owner
+
+log = logging.getLogger(__name__)
+
+QUANTILE = {Quantile.p50: 0.5, Quantile.p90: 0.9, Quantile.p95: 0.95, Quantile.p99: 0.99}
+
+
+def _unschedulable(pods: list[dict]) -> int:
+    count = 0
+    for pod in pods:
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        for cond in pod.get("status", {}).get("conditions") or []:
+            if (
+                cond.get("type") == "PodScheduled"
+                and cond.get("status") == "False"
+                and cond.get("reason") == "Unschedulable"
+            ):
+                count += 1
+    return count
+
+
+class PrometheusAutoscaler:
+    def __init__(self, kube: Kube, default_url: str | None, *, timeout_s: float = 5.0):
+        self.kube = kube
+        self.default_url = default_url
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _prometheus(self, url: str) -> Prometheus:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return Prometheus(url, self._session, timeout_s=self.timeout_s)
+
+    async def _observed(self, owner: Owner, status: PDClusterStatus) -> Observed:
+        roles = {}
+        for role in C.ENGINE_ROLES:
+            pods = await self.kube.list(
+                "v1",
+                "Pod",
+                owner.namespace,
+                label_selector=f"{C.LABEL_CLUSTER}={owner.name},{C.LABEL_ROLE}={role}",
+            )
+            s = getattr(status, role)
+            roles[role] = RoleObserved(
+                desired=s.desired, replicas=s.replicas, ready=s.ready, unschedulable=_unschedulable(pods)
+            )
+        return Observed(**roles)
+
+    async def step(
+        self, spec: PDClusterSpec, owner: Owner, status: PDClusterStatus, now: datetime
+    ) -> AutoscaleResult:
+        a = spec.autoscaling
+        state = status.autoscaling
+        previous = next((c for c in status.conditions if c.type == "Autoscaling"), None)
+        held = (previous.status == "True", previous.reason, previous.message) if previous else None
+        due = state is None or not state.last_run_time
+        if not due and now - parse_time(state.last_run_time) < timedelta(seconds=a.interval_seconds):
+            return AutoscaleResult(state, held, (status.ttft_p99_ms, status.itl_p99_ms))
+        url = a.prometheus_url or self.default_url
+        events: list[tuple[str, str, str]] = []
+        latency: tuple[int | None, int | None] = (None, None)
+        snapshot = None
+        if not url:
+            condition = (
+                False,
+                "NoPrometheus",
+                "set spec.autoscaling.prometheusUrl or the operator's --prometheus-url",
+            )
+        else:
+            prom = self._prometheus(url)
+            try:
+                snapshot = await prom.snapshot(
+                    owner.namespace, owner.name, a.window_seconds, QUANTILE[a.slo.quantile]
+                )
+                latency = await prom.router_p99_ms(owner.namespace, owner.name, a.window_seconds)
+            except PrometheusUnavailable as e:
+                condition = (
+                    False,
+                    "MetricsUnavailable",
+                    f"Prometheus cannot be queried ({e}); holding replicas",
+                )
+            else:
+                if snapshot is None:
+                    condition = (
+                        False,
+                        "NoMetrics",
+                        f"Prometheus at {url} has no series of this cluster yet; holding replicas",
+                    )
+                else:
+                    condition = None
+        observed = await self._observed(owner, status)
+        new_state, decision = decide(spec, snapshot, state, observed, now)
+        if condition is None:
+            mode = "Recommending" if a.mode == AutoscalingMode.recommend else "Active"
+            condition = (True, mode, decision.reason)
+        metrics.DECISIONS.labels(owner.namespace, owner.name, decision.action).inc()
+        changed = state is None or (new_state.prefill, new_state.decode) != (state.prefill, state.decode)
+        if decision.action in ("scale", "recommend") and changed:
+            reason = "Scaled" if decision.action == "scale" else "Recommended"
+            events.append(
+                ("Normal", reason, f"prefill {decision.prefill}, decode {decision.decode}: {decision.reason}")
+            )
+        return AutoscaleResult(new_state, condition, latency, events)

@@ -1,0 +1,306 @@
+"""The operator against the real local control plane: create, update, drift, delete,
+bad input, and the status people and GitOps tools read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import PDClusterSpec
+from pdcluster.io.kube import ApiError, Kube
+
+pytestmark = pytest.mark.cluster
+
+WORKLOADS = [
+    ("StatefulSet", "prefill"),
+    ("StatefulSet", "decode"),
+    ("Deployment", "router"),
+    ("Deployment", "mooncake-master"),
+]
+CHILDREN = [
+    *WORKLOADS,
+    ("Service", "prefill"),
+    ("Service", "decode"),
+    ("Service", "router"),
+    ("Service", "mooncake-master"),
+    ("ConfigMap", "mooncake"),
+    ("PodDisruptionBudget", "prefill"),
+    ("PodDisruptionBudget", "decode"),
+    ("ServiceAccount", "router"),
+    ("Role", "router"),
+    ("RoleBinding", "router"),
+]
+API = {
+    "StatefulSet": "apps/v1",
+    "Deployment": "apps/v1",
+    "Service": "v1",
+    "ConfigMap": "v1",
+    "ServiceAccount": "v1",
+    "PodDisruptionBudget": "policy/v1",
+    "Role": "rbac.authorization.k8s.io/v1",
+    "RoleBinding": "rbac.authorization.k8s.io/v1",
+}
+
+
+async def children(kube: Kube, namespace: str, name: str) -> dict[tuple[str, str], dict[str, Any] | None]:
+    return {
+        (kind, suffix): await kube.get(API[kind], kind, f"{name}-{suffix}", namespace)
+        for kind, suffix in CHILDREN
+    }
+
+
+async def ready(pdc: Any, name: str) -> bool:
+    obj = await pdc.get(name)
+    if not obj or not await pdc.is_true(name, "Ready"):
+        return False
+    return not await pdc.is_true(name, "Progressing")
+
+
+async def completion(
+    router_ip: str, prompt: str = "Hello from the tests", stream: bool = False
+) -> tuple[int, str]:
+    body = {"model": "llama-3.1-8b", "prompt": prompt, "max_tokens": 8, "stream": stream}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"http://{router_ip}:8000/v1/completions", json=body) as r,
+    ):
+        return r.status, await r.text()
+
+
+async def test_create_update_drift_delete(
+    kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, local_cluster: Any, sim_cluster: Any
+) -> None:
+    await pdc.apply(sim_cluster("demo"))
+    await wait_until(lambda: ready(pdc, "demo"), timeout=120, message="PDCluster Ready and settled")
+
+    # Every child exists, is owned by the PDCluster and runs.
+    owned = await children(kube, namespace, "demo")
+    uid = (await pdc.get("demo"))["metadata"]["uid"]
+    for key, obj in owned.items():
+        assert obj is not None, key
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+    status = (await pdc.get("demo"))["status"]
+    assert status["prefill"]["ready"] == 1 and status["decode"]["ready"] == 1 and status["ratio"] == "1:1"
+    assert status["observedGeneration"] == (await pdc.get("demo"))["metadata"]["generation"]
+    pods = await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}=demo")
+    assert len(pods) == 4 and all(p["status"]["podIP"].startswith("127.") for p in pods)
+
+    # A request goes through the router (its Service) to prefill and decode.
+    router_svc = owned[("Service", "router")]
+    code, text = await completion(router_svc["spec"]["clusterIP"])
+    assert code == 200, text
+    assert json.loads(text)["choices"][0]["text"]
+
+    # `kubectl get pdc` shows the printer columns.
+    out = subprocess.run(
+        [
+            f"{local_cluster.bin_dir}/kubectl",
+            f"--kubeconfig={local_cluster.kubeconfig}",
+            "get",
+            "pdc",
+            "-n",
+            namespace,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    header, row = out.splitlines()[:2]
+    assert header.split() == ["NAME", "READY", "PREFILL", "DECODE", "RATIO", "TTFT-P99", "ITL-P99", "AGE"]
+    assert row.split()[:5] == ["demo", "True", "1", "1", "1:1"]
+
+    # At rest the operator writes nothing: resource versions stay put over several resyncs.
+    versions = {
+        k: v["metadata"]["resourceVersion"] for k, v in (await children(kube, namespace, "demo")).items()
+    }
+    pdc_version = (await pdc.get("demo"))["metadata"]["resourceVersion"]
+    await asyncio.sleep(12)
+    assert {
+        k: v["metadata"]["resourceVersion"] for k, v in (await children(kube, namespace, "demo")).items()
+    } == versions
+    assert (await pdc.get("demo"))["metadata"]["resourceVersion"] == pdc_version
+
+    # Drift by hand is put back: replicas and the pod template.
+    sts = f"demo-{C.ROLE_DECODE}"
+    await kube.merge_patch("apps/v1", "StatefulSet", sts, namespace, {"spec": {"replicas": 3}})
+    tampered = {"spec": {"template": {"metadata": {"annotations": {"prometheus.io/scrape": "false"}}}}}
+    await kube.merge_patch("apps/v1", "StatefulSet", f"demo-{C.ROLE_PREFILL}", namespace, tampered)
+
+    async def repaired() -> bool:
+        d = await kube.get("apps/v1", "StatefulSet", sts, namespace)
+        p = await kube.get("apps/v1", "StatefulSet", f"demo-{C.ROLE_PREFILL}", namespace)
+        return (
+            d["spec"]["replicas"] == 1
+            and p["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        )
+
+    await wait_until(repaired, timeout=30, message="drift repaired")
+    await wait_until(lambda: ready(pdc, "demo"), timeout=120, message="settled after drift")
+    # ... and then it rests again (no write storm between two managers).
+    settled = (await kube.get("apps/v1", "StatefulSet", sts, namespace))["metadata"]["resourceVersion"]
+    await asyncio.sleep(8)
+    assert (await kube.get("apps/v1", "StatefulSet", sts, namespace))["metadata"][
+        "resourceVersion"
+    ] == settled
+
+    # Update: a new tensor-parallel size rolls the prefill pool onto pods asking for 2 GPUs.
+    before = {
+        p["metadata"]["uid"]
+        for p in await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_ROLE}=prefill")
+    }
+    doc = sim_cluster("demo")
+    doc["spec"]["prefill"] = {**doc["spec"]["prefill"], "tensorParallelSize": 2}
+    await pdc.apply(doc)
+
+    async def rolled() -> bool:
+        pods = await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_ROLE}=prefill")
+        fresh = [p for p in pods if p["metadata"]["uid"] not in before]
+        gpus = [p["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") for p in fresh]
+        return len(pods) == 1 and gpus == ["2"] and await ready(pdc, "demo")
+
+    await wait_until(rolled, timeout=120, message="prefill rolled to TP2")
+    args = (await kube.get("apps/v1", "StatefulSet", "demo-prefill", namespace))["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert (await pdc.get("demo"))["status"]["prefill"]["gpus"] == 2
+
+    # Delete: owner references take every child with it.
+    await kube.delete(C.API_VERSION, C.KIND, "demo", namespace)
+
+    async def collected() -> bool:
+        left = [k for k, v in (await children(kube, namespace, "demo")).items() if v is not None]
+        pods = await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}=demo")
+        return not left and not pods
+
+    await wait_until(collected, timeout=120, message="children garbage-collected")
+
+
+async def test_missing_secret_is_degraded_not_a_crash(
+    kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, sim_cluster: Any
+) -> None:
+    engine = {**sim_cluster("x")["spec"]["engine"], "hfTokenSecret": {"name": "hf-token"}}
+    await pdc.apply(sim_cluster("gated", engine=engine))
+
+    async def degraded() -> dict | None:
+        c = await pdc.condition("gated", "Degraded")
+        return c if c and c["status"] == "True" else None
+
+    cond = await wait_until(degraded, timeout=30, message="Degraded condition")
+    assert cond["reason"] == "SecretNotFound"
+    assert "hf-token" in cond["message"] and "create it" in cond["message"]
+    # Engines are not rolled onto a config that cannot start; the rest is there.
+    assert await kube.get("apps/v1", "StatefulSet", "gated-prefill", namespace) is None
+    assert await kube.get("apps/v1", "Deployment", "gated-router", namespace) is not None
+    events = await kube.list("v1", "Event", namespace)
+    assert any(e["reason"] == "SecretNotFound" and e["involvedObject"]["name"] == "gated" for e in events)
+
+    await kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "hf-token", "namespace": namespace},
+            "stringData": {"token": "hf_x"},
+        }
+    )
+    await wait_until(lambda: ready(pdc, "gated"), timeout=120, message="Ready once the Secret exists")
+    assert (await pdc.condition("gated", "Degraded"))["status"] == "False"
+    assert operator.proc.poll() is None
+
+
+async def test_suspend_and_resume(
+    kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, sim_cluster: Any
+) -> None:
+    await pdc.apply(sim_cluster("nap", prefill={"replicas": 2, "maxReplicas": 4}))
+    await wait_until(lambda: ready(pdc, "nap"), timeout=120, message="Ready")
+    await pdc.apply(
+        {
+            **sim_cluster("nap", prefill={"replicas": 2, "maxReplicas": 4}),
+            "spec": {
+                **sim_cluster("nap", prefill={"replicas": 2, "maxReplicas": 4})["spec"],
+                "suspend": True,
+            },
+        }
+    )
+
+    async def asleep() -> bool:
+        pods = await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}=nap")
+        c = await pdc.condition("nap", "Ready")
+        return not pods and c and c["reason"] == "Suspended"
+
+    await wait_until(asleep, timeout=120, message="suspended: no pods")
+    assert await kube.get("apps/v1", "StatefulSet", "nap-prefill", namespace) is not None  # config kept
+    await pdc.apply(sim_cluster("nap", prefill={"replicas": 2, "maxReplicas": 4}))
+    await wait_until(lambda: ready(pdc, "nap"), timeout=120, message="resumed")
+    assert (await pdc.get("nap"))["status"]["prefill"]["ready"] == 2
+
+
+BAD_SPECS = [
+    ({"prefill": {"replicas": 1, "minReplicas": 2}}, "minReplicas must be <= replicas"),
+    ({"decode": {"replicas": 9, "maxReplicas": 8}}, "replicas must be <= maxReplicas"),
+    ({"kvTransfer": {"protocol": "rdma"}}, "kvTransfer.protocol rdma needs rdma.mode other than none"),
+    ({"rdma": {"mode": "sriov"}}, "rdma.mode sriov needs at least one Multus network"),
+    ({"prefill": {"tensorParallelSize": 3}, "decode": {"tensorParallelSize": 2}}, "must divide one another"),
+    ({"prefill": {"tensorParallelSize": 2, "gpusPerPod": 1}}, "gpusPerPod must be at least"),
+    ({"autoscaling": {"enabled": True, "gpuBudget": 1}}, "gpuBudget must cover"),
+    ({"rdma": {"mode": "infiniband"}}, 'Unsupported value: "infiniband"'),
+    ({"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
+    ({"engine": {"shmSize": "lots"}}, "spec.engine.shmSize"),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), BAD_SPECS, ids=[m[:40] for _, m in BAD_SPECS])
+async def test_invalid_specs_are_rejected_with_the_field(
+    kube: Kube, crd: None, namespace: str, spec: dict, message: str
+) -> None:
+    doc = {
+        "apiVersion": C.API_VERSION,
+        "kind": C.KIND,
+        "metadata": {"name": "bad", "namespace": namespace},
+        "spec": {"model": {"name": "m"}, **spec},
+    }
+    with pytest.raises(ApiError) as err:
+        await kube.create(doc)
+    assert err.value.status == 422
+    assert message in err.value.message
+
+
+async def test_long_names_are_rejected(kube: Kube, crd: None, namespace: str) -> None:
+    doc = {
+        "apiVersion": C.API_VERSION,
+        "kind": C.KIND,
+        "metadata": {"name": "x" * 41, "namespace": namespace},
+        "spec": {"model": {"name": "m"}},
+    }
+    with pytest.raises(ApiError, match="at most 40 characters"):
+        await kube.create(doc)
+
+
+async def test_server_side_defaults_match_the_models(kube: Kube, crd: None, namespace: str) -> None:
+    """The CRD's defaults and the pydantic defaults must agree, or the operator and the
+    apiserver would disagree about what a spec means."""
+    created = await kube.create(
+        {
+            "apiVersion": C.API_VERSION,
+            "kind": C.KIND,
+            "metadata": {"name": "defaults", "namespace": namespace},
+            "spec": {"model": {"name": "m"}},
+        }
+    )
+    model = PDClusterSpec.model_validate({"model": {"name": "m"}}).wire()
+
+    def subset(stored: Any, expected: Any, path: str = "spec") -> None:
+        if isinstance(stored, dict):
+            for key, value in stored.items():
+                assert key in expected, f"{path}.{key} defaulted by the apiserver but not by the models"
+                subset(value, expected[key], f"{path}.{key}")
+        else:
+            assert stored == expected, f"{path}: apiserver {stored!r} != models {expected!r}"
+
+    subset(created["spec"], model)
