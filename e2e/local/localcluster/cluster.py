@@ -27,8 +27,6 @@ import yaml
 from localcluster import kubeconfig, nodes, paths, pki, procs, prometheus
 from pdcluster.io.kube import ApiError, Kube, KubeConfig
 
-SERVICE_CIDR = "127.2.0.0/16"
-KUBERNETES_SERVICE_IP = "127.2.0.1"  # the first address of the range, as the apiserver allocates it
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 # Stopped in this order: the pod runner first, so pods get their SIGTERM while the API is up.
 COMPONENTS = ("podrunner", "prometheus", "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
@@ -52,7 +50,7 @@ class State:
     ports: dict[str, int]
     procs: dict[str, list[int]] = field(default_factory=dict)
     nodes: dict[str, Any] = field(default_factory=dict)
-    service_cidr: str = SERVICE_CIDR
+    slot: int = 0  # address slot: which loopback ranges this cluster uses (nodes.py)
     started_at: float = 0.0
 
     @property
@@ -148,6 +146,20 @@ def healthy(state: State) -> bool:
     ) and _http_ok(f"{state.server}/readyz", _tls(state.pki))
 
 
+def _free_slot() -> int:
+    """The lowest address slot no other running cluster holds."""
+    taken = set()
+    for path in paths.run_dir("_").parent.glob("*/state.json"):
+        try:
+            taken.add(json.loads(path.read_text()).get("slot", 0))
+        except (OSError, ValueError):
+            continue
+    for slot in range(nodes.MAX_SLOTS):
+        if slot not in taken:
+            return slot
+    raise RuntimeError(f"{nodes.MAX_SLOTS} local clusters are already running; stop one first")
+
+
 def up(name: str, pool: nodes.NodePool | None = None, *, scrape_interval: str = "2s", log: Log = _stderr) -> State:
     """Starts the cluster, or reuses it when it is already up and healthy."""
     pool = pool or nodes.NodePool()
@@ -180,6 +192,7 @@ def _start(name: str, pool: nodes.NodePool, scrape_interval: str, log: Log) -> S
     def step(message: str) -> None:
         log(f"[{time.monotonic() - t0:5.1f}s] {message}")
 
+    slot = _free_slot()
     run = paths.run_dir(name)
     run.mkdir(parents=True)
     bins = paths.bin_dir()
@@ -190,7 +203,7 @@ def _start(name: str, pool: nodes.NodePool, scrape_interval: str, log: Log) -> S
         run / "pki",
         dns_names=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                    "kubernetes.default.svc.cluster.local"],
-        ip_addresses=["127.0.0.1", KUBERNETES_SERVICE_IP],
+        ip_addresses=["127.0.0.1", nodes.kubernetes_service_ip(slot)],
     )
     admin = kubeconfig.write(
         run / "admin.kubeconfig", name=name, server=server, ca_file=keys.ca_cert,
@@ -199,7 +212,7 @@ def _start(name: str, pool: nodes.NodePool, scrape_interval: str, log: Log) -> S
     state = State(
         name=name, run_dir=str(run), bin_dir=str(bins), server=server, kubeconfig=str(admin),
         prometheus_url=f"http://127.0.0.1:{ports['prometheus']}", ports=ports, nodes=asdict(pool),
-        started_at=time.time(),
+        started_at=time.time(), slot=slot,
     )
     step(f"pki and kubeconfig in {run}")
 
@@ -227,7 +240,7 @@ def _start(name: str, pool: nodes.NodePool, scrape_interval: str, log: Log) -> S
         f"--client-ca-file={keys.ca_cert}", "--authorization-mode=Node,RBAC",
         f"--service-account-issuer={SA_ISSUER}", f"--service-account-key-file={keys.sa_pub}",
         f"--service-account-signing-key-file={keys.sa_key}",
-        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        f"--service-cluster-ip-range={nodes.service_cidr(slot)}",
         # The default "lease" reconciler would write 127.0.0.1 into the kubernetes Endpoints,
         # which validation rejects (loopback); the pod runner routes that Service itself.
         "--endpoint-reconciler-type=none",
@@ -276,7 +289,7 @@ async def _ensure_nodes(state: State, pool: nodes.NodePool, log: Log) -> None:
     Ready, the node lifecycle controller lifted their not-ready taint, and the service
     account controllers have populated the default namespace."""
     async with Kube(KubeConfig.from_file(state.kubeconfig)) as kube:
-        for node in nodes.manifests(pool):
+        for node in nodes.manifests(pool, state.slot):
             with contextlib.suppress(ApiError):
                 await kube.create(node)
 

@@ -3,7 +3,7 @@ and taint, plus untainted CPU nodes for routers, the Mooncake master and the ope
 
 kwok plays every node annotated kwok.x-k8s.io/node=fake; it keeps the capacity and
 addresses written here and hands out pod IPs from each node's spec.podCIDR, so every
-pod gets a 127.1.<node>.<n> address.
+pod gets a 127.<1 + 3k>.<node>.<n> address, k being the cluster's address slot.
 """
 
 from __future__ import annotations
@@ -13,8 +13,26 @@ from typing import Any
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_RESOURCE = "nvidia.com/gpu"
-POD_NETWORK = "127.1"  # pod IPs: 127.1.<node index>.<n>
-NODE_NETWORK = "127.3.0"  # node (host) IPs: 127.3.0.<node index + 1>
+# Each running cluster has an address slot k, so that several can run side by side:
+# pods 127.<1+3k>.<node>.<n>, Services 127.<2+3k>.0.0/16, nodes 127.<3+3k>.0.<node+1>.
+MAX_SLOTS = 20
+
+
+def pod_network(slot: int) -> str:
+    return f"127.{1 + 3 * slot}"
+
+
+def service_cidr(slot: int) -> str:
+    return f"127.{2 + 3 * slot}.0.0/16"
+
+
+def kubernetes_service_ip(slot: int) -> str:
+    """The first address of the Service range, which the apiserver gives `kubernetes`."""
+    return f"127.{2 + 3 * slot}.0.1"
+
+
+def node_network(slot: int) -> str:
+    return f"127.{3 + 3 * slot}.0"
 
 
 @dataclass(frozen=True)
@@ -29,14 +47,14 @@ class NodePool:
 
     def __post_init__(self) -> None:
         if self.gpu_nodes + self.cpu_nodes > 250:
-            raise ValueError("at most 250 nodes: each takes a /24 of 127.1.0.0/16")
+            raise ValueError("at most 250 nodes: each takes a /24 of the pod network")
 
 
 def node_names(pool: NodePool) -> list[str]:
     return [f"gpu-{i}" for i in range(pool.gpu_nodes)] + [f"cpu-{i}" for i in range(pool.cpu_nodes)]
 
 
-def _node(name: str, index: int, labels: dict[str, str], resources: dict[str, str],
+def _node(name: str, index: int, slot: int, labels: dict[str, str], resources: dict[str, str],
           taints: list[dict[str, str]]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -52,12 +70,12 @@ def _node(name: str, index: int, labels: dict[str, str], resources: dict[str, st
                 **labels,
             },
         },
-        "spec": {"podCIDR": f"{POD_NETWORK}.{index}.0/24", "taints": taints},
+        "spec": {"podCIDR": f"{pod_network(slot)}.{index}.0/24", "taints": taints},
         "status": {
             "capacity": resources,
             "allocatable": resources,
             "addresses": [
-                {"type": "InternalIP", "address": f"{NODE_NETWORK}.{index + 1}"},
+                {"type": "InternalIP", "address": f"{node_network(slot)}.{index + 1}"},
                 {"type": "Hostname", "address": name},
             ],
             "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux"},
@@ -65,7 +83,7 @@ def _node(name: str, index: int, labels: dict[str, str], resources: dict[str, st
     }
 
 
-def manifests(pool: NodePool) -> list[dict[str, Any]]:
+def manifests(pool: NodePool, slot: int = 0) -> list[dict[str, Any]]:
     nodes = []
     for i in range(pool.gpu_nodes):
         resources = {
@@ -87,9 +105,9 @@ def manifests(pool: NodePool) -> list[dict[str, Any]]:
         if pool.rdma_per_node:
             labels["feature.node.kubernetes.io/rdma.available"] = "true"
         taint = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
-        nodes.append(_node(f"gpu-{i}", i, labels, resources, [taint]))
+        nodes.append(_node(f"gpu-{i}", i, slot, labels, resources, [taint]))
     for j in range(pool.cpu_nodes):
         resources = {"cpu": "32", "memory": "128Gi", "ephemeral-storage": "1Ti", "pods": "110"}
         labels = {"node.kubernetes.io/instance-type": "cpu-32"}
-        nodes.append(_node(f"cpu-{j}", pool.gpu_nodes + j, labels, resources, []))
+        nodes.append(_node(f"cpu-{j}", pool.gpu_nodes + j, slot, labels, resources, []))
     return nodes

@@ -1,0 +1,1 @@
+"""Fleet simulator: traces replayed through the router policy and the control law (pdctl plan)."""
