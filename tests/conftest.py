@@ -1,5 +1,7 @@
 """Shared fixtures. The cluster fixtures start (or reuse) the local control plane
-(e2e/local/cluster); pure unit tests never request them, so they start nothing.
+(e2e/local/cluster); pure unit tests never request them, so they start nothing. The
+operator fixtures (`crd`, `operator`, `pdc`, `sim_cluster`) run the real operator as a
+process; their plain helpers are in tests/e2e/harness.py, shared with the benchmarks.
 
   PDCLUSTER_TEST_CLUSTER   cluster name used by the tests (default: pdtest)
   PDCLUSTER_KEEP_CLUSTER=1 leave the cluster up after the session (the next one reuses it)
@@ -11,6 +13,7 @@ import asyncio
 import inspect
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -24,9 +27,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "e2e" / "local"))
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
+
+from harness import OperatorProcess, install_crd, make_sim_cluster, start_operator  # noqa: E402
 
 from localcluster import State, load_state  # noqa: E402
 from localcluster.kubeconfig import for_service_account  # noqa: E402
+from pdcluster import constants as C  # noqa: E402
 from pdcluster.io.kube import Kube, KubeConfig  # noqa: E402
 
 CLUSTER_NAME = os.environ.get("PDCLUSTER_TEST_CLUSTER", "pdtest")
@@ -132,6 +139,61 @@ def pod_log(local_cluster: State) -> Callable[[str, str, str], str]:
         return path.read_text(errors="replace") if path.exists() else ""
 
     return read
+
+
+@pytest.fixture(name="sim_cluster")
+def sim_cluster_fixture() -> Any:
+    """`sim_cluster(name, **spec_sections)`: the demo PDCluster (engine simulators) with
+    autoscaling off, a new name and some spec sections replaced."""
+    return make_sim_cluster
+
+
+@pytest.fixture(scope="session")
+async def crd(local_cluster: State) -> None:
+    async with Kube(KubeConfig.from_file(local_cluster.kubeconfig)) as kube:
+        await install_crd(kube)
+
+
+@pytest.fixture
+def operator(local_cluster: State, crd: None, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """The operator as a real process, scoped to this test's namespace."""
+    op = start_operator(
+        local_cluster.kubeconfig,
+        namespace,
+        tmp_path / "operator.log",
+        f"--prometheus-url={local_cluster.prometheus_url}",
+    )
+    yield op
+    op.kill(signal.SIGTERM)
+    if "Traceback" in op.log():
+        print(op.log()[-5000:])
+
+
+@pytest.fixture
+async def pdc(kube: Kube, namespace: str) -> AsyncIterator[Any]:
+    """Helpers for PDClusters in the test namespace."""
+
+    class PDC:
+        async def apply(self, doc: dict[str, Any]) -> dict[str, Any]:
+            doc = {"apiVersion": C.API_VERSION, "kind": C.KIND, **doc}
+            doc["metadata"] = {**doc["metadata"], "namespace": namespace}
+            return await kube.apply(doc, field_manager="kubectl-test")
+
+        async def get(self, name: str) -> dict[str, Any] | None:
+            return await kube.get(C.API_VERSION, C.KIND, name, namespace)
+
+        async def condition(self, name: str, type_: str) -> dict[str, Any] | None:
+            obj = await self.get(name)
+            for c in (obj or {}).get("status", {}).get("conditions", []):
+                if c["type"] == type_:
+                    return c
+            return None
+
+        async def is_true(self, name: str, type_: str) -> bool:
+            c = await self.condition(name, type_)
+            return bool(c and c["status"] == "True")
+
+    yield PDC()
 
 
 @pytest.fixture

@@ -106,12 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         sp.set_defaults(func=func)
     plan_parser = sub.add_parser("plan", help="compare autoscaling policies on a trace (fleet simulator)")
-    try:
-        from pdcluster.sim import plan
+    from pdcluster.sim import plan
 
-        plan.add_arguments(plan_parser)
-    except ImportError:
-        pass
+    plan.add_arguments(plan_parser)
     plan_parser.set_defaults(func=cmd_plan)
     args = p.parse_args(argv)
     return args.func(args)

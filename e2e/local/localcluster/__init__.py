@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from localcluster.cluster import State, down, load_state, status, up
+from localcluster.cluster import State, down, load_state, restart, start_component, status, stop_component, up
 from localcluster.nodes import NodePool
 
-__all__ = ["NodePool", "State", "down", "load_state", "status", "up"]
+__all__ = ["NodePool", "State", "down", "load_state", "restart", "start_component", "status", "stop_component", "up"]

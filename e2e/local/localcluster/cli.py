@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     kc.add_argument("--output", type=Path, help="where to write the ServiceAccount kubeconfig")
     kc.add_argument("--expiration-seconds", type=int, default=86400)
 
+    rs = sub.add_parser("restart", parents=[common], help="stop one component and start it again, same argv")
+    rs.add_argument("component", choices=cluster.COMPONENTS)
+
     sub.add_parser("env", parents=[common], help="shell exports: eval \"$(e2e/local/cluster env)\"")
     return p
 
@@ -86,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
 
         print(asyncio.run(mint()))
+    elif args.command == "restart":
+        _require(args.name)
+        cluster.restart(args.name, args.component)
+        print(f"{args.component} restarted")
     elif args.command == "env":
         state = _require(args.name)
         exports = {

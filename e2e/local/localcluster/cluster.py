@@ -52,6 +52,8 @@ class State:
     nodes: dict[str, Any] = field(default_factory=dict)
     slot: int = 0  # address slot: which loopback ranges this cluster uses (nodes.py)
     started_at: float = 0.0
+    # Components taken down by stop_component: their argv and environment, to start them again.
+    stopped: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def path(self) -> Path:
@@ -350,6 +352,52 @@ def _stop_processes(state: State) -> None:
         with contextlib.suppress(ValueError, OSError):
             leftovers.append(procs.Proc.from_json(json.loads(pid_file.read_text())))
     procs.stop(leftovers, timeout=2)
+
+
+def stop_component(name: str, component: str) -> None:
+    """Stops one component (fault injection: an apiserver or Prometheus outage) and
+    remembers its command line and environment for start_component."""
+    with _lock(name):
+        state = load_state(name)
+        proc = state.proc(component) if state else None
+        if state is None or proc is None or not procs.alive(proc):
+            raise RuntimeError(f"{component} of cluster {name!r} is not running")
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().rstrip(b"\0").split(b"\0")
+        state.stopped[component] = {
+            "argv": [a.decode() for a in argv],
+            "env": dict(e.decode().partition("=")[::2] for e in environ if b"=" in e),
+        }
+        state.save()
+        procs.stop([proc], timeout=15 if component == "podrunner" else 5)
+
+
+def start_component(name: str, component: str, timeout: float = 90) -> None:
+    """Starts a component stopped by stop_component again, exactly as it ran (same ports,
+    same data), and waits until it serves."""
+    with _lock(name):
+        state = load_state(name)
+        if state is None or component not in state.stopped:
+            raise RuntimeError(f"{component} of cluster {name!r} was not stopped by stop_component")
+        run = Path(state.run_dir)
+        saved = state.stopped.pop(component)
+        proc = procs.spawn(saved["argv"], run / f"{component}.log", env=saved["env"], cwd=run)
+        state.procs[component] = proc.to_json()
+        state.save()
+        checks: dict[str, Callable[[], bool]] = {
+            "kube-apiserver": lambda: _http_ok(f"{state.server}/readyz", _tls(state.pki)),
+            "prometheus": lambda: _http_ok(f"{state.prometheus_url}/-/ready"),
+            "podrunner": lambda: _http_ok(f"http://127.0.0.1:{state.ports['podrunner']}/healthz"),
+            "etcd": lambda: _http_ok(f"http://127.0.0.1:{state.ports['etcd']}/health"),
+        }
+        _wait(component, checks.get(component, lambda: True), timeout=timeout, proc=proc,
+              log_file=run / f"{component}.log")
+
+
+def restart(name: str, component: str) -> None:
+    """Stops one component and starts it again with the same command line."""
+    stop_component(name, component)
+    start_component(name, component)
 
 
 def status(name: str) -> dict[str, Any]:

@@ -133,40 +133,72 @@ class TransferTable:
 
 
 class MooncakeStore:
-    """A real Mooncake store client (mooncake-transfer-engine wheel), TCP transport."""
+    """A real Mooncake store client (mooncake-transfer-engine wheel), TCP transport.
 
-    def __init__(self, store: Any):
-        self._store = store
+    The master may come up after the engines (pods start in parallel): when the first
+    setup fails, it keeps retrying in the background instead of giving up, and until it
+    is connected puts fail, so KV goes only over the side channel."""
+
+    RETRY_SECONDS = 2.0
+
+    def __init__(self, master: str, local_hostname: str):
+        self.master = master
+        self.local_hostname = local_hostname
+        self._store: Any = None
+        self._retry: asyncio.Task[None] | None = None
 
     @classmethod
     async def connect(cls, master: str, local_hostname: str) -> MooncakeStore | None:
         try:
-            from mooncake.store import MooncakeDistributedStore  # optional: only with --sim-mooncake-master
+            import mooncake.store  # noqa: F401  optional: only with --sim-mooncake-master
         except ImportError as e:
             log.warning("Mooncake store disabled: %s", e)
             return None
+        store = cls(master, local_hostname)
+        if not await store._setup():
+            store._retry = asyncio.get_running_loop().create_task(store._keep_trying())
+        return store
+
+    async def _setup(self) -> bool:
+        from mooncake.store import MooncakeDistributedStore
+
         store = MooncakeDistributedStore()
-        segment = 64 * 1024 * 1024
-        rc = await asyncio.to_thread(
-            store.setup, local_hostname, "P2PHANDSHAKE", segment, 16 * 1024 * 1024, "tcp", "", master
-        )
+        segment, buffer = 64 * 1024 * 1024, 16 * 1024 * 1024
+        setup = (self.local_hostname, "P2PHANDSHAKE", segment, buffer, "tcp", "", self.master)
+        rc = await asyncio.to_thread(store.setup, *setup)
         if rc != 0:
-            log.warning("Mooncake store disabled: setup against master %s returned %s", master, rc)
-            return None
-        log.info("Mooncake store connected to master %s", master)
-        return cls(store)
+            log.warning("Mooncake store: setup against master %s returned %s", self.master, rc)
+            return False
+        self._store = store
+        log.info("Mooncake store connected to master %s", self.master)
+        return True
+
+    async def _keep_trying(self) -> None:
+        while not await self._setup():
+            await asyncio.sleep(self.RETRY_SECONDS)
+
+    @property
+    def connected(self) -> bool:
+        return self._store is not None
 
     async def put(self, key: str, size: int) -> bool:
+        if self._store is None:
+            return False
         rc = await asyncio.to_thread(self._store.put, key, b"\0" * max(size, 1))
         return rc == 0
 
     async def take(self, key: str) -> int:
+        if self._store is None:
+            raise RuntimeError("not connected to the Mooncake master")
         data = await asyncio.to_thread(self._store.get, key)
         await asyncio.to_thread(self._store.remove, key)
         return len(data)
 
     def close(self) -> None:
-        self._store.close()
+        if self._retry is not None:
+            self._retry.cancel()
+        if self._store is not None:
+            self._store.close()
 
 
 class _Lines(asyncio.Protocol):

@@ -30,10 +30,6 @@ import aiohttp
 from pdcluster import observability as obs
 from pdcluster.control.types import MetricsSnapshot, assemble
 
-# vLLM's prefix-cache counters (tokens), exposed with _total (vllm/v1/metrics/loggers.py).
-VLLM_PREFIX_QUERIES = "vllm:prefix_cache_queries"
-VLLM_PREFIX_HITS = "vllm:prefix_cache_hits"
-
 
 class PrometheusUnavailable(Exception):
     """Prometheus could not be asked; the message says why."""
@@ -86,8 +82,8 @@ def queries(namespace: str, cluster: str, window_s: int, quantile: float) -> dic
         "prefilled_tokens": rate(obs.VLLM_PROMPT_TOKENS + "_total", prefill),
         "prefilled": rate(obs.VLLM_REQUEST_SUCCESS + "_total", prefill),
         "decode_tokens": rate(obs.VLLM_GENERATION_TOKENS + "_total", decode),
-        "prefix_queries": rate(VLLM_PREFIX_QUERIES + "_total", prefill),
-        "prefix_hits": rate(VLLM_PREFIX_HITS + "_total", prefill),
+        "prefix_queries": rate(obs.VLLM_PREFIX_QUERIES + "_total", prefill),
+        "prefix_hits": rate(obs.VLLM_PREFIX_HITS + "_total", prefill),
         "prefill_queue": f"sum(avg_over_time({_series(obs.VLLM_WAITING, prefill)}{w}))",
         "kv_usage": f"avg(avg_over_time({_series(obs.VLLM_KV_USAGE, decode)}{w}))",
         "prefill_ready": engines(prefill),
@@ -125,6 +121,12 @@ class Prometheus:
             return None
         value = float(sample[1])
         return value if math.isfinite(value) else None
+
+    async def router_p99_ms(self, namespace: str, cluster: str, window_s: int) -> tuple[int | None, int | None]:
+        """The router's TTFT and ITL p99 in ms, for `kubectl get pdc`."""
+        q = queries(namespace, cluster, window_s, 0.99)
+        ttft, itl = await asyncio.gather(self.query(q["ttft"]), self.query(q["itl"]))
+        return (None if ttft is None else round(ttft * 1000), None if itl is None else round(itl * 1000))
 
     async def snapshot(
         self, namespace: str, cluster: str, window_s: int, quantile: float

@@ -1,0 +1,646 @@
+#!/usr/bin/env python3
+"""`make demo`: a PD cluster on the local control plane, driven by a real trace.
+
+    up     start the local cluster `demo`, install the operator from the Helm chart,
+           apply examples/pdcluster-sim.yaml, replay a slice of a public trace through
+           the router and show replicas, latency against the SLO and every scaling
+           decision live; the cluster stays up afterwards
+    watch  the replay and the live view only, against a cluster set up elsewhere
+           (e2e/kind/run.sh uses it through port-forwards)
+    down   stop the cluster
+
+Requests are the trace's: its arrival times (scaled by --speed), prompt lengths, prefix
+blocks (token ids derived from the trace's 512-token block hashes, so shared prefixes
+stay shared) and output lengths (max_tokens with ignore_eos). Without a terminal the
+view is a plain line every few seconds, one line per decision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+# Like e2e/local/cluster: run under the project's venv when started with another Python.
+if (
+    __name__ == "__main__"
+    and VENV_PYTHON.exists()
+    and Path(sys.prefix).resolve() != VENV_PYTHON.parent.parent.resolve()
+):
+    os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), str(Path(__file__).resolve()), *sys.argv[1:]])
+sys.path.insert(0, str(HERE))
+
+import aiohttp  # noqa: E402
+import orjson  # noqa: E402
+import yaml  # noqa: E402
+from rich.console import Console, Group  # noqa: E402
+from rich.live import Live  # noqa: E402
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from pdcluster import constants as C  # noqa: E402
+from pdcluster import observability as O  # noqa: E402
+from pdcluster import perf  # noqa: E402
+from pdcluster.io.kube import ApiError, Kube, KubeConfig  # noqa: E402
+from pdcluster.sim.trace import MOONCAKE_BLOCK_TOKENS, Trace, load_trace  # noqa: E402
+
+CLUSTER = "demo"
+NAMESPACE = "demo"
+OPERATOR_NAMESPACE = "pdcluster-system"
+RELEASE = "pdcluster-operator"
+CHART = REPO / "charts" / "pdcluster-operator"
+EXAMPLE = REPO / "examples" / "pdcluster-sim.yaml"
+VOCABULARY = 128_000  # Llama 3's vocabulary size: token ids stay plausible
+QUANTILE = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
+
+
+# ------------------------------------------------------------------ the workload (pure)
+
+
+@dataclass(frozen=True)
+class Request:
+    at_s: float  # seconds after the replay starts
+    input_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...]
+    salt: int  # makes the tokens past the trace's known blocks private to this request
+
+
+def workload(trace: Trace, start_s: float, duration_s: float, speed: float) -> list[Request]:
+    """The requests arriving in [start_s, start_s + duration_s) of the trace, replayed
+    `speed` times faster."""
+    t0 = trace.arrival_s[0] + start_s
+    return [
+        Request((at - t0) / speed, trace.input_tokens[i], trace.output_tokens[i], trace.blocks[i], i)
+        for i, at in enumerate(trace.arrival_s)
+        if t0 <= at < t0 + duration_s
+    ]
+
+
+def _block(seed: int, length: int) -> list[int]:
+    """`length` token ids determined by `seed` (a multiplicative hash, cheap and spread)."""
+    return [1 + (seed * 2654435761 + k * 40503) % (VOCABULARY - 1) for k in range(length)]
+
+
+def prompt_ids(request: Request, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
+    """Token ids whose 512-token blocks repeat exactly where the trace's block hashes do."""
+    ids: list[int] = []
+    for h in request.blocks:
+        if len(ids) >= request.input_tokens:
+            break
+        ids += _block(h, min(block_tokens, request.input_tokens - len(ids)))
+    if len(ids) < request.input_tokens:
+        ids += _block(request.salt + (1 << 48), request.input_tokens - len(ids))
+    return ids
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return perf.percentile(values, q) if values else None
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None or math.isnan(seconds) else f"{seconds * 1000:.0f} ms"
+
+
+# ---------------------------------------------------------------------- the replay
+
+
+@dataclass
+class Outcomes:
+    sent: int = 0
+    ok: int = 0
+    rejected: int = 0
+    failed: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)  # one mean per request
+    last_error: str = ""
+
+    @property
+    def done(self) -> int:
+        return self.ok + self.rejected + self.failed
+
+
+async def send(session: aiohttp.ClientSession, url: str, model: str, request: Request, out: Outcomes) -> None:
+    body = {
+        "model": model,
+        "prompt": prompt_ids(request),
+        "max_tokens": request.output_tokens,
+        "ignore_eos": True,  # the trace's output length, not the simulator's EOS draw
+        "stream": True,
+    }
+    started = time.monotonic()
+    stamps: list[float] = []
+    try:
+        async with session.post(
+            f"{url}/v1/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        ) as resp:
+            if resp.status == 429:
+                out.rejected += 1
+                return
+            if resp.status != 200:
+                out.failed += 1
+                out.last_error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    stamps.append(time.monotonic())
+    except (aiohttp.ClientError, TimeoutError) as e:
+        out.failed += 1
+        out.last_error = repr(e)
+        return
+    if not stamps:
+        out.failed += 1
+        out.last_error = "stream ended without tokens"
+        return
+    out.ok += 1
+    out.ttft_s.append(stamps[0] - started)
+    if len(stamps) > 1:
+        out.itl_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+
+
+async def replay(url: str, model: str, requests: list[Request], out: Outcomes) -> None:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        started = time.monotonic()
+        tasks = []
+        for request in requests:
+            delay = started + request.at_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            out.sent += 1
+            tasks.append(asyncio.create_task(send(session, url, model, request, out)))
+        await asyncio.gather(*tasks)
+
+
+# ------------------------------------------------------------------ what the cluster says
+
+
+@dataclass
+class Snapshot:
+    roles: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (desired, ready)
+    ready: str = "?"
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    rate: float | None = None
+    last_decision: dict[str, Any] | None = None
+
+
+@dataclass
+class Decision:
+    at: str
+    prefill: str
+    decode: str
+    reason: str
+
+
+class Observer:
+    """Polls the PDCluster's status and Events and the router's latency in Prometheus."""
+
+    def __init__(
+        self, kube: Kube, prometheus_url: str, namespace: str, name: str, quantile: float, window_s: int
+    ):
+        self.kube, self.prometheus_url, self.namespace, self.name = kube, prometheus_url, namespace, name
+        selector = f'{O.PROM_LABEL_CLUSTER}="{name}",namespace="{namespace}"'
+
+        def q(metric: str) -> str:
+            return f"histogram_quantile({quantile}, sum by (le) (rate({metric}_bucket{{{selector}}}[{window_s}s])))"
+
+        self.queries = {
+            "ttft": q(O.ROUTER_TTFT),
+            "itl": q(O.ROUTER_ITL),
+            "rate": f"sum(rate({O.ROUTER_REQUESTS}_total{{{selector}}}[{window_s}s]))",
+        }
+        self.snapshot = Snapshot()
+        self.decisions: list[Decision] = []
+        self._seen_events: set[str] = set()
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    async def _prom(self, promql: str) -> float | None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError):
+            async with self._http.get(f"{self.prometheus_url}/api/v1/query", params={"query": promql}) as r:
+                value = float((await r.json())["data"]["result"][0]["value"][1])
+                return None if math.isnan(value) else value
+        return None
+
+    async def poll(self) -> Snapshot:
+        s = Snapshot()
+        obj = await self.kube.get(C.API_VERSION, C.KIND, self.name, self.namespace) or {}
+        status = obj.get("status") or {}
+        for role in C.ENGINE_ROLES:
+            r = status.get(role) or {}
+            s.roles[role] = (r.get("desired", 0), r.get("ready", 0))
+        ready = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), None)
+        s.ready = ready["status"] if ready else "?"
+        s.last_decision = (status.get("autoscaling") or {}).get("lastDecision")
+        s.ttft_s, s.itl_s, s.rate = [await self._prom(q) for q in self.queries.values()]
+        await self._events()
+        self.snapshot = s
+        return s
+
+    async def _events(self) -> None:
+        events = await self.kube.list("v1", "Event", self.namespace)
+        events.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+        for e in events:
+            uid = e["metadata"]["uid"]
+            if uid in self._seen_events or e["involvedObject"].get("name") != self.name:
+                continue
+            self._seen_events.add(uid)
+            if e.get("reason") in ("Scaled", "Recommended"):
+                stamp = (e.get("lastTimestamp") or e.get("eventTime") or "")[11:19]
+                self.decisions.append(Decision(stamp, *_split_decision(e.get("message", ""))))
+
+
+def _split_decision(message: str) -> tuple[str, str, str]:
+    """'prefill 3, decode 1: <reason>' (the operator's Scaled event) -> parts."""
+    head, _, reason = message.partition(": ")
+    counts = dict(part.strip().split(" ", 1) for part in head.split(",") if " " in part.strip())
+    return counts.get("prefill", "?"), counts.get("decode", "?"), reason or message
+
+
+# ------------------------------------------------------------------------------ view
+
+
+class View:
+    """A rich live view on a terminal; plain periodic lines otherwise (CI logs)."""
+
+    def __init__(self, console: Console, title: str, slo: dict[str, Any], total: int, plain: bool):
+        self.console, self.title, self.slo, self.total = console, title, slo, total
+        self.plain = plain or not console.is_terminal
+        self.started = time.monotonic()
+        self._last_line = 0.0
+        self._printed_decisions = 0
+        self.progress = Progress(
+            TextColumn("replay"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("sent {task.fields[sent]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self.task = self.progress.add_task("replay", total=total, sent=0)
+        self.live = None if self.plain else Live(console=console, refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> View:
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def _elapsed(self) -> str:
+        return f"[{time.monotonic() - self.started:5.0f}s]"
+
+    def update(self, out: Outcomes, observer: Observer, phase: str) -> None:
+        s = observer.snapshot
+        self.progress.update(self.task, completed=out.done, sent=out.sent)
+        if self.live:
+            self.live.update(self._render(out, observer, phase))
+            return
+        for d in observer.decisions[self._printed_decisions :]:
+            self.console.print(
+                f"{self._elapsed()} decision at {d.at}: prefill {d.prefill}, decode {d.decode}: {d.reason}"
+            )
+        self._printed_decisions = len(observer.decisions)
+        if time.monotonic() - self._last_line >= 10:
+            self._last_line = time.monotonic()
+            roles = "  ".join(
+                f"{r} {s.roles.get(r, (0, 0))[1]}/{s.roles.get(r, (0, 0))[0]}" for r in C.ENGINE_ROLES
+            )
+            self.console.print(
+                f"{self._elapsed()} {phase}: sent {out.sent}/{self.total} ok {out.ok} rejected {out.rejected} "
+                f"failed {out.failed} | ready/desired {roles} | TTFT {self.slo['quantile']} {ms(s.ttft_s)} "
+                f"(SLO {self.slo['ttftMs']} ms) ITL {self.slo['quantile']} {ms(s.itl_s)} (SLO {self.slo['itlMs']} ms)"
+            )
+
+    def _render(self, out: Outcomes, observer: Observer, phase: str) -> Group:
+        s = observer.snapshot
+        q = self.slo["quantile"]
+        replicas = Table(title="replicas", expand=True)
+        for column in ("role", "desired", "ready"):
+            replicas.add_column(column, justify="right" if column != "role" else "left")
+        for role in C.ENGINE_ROLES:
+            desired, ready = s.roles.get(role, (0, 0))
+            replicas.add_row(role, str(desired), f"[{'green' if ready == desired else 'yellow'}]{ready}")
+
+        def against(value: float | None, slo_ms: float) -> str:
+            if value is None:
+                return "-"
+            return f"[{'green' if value * 1000 <= slo_ms else 'red'}]{ms(value)}[/] (SLO {slo_ms:.0f} ms)"
+
+        latency = Table(title=f"router {q}, Prometheus", expand=True)
+        latency.add_column("metric")
+        latency.add_column("value", justify="right")
+        latency.add_row("TTFT", against(s.ttft_s, self.slo["ttftMs"]))
+        latency.add_row("ITL", against(s.itl_s, self.slo["itlMs"]))
+        latency.add_row("requests/s", "-" if s.rate is None else f"{s.rate:.1f}")
+        latency.add_row("ok / rejected / failed", f"{out.ok} / {out.rejected} / {out.failed}")
+        top = Table.grid(expand=True)
+        top.add_column()
+        top.add_column()
+        top.add_row(replicas, latency)
+
+        decisions = Table(title="scaling decisions (Events)", expand=True)
+        for column in ("time", "prefill", "decode", "reason"):
+            decisions.add_column(column, overflow="fold")
+        for d in observer.decisions[-8:]:
+            decisions.add_row(d.at, d.prefill, d.decode, d.reason)
+        last = s.last_decision or {}
+        footer = (
+            f"last decision ({last.get('action', '-')}): {last.get('reason', 'none yet')}"
+            if last
+            else "last decision: none yet (the autoscaler waits for a window of metrics)"
+        )
+        return Group(
+            f"[bold]{self.title}[/]  ({phase}, Ready={s.ready})", self.progress, top, decisions, footer
+        )
+
+
+# ------------------------------------------------------------------------ the cluster
+
+
+def step(console: Console, message: str) -> None:
+    console.print(f"[bold cyan]==>[/] {message}")
+
+
+def helm(bin_dir: str, kubeconfig: str, *args: str) -> None:
+    subprocess.run(
+        [f"{bin_dir}/helm", f"--kubeconfig={kubeconfig}", *args], check=True, stdout=subprocess.DEVNULL
+    )
+
+
+async def wait_ready(kube: Kube, console: Console, namespace: str, name: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        obj = await kube.get(C.API_VERSION, C.KIND, name, namespace) or {}
+        status = obj.get("status") or {}
+        ready = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), None)
+        if ready and ready["status"] == "True":
+            console.print(f"    Ready: {ready['message']}")
+            return
+        line = ready["message"] if ready else "waiting for the operator"
+        if line != last:
+            console.print(f"    {line}")
+            last = line
+        await asyncio.sleep(1)
+    raise SystemExit(
+        f"PDCluster {namespace}/{name} not Ready after {timeout:.0f}s; see `kubectl describe pdc {name} -n {namespace}`"
+    )
+
+
+async def fresh_pdcluster(kube: Kube, console: Console, doc: dict[str, Any]) -> None:
+    """Applies the example; one left by an earlier run is replaced, so each run starts at 1:1."""
+    name = doc["metadata"]["name"]
+    if await kube.get("v1", "Namespace", NAMESPACE) is None:
+        await kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    if await kube.get(C.API_VERSION, C.KIND, name, NAMESPACE) is not None:
+        step(console, f"replacing the PDCluster {NAMESPACE}/{name} of an earlier run")
+        await kube.delete(C.API_VERSION, C.KIND, name, NAMESPACE)
+        selector = f"{C.LABEL_CLUSTER}={name}"
+        while await kube.get(C.API_VERSION, C.KIND, name, NAMESPACE) or await kube.list(
+            "v1", "Pod", NAMESPACE, label_selector=selector
+        ):
+            await asyncio.sleep(0.5)
+    # The default ServiceAccount must exist before any pod can be created.
+    while await kube.get("v1", "ServiceAccount", "default", NAMESPACE) is None:
+        await asyncio.sleep(0.2)
+    await kube.apply(
+        {**doc, "metadata": {**doc["metadata"], "namespace": NAMESPACE}}, field_manager="pdcluster-demo"
+    )
+
+
+async def crd_established(kube: Kube) -> None:
+    for _ in range(100):
+        crd = await kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", C.CRD_NAME) or {}
+        if any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in (crd.get("status") or {}).get("conditions", [])
+        ):
+            return
+        await asyncio.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Target:
+    kubeconfig: str
+    prometheus_url: str
+    router_url: str | None  # None: the router Service's ClusterIP (reachable from this host)
+    namespace: str
+    name: str
+
+
+async def run_and_watch(
+    console: Console, target: Target, args: argparse.Namespace
+) -> tuple[Outcomes, Observer, float]:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    spec = doc["spec"]
+    trace_path = Path(args.trace) if "/" in args.trace else perf.traces_dir() / args.trace
+    requests = workload(load_trace(trace_path), args.start_minute * 60, args.minutes * 60, args.speed)
+    slo = {"quantile": "p90", "ttftMs": 2000, "itlMs": 25, **spec["autoscaling"].get("slo", {})}
+    window_s = int(spec["autoscaling"].get("windowSeconds", 30))
+    out = Outcomes()
+    async with Kube(KubeConfig.from_file(target.kubeconfig)) as kube:
+        url = target.router_url
+        if url is None:
+            svc = await kube.get("v1", "Service", f"{target.name}-{C.ROLE_ROUTER}", target.namespace)
+            url = f"http://{svc['spec']['clusterIP']}:{C.ROUTER_PORT}"
+        model = spec["model"].get("servedModelName") or spec["model"]["name"]
+        observer = Observer(
+            kube, target.prometheus_url, target.namespace, target.name, QUANTILE[slo["quantile"]], window_s
+        )
+        title = (
+            f"PDCluster {target.namespace}/{target.name}: {trace_path.name}, minutes {args.start_minute:g}-"
+            f"{args.start_minute + args.minutes:g} at {args.speed:g}x, {len(requests)} requests via {url}"
+        )
+        step(console, title)
+        started = time.monotonic()
+        try:
+            with View(console, title, slo, len(requests), args.plain) as view:
+                replay_task = asyncio.create_task(replay(url, model, requests, out))
+                cooldown_until = None
+                while True:
+                    with contextlib.suppress(ApiError, aiohttp.ClientError, TimeoutError):
+                        await observer.poll()
+                    phase = "replaying" if not replay_task.done() else "cooling down"
+                    view.update(out, observer, phase)
+                    if replay_task.done():
+                        replay_task.result()
+                        cooldown_until = cooldown_until or time.monotonic() + args.cooldown
+                        if time.monotonic() >= cooldown_until or _settled(observer, spec):
+                            break
+                    await asyncio.sleep(1)
+        finally:
+            await observer.close()
+    return out, observer, time.monotonic() - started
+
+
+def _settled(observer: Observer, spec: dict[str, Any]) -> bool:
+    """Scaled and back to the smallest cluster after the load: nothing more to show."""
+    at_minimum = all(
+        observer.snapshot.roles.get(role, (0, 0)) == (spec[role].get("minReplicas", 1),) * 2
+        for role in C.ENGINE_ROLES
+    )
+    return at_minimum and bool(observer.decisions)
+
+
+def summary(console: Console, out: Outcomes, observer: Observer, seconds: float) -> None:
+    table = Table(title="summary", show_header=False)
+    table.add_column(justify="left")
+    table.add_column(justify="right")
+    table.add_row(
+        "requests sent / ok / rejected (429) / failed",
+        f"{out.sent} / {out.ok} / {out.rejected} / {out.failed}",
+    )
+    for label, values in (("TTFT (client)", out.ttft_s), ("ITL (client, mean per request)", out.itl_s)):
+        table.add_row(label, "  ".join(f"p{q}: {ms(percentile(values, q / 100))}" for q in (50, 90, 99)))
+    table.add_row("scaling decisions", str(len(observer.decisions)))
+    final = observer.snapshot.roles
+    table.add_row(
+        "replicas now (ready/desired)",
+        ", ".join(f"{r} {final.get(r, (0, 0))[1]}/{final.get(r, (0, 0))[0]}" for r in C.ENGINE_ROLES),
+    )
+    table.add_row("replay and watch", f"{seconds:.0f} s")
+    console.print(table)
+    for d in observer.decisions:
+        console.print(f"  {d.at}  prefill {d.prefill}, decode {d.decode}: {d.reason}")
+    if out.last_error:
+        console.print(f"  last error: {out.last_error}")
+
+
+def up(args: argparse.Namespace) -> int:
+    from localcluster import cluster
+
+    console = Console()
+    started = time.monotonic()
+    step(console, f"local cluster {args.cluster!r} (e2e/local/cluster up --name {args.cluster})")
+    state = cluster.up(args.cluster)
+    step(
+        console, f"operator from the Helm chart into {OPERATOR_NAMESPACE} (Prometheus {state.prometheus_url})"
+    )
+    helm(
+        state.bin_dir,
+        state.kubeconfig,
+        "upgrade",
+        "--install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--create-namespace",
+        "--wait",
+        "--timeout=180s",
+        "--set",
+        f"prometheusUrl={state.prometheus_url}",
+    )
+    doc = yaml.safe_load(EXAMPLE.read_text())
+
+    async def prepare() -> None:
+        async with Kube(KubeConfig.from_file(state.kubeconfig)) as kube:
+            await crd_established(kube)
+            step(console, f"PDCluster from {EXAMPLE.relative_to(REPO)} into namespace {NAMESPACE}")
+            await fresh_pdcluster(kube, console, doc)
+            await wait_ready(kube, console, NAMESPACE, doc["metadata"]["name"])
+
+    asyncio.run(prepare())
+    console.print(f"    set up in {time.monotonic() - started:.0f} s")
+    target = Target(state.kubeconfig, state.prometheus_url, None, NAMESPACE, doc["metadata"]["name"])
+    out, observer, seconds = asyncio.run(run_and_watch(console, target, args))
+    summary(console, out, observer, seconds)
+    env = f'eval "$(e2e/local/cluster env --name {args.cluster})"'
+    console.print(
+        f"\nDemo done in {time.monotonic() - started:.0f} s. The cluster stays up:\n"
+        f"  {env}\n"
+        f"  kubectl get pdc -n {NAMESPACE}\n"
+        f"  kubectl describe pdc {doc['metadata']['name']} -n {NAMESPACE}      # conditions and scaling Events\n"
+        f"  kubectl get pods -A -o wide\n"
+        f"  helm list -n {OPERATOR_NAMESPACE}\n"
+        f'  curl -s "$PDCLUSTER_PROMETHEUS_URL/api/v1/query?query=pdcluster_desired_replicas"\n'
+        f"  make demo-down                          # stop it"
+    )
+    return 0 if out.ok else 1
+
+
+def watch(args: argparse.Namespace) -> int:
+    console = Console()
+    target = Target(args.kubeconfig, args.prometheus_url, args.router_url, args.namespace, args.pdcluster)
+    out, observer, seconds = asyncio.run(run_and_watch(console, target, args))
+    summary(console, out, observer, seconds)
+    return 0 if out.ok else 1
+
+
+def down(args: argparse.Namespace) -> int:
+    from localcluster import cluster
+
+    if not cluster.down(args.cluster):
+        print(f"cluster {args.cluster!r} was not up", file=sys.stderr)
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="demo.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    replay_opts = argparse.ArgumentParser(add_help=False)
+    replay_opts.add_argument(
+        "--trace",
+        default="mooncake_conversation_trace.jsonl",
+        help="file in the traces folder (pdcluster.perf.traces_dir()) or a path",
+    )
+    replay_opts.add_argument(
+        "--start-minute", type=float, default=0.0, help="where the slice starts in the trace"
+    )
+    replay_opts.add_argument(
+        "--minutes", type=float, default=4.0, help="length of the slice, in trace minutes"
+    )
+    replay_opts.add_argument(
+        "--speed", type=float, default=1.0, help="replay this many times faster than recorded"
+    )
+    replay_opts.add_argument(
+        "--cooldown",
+        type=float,
+        default=150.0,
+        help="after the replay, watch this long for scale-down (seconds)",
+    )
+    replay_opts.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
+    sub = p.add_subparsers(dest="command")
+    for name in ("up", "down"):
+        s = sub.add_parser(name, parents=[replay_opts] if name == "up" else [])
+        s.add_argument("--cluster", default=CLUSTER, help="local cluster name (default: %(default)s)")
+    w = sub.add_parser("watch", parents=[replay_opts])
+    w.add_argument("--kubeconfig", required=True)
+    w.add_argument("--prometheus-url", required=True)
+    w.add_argument("--router-url", required=True, help="the router, e.g. through kubectl port-forward")
+    w.add_argument("--namespace", default=NAMESPACE)
+    w.add_argument("--pdcluster", default=yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"])
+    args = p.parse_args(argv)
+    if args.command is None:
+        args = p.parse_args(["up", *(argv if argv is not None else sys.argv[1:])])
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return {"up": up, "watch": watch, "down": down}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

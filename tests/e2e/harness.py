@@ -1,0 +1,264 @@
+"""Running the real operator against the local cluster, shared by the test fixtures
+(tests/conftest.py) and the benchmarks that need a live operator (benchmarks/soak.py,
+benchmarks/specs_property.py). Plain functions, no pytest."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus
+from pdcluster.drift import differences
+from pdcluster.io.kube import Kube
+from pdcluster.render import Owner, Replicas, render_all
+
+REPO = Path(__file__).resolve().parents[2]
+CRD = REPO / "crds" / "pdcluster.io_pdclusters.yaml"
+# What the operator must never log: a traceback (an unhandled exception somewhere) or an
+# ERROR line (kopf reports failed handlers that way).
+_FAILURE = re.compile(r"Traceback \(most recent call last\)|\sERROR\s")
+
+
+def make_sim_cluster(name: str, **overrides: Any) -> dict[str, Any]:
+    """examples/pdcluster-sim.yaml (engine simulators) with `name`, autoscaling off and
+    top-level spec sections replaced."""
+    doc = yaml.safe_load((REPO / "examples" / "pdcluster-sim.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    doc["spec"]["autoscaling"] = {"enabled": False}
+    for key, value in overrides.items():
+        doc["spec"][key] = copy.deepcopy(value)
+    return doc
+
+
+async def install_crd(kube: Kube) -> None:
+    await kube.apply(yaml.safe_load(CRD.read_text()), field_manager="pdcluster-tests")
+    for _ in range(300):
+        obj = await kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", C.CRD_NAME)
+        conditions = ((obj or {}).get("status") or {}).get("conditions") or []
+        if any(c["type"] == "Established" and c["status"] == "True" for c in conditions):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("CRD not established")
+
+
+@dataclass
+class OperatorProcess:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    args: list[str]
+    _seen: int = field(default=0, repr=False)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+    def failures(self) -> list[str]:
+        """Traceback and ERROR lines logged since the last call (all of them the first time)."""
+        text = self.log()
+        new, self._seen = text[self._seen :], len(text)
+        return [line for line in new.splitlines() if _FAILURE.search(line)]
+
+
+def start_operator(kubeconfig: str, namespace: str, log_path: Path, *extra: str) -> OperatorProcess:
+    """`pdcluster-operator` as a real process watching one namespace, without leader
+    election, resyncing every 5 s; its output is appended to `log_path`."""
+    args = [
+        str(REPO / ".venv" / "bin" / "pdcluster-operator"),
+        f"--kubeconfig={kubeconfig}",
+        f"--namespace={namespace}",
+        "--no-leader-election",
+        "--resync-seconds=5",
+        "--metrics-port=0",
+        "--health-port=0",
+        *extra,
+    ]
+    if not Path(args[0]).exists():
+        args[0:1] = [sys.executable, "-m", "pdcluster.main"]
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    return OperatorProcess(proc, log_path, args, _seen=log_path.stat().st_size)
+
+
+# ------------------------------------------------------------------ convergence checks
+# Every kind of child the operator renders, with its API version.
+CHILD_KINDS = {
+    "StatefulSet": "apps/v1",
+    "Deployment": "apps/v1",
+    "Service": "v1",
+    "ConfigMap": "v1",
+    "ServiceAccount": "v1",
+    "PodDisruptionBudget": "policy/v1",
+    "Role": "rbac.authorization.k8s.io/v1",
+    "RoleBinding": "rbac.authorization.k8s.io/v1",
+}
+
+
+def desired_children(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the operator renders for this PDCluster as stored (spec and status)."""
+    spec = PDClusterSpec.model_validate(body["spec"])
+    status = PDClusterStatus.model_validate(body.get("status") or {})
+    return render_all(spec, Owner.from_body(body), Replicas.choose(spec, status.autoscaling))
+
+
+async def convergence_problems(kube: Kube, body: dict[str, Any]) -> list[str]:
+    """How the live children of a PDCluster differ from what it renders: missing, drifted
+    or orphaned objects, wrong owners, a wrong number of pods. Empty when converged."""
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    desired = {(o["kind"], o["metadata"]["name"]): o for o in desired_children(body)}
+    selector = f"{C.LABEL_CLUSTER}={name}"
+    problems = []
+    seen = set()
+    for kind, api_version in CHILD_KINDS.items():
+        for obj in await kube.list(api_version, kind, namespace, label_selector=selector):
+            key = (kind, obj["metadata"]["name"])
+            seen.add(key)
+            owners = [r.get("uid") for r in obj["metadata"].get("ownerReferences") or []]
+            if key not in desired:
+                problems.append(f"orphaned {kind} {key[1]}")
+            elif drifted := _drift(desired[key], obj):
+                problems.append(f"{kind} {key[1]} differs at {drifted[:3]}")
+            if owners != [uid]:
+                problems.append(f"{kind} {key[1]} is owned by {owners}, not only by {uid}")
+    problems += [f"missing {kind} {n}" for kind, n in desired if (kind, n) not in seen]
+    pods = await kube.list("v1", "Pod", namespace, label_selector=selector)
+    for obj in desired.values():
+        if obj["kind"] in ("StatefulSet", "Deployment"):
+            role = obj["metadata"]["labels"][C.LABEL_ROLE]
+            live = [p for p in pods if p["metadata"]["labels"].get(C.LABEL_ROLE) == role]
+            if len(live) != obj["spec"]["replicas"]:
+                problems.append(f"{len(live)} {role} pods, want {obj['spec']['replicas']}")
+    return problems
+
+
+def _drift(desired: dict[str, Any], live: dict[str, Any]) -> list[str]:
+    body = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata")}
+    labels = desired["metadata"].get("labels") or {}
+    return differences(body, live) + differences(labels, live["metadata"].get("labels"), ".metadata.labels")
+
+
+def condition(body: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for c in ((body or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return c
+    return None
+
+
+def settled(body: dict[str, Any] | None) -> bool:
+    """Ready, nothing in progress, and the status describes the current generation."""
+    if not body:
+        return False
+    ready, progressing = condition(body, "Ready"), condition(body, "Progressing")
+    return (
+        (body.get("status") or {}).get("observedGeneration") == body["metadata"]["generation"]
+        and ready is not None
+        and ready["status"] == "True"
+        and (progressing is None or progressing["status"] == "False")
+    )
+
+
+# ------------------------------------------------------------------ client load
+@dataclass
+class Outcome:
+    request_id: str
+    sent: float  # time.monotonic()
+    ended: float
+    status: int
+    tokens: int
+    error: str = ""  # empty when the answer was complete
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+
+async def stream_completion(
+    http: aiohttp.ClientSession, url: str, request_id: str, max_tokens: int, prompt: str = "hello"
+) -> Outcome:
+    """One streamed completion; an answer counts only if it ends with [DONE] after exactly
+    `max_tokens` tokens and carries no error event."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    sent = time.monotonic()
+    try:
+        async with http.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}) as r:
+            raw = await r.read()
+            status = r.status
+    except (aiohttp.ClientError, TimeoutError) as e:
+        return Outcome(request_id, sent, time.monotonic(), 0, 0, f"{type(e).__name__}: {e}")
+    ended = time.monotonic()
+    if status != 200:
+        return Outcome(request_id, sent, ended, status, 0, raw[:200].decode(errors="replace"))
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.strip()]
+    tokens = sum(1 for e in events if e != b"[DONE]" and b'"error"' not in e)
+    error = ""
+    if not events or events[-1] != b"[DONE]":
+        error = "stream cut off before [DONE]"
+    elif any(b'"error"' in e for e in events):
+        error = next(e for e in events if b'"error"' in e)[:200].decode(errors="replace")
+    elif tokens != max_tokens:
+        error = f"{tokens} tokens, want {max_tokens}"
+    return Outcome(request_id, sent, ended, status, tokens, error)
+
+
+class StreamLoad:
+    """`concurrency` clients sending streamed completions back to back until stop().
+    Request ids carry a sequence number, so engines' request records (the simulator's
+    --sim-record) tell which client request reached which engine."""
+
+    def __init__(self, url: str, concurrency: int, max_tokens: int):
+        self.url = url
+        self.concurrency = concurrency
+        self.max_tokens = max_tokens
+        self.outcomes: list[Outcome] = []
+        self.sent_at: dict[str, float] = {}
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seq = 0
+        self._http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> StreamLoad:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+        self._tasks = [asyncio.create_task(self._client()) for _ in range(self.concurrency)]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _client(self) -> None:
+        assert self._http is not None
+        while not self._stop.is_set():
+            self._seq += 1
+            request_id = f"load-{self._seq}"
+            self.sent_at[request_id] = time.monotonic()
+            self.outcomes.append(await stream_completion(self._http, self.url, request_id, self.max_tokens))
+
+    async def stop(self) -> list[Outcome]:
+        """Stop sending and wait for the requests in flight."""
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        return self.outcomes
+
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if not o.ok]

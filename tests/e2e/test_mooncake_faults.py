@@ -1,0 +1,132 @@
+"""The Mooncake master restarted under a running PDCluster: the engine simulators pass
+their KV bytes through a real Mooncake store (`--sim-mooncake-master`), so they are
+clients of the master as vLLM's Mooncake store connector is."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+import pytest
+from harness import OperatorProcess, condition, convergence_problems, settled
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdcluster import constants as C
+from pdcluster.io.kube import Kube
+
+pytestmark = pytest.mark.cluster
+
+
+async def master_metrics(
+    http: aiohttp.ClientSession, kube: Kube, namespace: str, name: str
+) -> dict[str, float]:
+    """The metrics of the ready master pod ({} while there is none)."""
+    pods = await kube.list(
+        "v1",
+        "Pod",
+        namespace,
+        label_selector=f"{C.LABEL_CLUSTER}={name},{C.LABEL_ROLE}={C.ROLE_MOONCAKE_MASTER}",
+    )
+    for pod in pods:
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])
+        )
+        if ready and not pod["metadata"].get("deletionTimestamp"):
+            async with http.get(f"http://{pod['status']['podIP']}:9003/metrics") as r:
+                text = await r.text()
+            return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {}
+
+
+async def test_mooncake_master_restart(
+    kube: Kube,
+    namespace: str,
+    operator: OperatorProcess,
+    pdc: Any,
+    sim_cluster: Any,
+    wait_until: Any,
+) -> None:
+    doc = sim_cluster("kv")
+    # MOONCAKE_MASTER comes from the operator's ConfigMap (envFrom), expanded by the kubelet.
+    doc["spec"]["engine"]["args"] = [
+        *doc["spec"]["engine"]["args"],
+        "--sim-mooncake-master=$(MOONCAKE_MASTER)",
+    ]
+    await pdc.apply(doc)
+
+    async def converged() -> bool:
+        body = await pdc.get("kv")
+        if not settled(body):
+            return False
+        problems = await convergence_problems(kube, body)
+        assert not problems, problems
+        return True
+
+    await wait_until(converged, timeout=180, message="Ready")
+    svc = await kube.get("v1", "Service", "kv-router", namespace)
+    url = f"http://{svc['spec']['clusterIP']}:8000/v1/completions"
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+
+        async def complete(n: int) -> list[int]:
+            async def one(i: int) -> int:
+                async with http.post(url, json={"prompt": f"story {i} " * 200, "max_tokens": 4}) as r:
+                    await r.read()
+                    return r.status
+
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+        async def stored_by_master(at_least: float) -> dict[str, float]:
+            m = await master_metrics(http, kube, namespace, "kv")
+            both_mounted = m.get("master_total_capacity_bytes", 0) >= 2 * 64 * 2**20
+            return m if both_mounted and m.get("master_put_end_requests_total", 0) >= at_least else {}
+
+        assert await complete(5) == [200] * 5
+        await wait_until(lambda: stored_by_master(5), timeout=30, message="KV passed through the master")
+
+        # Watch what the PDCluster reports while the master is away.
+        seen: list[tuple[str, str]] = []
+
+        async def record() -> None:
+            async for event, obj in kube.watch(C.API_VERSION, C.KIND, namespace):
+                for item in obj["items"] if event == "SYNC" else [obj]:
+                    c = condition(item, "Ready")
+                    if c and (c["status"], c["message"]) not in seen[-1:]:
+                        seen.append((c["status"], c["message"]))
+
+        watcher = asyncio.create_task(record())
+        old = await master_metrics(http, kube, namespace, "kv")
+        masters = await kube.list(
+            "v1", "Pod", namespace, label_selector=f"{C.LABEL_ROLE}={C.ROLE_MOONCAKE_MASTER}"
+        )
+        await kube.delete("v1", "Pod", masters[0]["metadata"]["name"], namespace)
+        # Serving does not depend on the master: requests during the restart complete.
+        during = await complete(5)
+
+        # A fresh master (its counters start at zero) to which both engines re-mounted
+        # their segments and through which new KV passes.
+        async def fresh() -> bool:
+            m = await master_metrics(http, kube, namespace, "kv")
+            return (
+                bool(m)
+                and m.get("master_put_start_requests_total", 0) < old["master_put_start_requests_total"]
+            )
+
+        await wait_until(fresh, timeout=120, message="a new master pod is Ready")
+        await wait_until(converged, timeout=120, message="Ready again")
+        assert await complete(5) == [200] * 5
+        new = await wait_until(
+            lambda: stored_by_master(1), timeout=60, message="engines reconnected to the new master"
+        )
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+    print("Ready condition during the restart:", *seen, sep="\n  ")
+    print("new master:", {k: v for k, v in new.items() if "mount" in k or "capacity" in k or "put_end" in k})
+    assert during == [200] * 5
+    assert any(status == "False" and "mooncake master" in message for status, message in seen), seen
+    assert seen[-1][0] == "True"
+    assert operator.failures() == []

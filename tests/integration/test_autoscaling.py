@@ -1,0 +1,128 @@
+"""The rebalancer end to end in the local cluster: engine simulators scraped by a real
+Prometheus, a real router, the operator's control law moving a replica from decode to
+prefill when TTFT misses its SLO, and holding when Prometheus stops answering."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdcluster import constants as C
+from pdcluster.io.kube import Kube
+
+pytestmark = pytest.mark.cluster
+
+# ~8k-token prompts (the router counts UTF-8 bytes / 4): one H200 prefills ~48k tokens/s,
+# so 8 requests/s keep one prefill engine saturated and its TTFT climbing.
+PROMPT = "All work and no play makes Jack a dull boy. " * 750
+RATE = 8.0
+
+
+async def load(router_ip: str, stop: asyncio.Event, outcomes: dict[int, int]) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+        async def one(i: int) -> None:
+            body = {"model": "llama-3.1-8b", "prompt": f"{i} {PROMPT}", "max_tokens": 16, "stream": True}
+            try:
+                async with session.post(f"http://{router_ip}:8000/v1/completions", json=body) as r:
+                    await r.read()
+                    outcomes[r.status] = outcomes.get(r.status, 0) + 1
+            except (aiohttp.ClientError, TimeoutError):
+                outcomes[-1] = outcomes.get(-1, 0) + 1
+
+        tasks, i = [], 0
+        started = time.monotonic()
+        while not stop.is_set():
+            tasks.append(asyncio.create_task(one(i)))
+            i += 1
+            await asyncio.sleep(max(0.0, started + i / RATE - time.monotonic()))
+        await asyncio.gather(*tasks)
+
+
+async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
+    kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, sim_cluster: Any, local_cluster: Any
+) -> None:
+    autoscaling = {
+        "enabled": True,
+        "mode": "auto",
+        "slo": {"ttftMs": 500, "itlMs": 25, "quantile": "p90"},
+        "gpuBudget": 3,  # one more prefill engine must come from decode
+        "intervalSeconds": 10,
+        "windowSeconds": 30,
+        "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 20,
+        "cooldownSeconds": 10,
+        "scaleUpTimeoutSeconds": 120,
+    }
+    doc = sim_cluster(
+        "slo",
+        prefill={"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
+        decode={"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
+        autoscaling=autoscaling,
+    )
+    await pdc.apply(doc)
+
+    async def serving() -> bool:
+        return await pdc.is_true("slo", "Ready") and (await pdc.get("slo"))["status"]["decode"]["ready"] == 2
+
+    await wait_until(serving, timeout=120, message="Ready with 1 prefill and 2 decode")
+    router_ip = (await kube.get("v1", "Service", "slo-router", namespace))["spec"]["clusterIP"]
+
+    stop, outcomes = asyncio.Event(), {}
+    traffic = asyncio.create_task(load(router_ip, stop, outcomes))
+    try:
+
+        async def rebalanced() -> dict | None:
+            status = (await pdc.get("slo")).get("status", {})
+            state = status.get("autoscaling") or {}
+            return state if (state.get("prefill"), state.get("decode")) == (2, 1) else None
+
+        started = time.monotonic()
+        state = await wait_until(rebalanced, timeout=240, interval=1, message="autoscaler moves decode -> prefill")
+        reacted_after = time.monotonic() - started
+    finally:
+        stop.set()
+        await traffic
+
+    decision = state["lastDecision"]
+    assert decision["action"] == "scale"
+    assert "TTFT" in decision["reason"]
+    assert decision["metrics"]["ttftMs"] > 500
+    # The decision reaches the StatefulSets, never the spec.
+    sts = {r: (await kube.get("apps/v1", "StatefulSet", f"slo-{r}", namespace))["spec"]["replicas"] for r in C.ENGINE_ROLES}
+    assert sts == {"prefill": 2, "decode": 1}
+    spec = (await pdc.get("slo"))["spec"]
+    assert (spec["prefill"]["replicas"], spec["decode"]["replicas"]) == (1, 2)
+    events = await kube.list("v1", "Event", namespace)
+    assert any(e["reason"] == "Scaled" and e["involvedObject"]["name"] == "slo" for e in events)
+    assert outcomes.get(200, 0) > 0 and outcomes.get(-1, 0) == 0, outcomes
+    print(f"rebalanced {reacted_after:.0f}s after load started; outcomes {outcomes}")
+
+    # A hung Prometheus: the control law holds, and the condition says why.
+    prometheus = local_cluster.proc("prometheus")
+    os.kill(prometheus.pid, signal.SIGSTOP)
+    try:
+
+        async def holding() -> dict | None:
+            cond = await pdc.condition("slo", "Autoscaling")
+            return cond if cond and cond["status"] == "False" and cond["reason"] == "MetricsUnavailable" else None
+
+        cond = await wait_until(holding, timeout=60, interval=1, message="Autoscaling=False MetricsUnavailable")
+        assert "holding replicas" in cond["message"]
+        state = (await pdc.get("slo"))["status"]["autoscaling"]
+        assert (state["prefill"], state["decode"]) == (2, 1)
+        assert state["lastDecision"]["action"] == "hold"
+    finally:
+        os.kill(prometheus.pid, signal.SIGCONT)
+
+    async def recovered() -> bool:
+        cond = await pdc.condition("slo", "Autoscaling")
+        return bool(cond and cond["status"] == "True")
+
+    await wait_until(recovered, timeout=60, interval=1, message="Autoscaling back to True once Prometheus answers")
