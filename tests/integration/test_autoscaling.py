@@ -84,7 +84,9 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
             return state if (state.get("prefill"), state.get("decode")) == (2, 1) else None
 
         started = time.monotonic()
-        state = await wait_until(rebalanced, timeout=240, interval=1, message="autoscaler moves decode -> prefill")
+        state = await wait_until(
+            rebalanced, timeout=240, interval=1, message="autoscaler moves decode -> prefill"
+        )
         reacted_after = time.monotonic() - started
     finally:
         stop.set()
@@ -95,7 +97,10 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
     assert "TTFT" in decision["reason"]
     assert decision["metrics"]["ttftMs"] > 500
     # The decision reaches the StatefulSets, never the spec.
-    sts = {r: (await kube.get("apps/v1", "StatefulSet", f"slo-{r}", namespace))["spec"]["replicas"] for r in C.ENGINE_ROLES}
+    sts = {
+        r: (await kube.get("apps/v1", "StatefulSet", f"slo-{r}", namespace))["spec"]["replicas"]
+        for r in C.ENGINE_ROLES
+    }
     assert sts == {"prefill": 2, "decode": 1}
     spec = (await pdc.get("slo"))["spec"]
     assert (spec["prefill"]["replicas"], spec["decode"]["replicas"]) == (1, 2)
@@ -111,9 +116,15 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
 
         async def holding() -> dict | None:
             cond = await pdc.condition("slo", "Autoscaling")
-            return cond if cond and cond["status"] == "False" and cond["reason"] == "MetricsUnavailable" else None
+            return (
+                cond
+                if cond and cond["status"] == "False" and cond["reason"] == "MetricsUnavailable"
+                else None
+            )
 
-        cond = await wait_until(holding, timeout=60, interval=1, message="Autoscaling=False MetricsUnavailable")
+        cond = await wait_until(
+            holding, timeout=60, interval=1, message="Autoscaling=False MetricsUnavailable"
+        )
         assert "holding replicas" in cond["message"]
         state = (await pdc.get("slo"))["status"]["autoscaling"]
         assert (state["prefill"], state["decode"]) == (2, 1)
@@ -125,4 +136,6 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
         cond = await pdc.condition("slo", "Autoscaling")
         return bool(cond and cond["status"] == "True")
 
-    await wait_until(recovered, timeout=60, interval=1, message="Autoscaling back to True once Prometheus answers")
+    await wait_until(
+        recovered, timeout=60, interval=1, message="Autoscaling back to True once Prometheus answers"
+    )

@@ -24,7 +24,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pdcluster import observability as obs
-from pdcluster.io.prometheus import VLLM_PREFIX_HITS, VLLM_PREFIX_QUERIES, Prometheus, PrometheusUnavailable
+from pdcluster.io.prometheus import Prometheus, PrometheusUnavailable
+from pdcluster.observability import VLLM_PREFIX_HITS, VLLM_PREFIX_QUERIES
 from pdcluster.sim.metrics import histogram_quantile
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"

@@ -122,7 +122,9 @@ class Prometheus:
         value = float(sample[1])
         return value if math.isfinite(value) else None
 
-    async def router_p99_ms(self, namespace: str, cluster: str, window_s: int) -> tuple[int | None, int | None]:
+    async def router_p99_ms(
+        self, namespace: str, cluster: str, window_s: int
+    ) -> tuple[int | None, int | None]:
         """The router's TTFT and ITL p99 in ms, for `kubectl get pdc`."""
         q = queries(namespace, cluster, window_s, 0.99)
         ttft, itl = await asyncio.gather(self.query(q["ttft"]), self.query(q["itl"]))
