@@ -24,6 +24,8 @@ lint: $(STAMP)
 
 generate: $(STAMP) ## Regenerate the CRD, the chart's copy and the API reference
 	$(BIN)/pdctl crd > crds/pdcluster.io_pdclusters.yaml
+	$(BIN)/pdctl crd --scaler > crds/pdcluster.io_pdrolescalers.yaml
+	cp crds/*.yaml charts/pdcluster-operator/crds/
 	$(BIN)/pdctl docs > docs/api.md
 
 bench: deps ## Benchmarks; figures go to stdout and docs/benchmarks.md

@@ -106,6 +106,7 @@ def prompt_ids(request: Request, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> l
 
 
 def percentile(values: list[float], q: float) -> float | None:
+    """q in [0, 100]; None without values."""
     return perf.percentile(values, q) if values else None
 
 
@@ -511,7 +512,7 @@ def summary(console: Console, out: Outcomes, observer: Observer, seconds: float)
         f"{out.sent} / {out.ok} / {out.rejected} / {out.failed}",
     )
     for label, values in (("TTFT (client)", out.ttft_s), ("ITL (client, mean per request)", out.itl_s)):
-        table.add_row(label, "  ".join(f"p{q}: {ms(percentile(values, q / 100))}" for q in (50, 90, 99)))
+        table.add_row(label, "  ".join(f"p{q}: {ms(percentile(values, q))}" for q in (50, 90, 99)))
     table.add_row("scaling decisions", str(len(observer.decisions)))
     final = observer.snapshot.roles
     table.add_row(
@@ -526,10 +527,15 @@ def summary(console: Console, out: Outcomes, observer: Observer, seconds: float)
         console.print(f"  last error: {out.last_error}")
 
 
+def make_console() -> Console:
+    """Logs without a terminal get long lines rather than rich's 80 columns."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def up(args: argparse.Namespace) -> int:
     from localcluster import cluster
 
-    console = Console()
+    console = make_console()
     started = time.monotonic()
     step(console, f"local cluster {args.cluster!r} (e2e/local/cluster up --name {args.cluster})")
     state = cluster.up(args.cluster)
@@ -580,7 +586,7 @@ def up(args: argparse.Namespace) -> int:
 
 
 def watch(args: argparse.Namespace) -> int:
-    console = Console()
+    console = make_console()
     target = Target(args.kubeconfig, args.prometheus_url, args.router_url, args.namespace, args.pdcluster)
     out, observer, seconds = asyncio.run(run_and_watch(console, target, args))
     summary(console, out, observer, seconds)

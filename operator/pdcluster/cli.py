@@ -48,9 +48,9 @@ def _spec(doc: dict[str, Any]):
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
-    from pdcluster.api.crd import crd_yaml
+    from pdcluster.api.crd import build_crd, build_scaler_crd, crd_yaml
 
-    sys.stdout.write(crd_yaml())
+    sys.stdout.write(crd_yaml(build_scaler_crd if args.scaler else build_crd))
     return 0
 
 
@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="pdctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("crd", help="print the CRD").set_defaults(func=cmd_crd)
+    crd = sub.add_parser("crd", help="print the PDCluster CRD")
+    crd.add_argument("--scaler", action="store_true", help="print the PDRoleScaler CRD instead")
+    crd.set_defaults(func=cmd_crd)
     sub.add_parser("docs", help="print the API reference").set_defaults(func=cmd_docs)
     for name, func, text in (
         ("render", cmd_render, "print the children"),

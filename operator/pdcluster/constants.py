@@ -13,6 +13,13 @@ SINGULAR: Final = "pdcluster"
 SHORT_NAMES: Final = ["pdc"]
 CRD_NAME: Final = f"{PLURAL}.{GROUP}"
 
+# One per engine role when autoscaling.mode is `external`: HPA/KEDA scale it through /scale.
+SCALER_KIND: Final = "PDRoleScaler"
+SCALER_PLURAL: Final = "pdrolescalers"
+SCALER_SINGULAR: Final = "pdrolescaler"
+SCALER_SHORT_NAMES: Final = ["pdrs"]
+SCALER_CRD_NAME: Final = f"{SCALER_PLURAL}.{GROUP}"
+
 FIELD_MANAGER: Final = "pdcluster-operator"
 
 # Labels on every child object and pod; the router, Prometheus relabelling and the

@@ -26,6 +26,8 @@ CHILD_RESOURCES = [
     ("policy", "v1", "poddisruptionbudgets"),
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    # HPA/KEDA scaling a role in `external` mode must take effect at once.
+    (C.GROUP, C.VERSION, C.SCALER_PLURAL),
 ]
 
 

@@ -19,11 +19,12 @@ from pydantic import ValidationError
 
 from pdcluster import constants as C
 from pdcluster import metrics
-from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec, PDClusterStatus
+from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingState, PDClusterSpec, PDClusterStatus
 from pdcluster.drift import in_sync, merge_patch
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube, resource_path
 from pdcluster.render import Owner, Replicas, render_all
+from pdcluster.render.scaler import role_scaler, scaler_status
 from pdcluster.status import Observation, Problem, compute_status
 
 log = logging.getLogger(__name__)
@@ -129,9 +130,13 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         return status
 
     result = AutoscaleResult(previous.autoscaling)
-    if spec.autoscaling.enabled and ctx.autoscaler is not None:
+    scalers: dict[str, dict[str, Any]] = {}
+    if spec.autoscaling.enabled and spec.autoscaling.mode == AutoscalingMode.external:
+        scalers = await role_scalers(ctx, body, spec, owner)
+    elif spec.autoscaling.enabled and ctx.autoscaler is not None:
         result = await ctx.autoscaler.step(spec, owner, previous, now)
-    replicas = Replicas.choose(spec, result.state)
+    external = {role: obj["spec"]["replicas"] for role, obj in scalers.items()}
+    replicas = Replicas.choose(spec, result.state, external)
     for role in C.ENGINE_ROLES:
         metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name, role).set(replicas.of(role))
     desired = render_all(spec, owner, replicas)
@@ -175,6 +180,8 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         latency_p99_ms=result.latency_p99_ms,
     )
     status = compute_status(spec, generation, obs, previous, result.state, now)
+    for role, scaler in scalers.items():
+        await _report_scale(ctx, owner, role, scaler, workloads.get(role))
     for type_, reason, message in result.events:
         await ctx.events.emit(body, type_, reason, message)
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
@@ -182,6 +189,40 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     await _write_status(ctx, body, previous, status)
     metrics.observe_reconcile("degraded" if problems else "ok", time.monotonic() - started)
     return status
+
+
+async def role_scalers(
+    ctx: Context, body: dict[str, Any], spec: PDClusterSpec, owner: Owner
+) -> dict[str, dict[str, Any]]:
+    """The PDRoleScalers HPA/KEDA write to, created with the spec's replicas if missing."""
+    out = {}
+    for role in C.ENGINE_ROLES:
+        name = owner.child(role)
+        obj = await ctx.kube.get(C.API_VERSION, C.SCALER_KIND, name, owner.namespace)
+        if obj is None:
+            # Create, never apply: after creation spec.replicas belongs to the scaler's
+            # user, and an apply by us would take it back (two writers).
+            obj = await ctx.kube.create(role_scaler(owner, role, spec.role(role).replicas))
+            await ctx.events.normal(body, "Created", f"Created {C.SCALER_KIND} {name}")
+        out[role] = obj
+    return out
+
+
+async def _report_scale(
+    ctx: Context, owner: Owner, role: str, scaler: dict[str, Any], workload: dict[str, Any] | None
+) -> None:
+    current = ((workload or {}).get("status") or {}).get("replicas", 0)
+    status = scaler_status(owner, role, current)
+    if scaler.get("status") == status:
+        return
+    await ctx.kube.merge_patch(
+        C.API_VERSION,
+        C.SCALER_KIND,
+        scaler["metadata"]["name"],
+        owner.namespace,
+        {"status": status},
+        subresource="status",
+    )
 
 
 def _had_condition(status: PDClusterStatus, type_: str, reason: str) -> bool:

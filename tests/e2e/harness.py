@@ -44,14 +44,20 @@ def make_sim_cluster(name: str, **overrides: Any) -> dict[str, Any]:
 
 
 async def install_crd(kube: Kube) -> None:
-    await kube.apply(yaml.safe_load(CRD.read_text()), field_manager="pdcluster-tests")
-    for _ in range(300):
-        obj = await kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", C.CRD_NAME)
+    """Applies every CRD in crds/ (PDCluster, PDRoleScaler) and waits until they are served."""
+    for path in sorted(CRD.parent.glob("*.yaml")):
+        await kube.apply(yaml.safe_load(path.read_text()), field_manager="pdcluster-tests")
+
+    async def established(name: str) -> bool:
+        obj = await kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", name)
         conditions = ((obj or {}).get("status") or {}).get("conditions") or []
-        if any(c["type"] == "Established" and c["status"] == "True" for c in conditions):
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    for _ in range(300):
+        if await established(C.CRD_NAME) and await established(C.SCALER_CRD_NAME):
             return
         await asyncio.sleep(0.1)
-    raise AssertionError("CRD not established")
+    raise AssertionError("CRDs not established")
 
 
 @dataclass

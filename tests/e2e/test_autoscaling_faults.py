@@ -177,8 +177,9 @@ async def test_unschedulable_scale_up_times_out_within_budget(
             async def fell_back() -> dict[str, Any] | None:
                 body = await pdc.get("stuck")
                 state = body["status"].get("autoscaling") or {}
-                fallback = (await replicas(kube, namespace, "stuck"))[1] == 3 and state.get("blockedUntil")
-                return state if fallback else None
+                counts = await replicas(kube, namespace, "stuck")
+                assert counts[1] == 3 and state.get("blockedUntil"), (counts, state.get("lastDecision"))
+                return state
 
             state = await wait_until(fell_back, timeout=90, message="fallback to the pods that run")
             noticed_after = time.monotonic() - stuck_at

@@ -322,8 +322,11 @@ async def test_a_crashing_container_is_restarted(
     with stopwatch("first restart visible"):
         status = await wait_until(restarted, timeout=60)
     assert status["lastState"]["terminated"]["exitCode"] == 3
-    await wait_until(lambda: pod_log(namespace, "crash", "main").count("boom") >= 2, timeout=10,
-                     message="the restarted process ran")
+    await wait_until(
+        lambda: pod_log(namespace, "crash", "main").count("boom") >= 2,
+        timeout=10,
+        message="the restarted process ran",
+    )
 
 
 async def test_startup_and_liveness_probes(kube: Kube, namespace: str, wait_until, stopwatch) -> None:
@@ -334,10 +337,25 @@ async def test_startup_and_liveness_probes(kube: Kube, namespace: str, wait_unti
         time.sleep(2); pathlib.Path("/tmp/sick").touch()
         time.sleep(3600)
         """
-    await kube.create(script_pod(namespace, "probed", script, container={
-        "startupProbe": {"exec": {"command": ["test", "-f", "/tmp/started"]}, "periodSeconds": 1, "failureThreshold": 30},
-        "livenessProbe": {"exec": {"command": ["test", "!", "-f", "/tmp/sick"]}, "periodSeconds": 1, "failureThreshold": 1},
-    }))
+    await kube.create(
+        script_pod(
+            namespace,
+            "probed",
+            script,
+            container={
+                "startupProbe": {
+                    "exec": {"command": ["test", "-f", "/tmp/started"]},
+                    "periodSeconds": 1,
+                    "failureThreshold": 30,
+                },
+                "livenessProbe": {
+                    "exec": {"command": ["test", "!", "-f", "/tmp/sick"]},
+                    "periodSeconds": 1,
+                    "failureThreshold": 1,
+                },
+            },
+        )
+    )
 
     async def container() -> Obj | None:
         pod = await kube.get("v1", "Pod", "probed", namespace)

@@ -304,3 +304,49 @@ async def test_server_side_defaults_match_the_models(kube: Kube, crd: None, name
             assert stored == expected, f"{path}: apiserver {stored!r} != models {expected!r}"
 
     subset(created["spec"], model)
+
+
+async def test_external_mode_scales_a_role_through_its_scaler(
+    kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, local_cluster: Any, sim_cluster: Any
+) -> None:
+    """HPA and KEDA scale through /scale; `kubectl scale` takes the same path."""
+    await pdc.apply(
+        sim_cluster(
+            "ext",
+            prefill={"replicas": 1, "maxReplicas": 3},
+            autoscaling={"enabled": True, "mode": "external"},
+        )
+    )
+    await wait_until(lambda: ready(pdc, "ext"), timeout=120, message="Ready")
+    scaler = await kube.get(C.API_VERSION, C.SCALER_KIND, "ext-prefill", namespace)
+    assert scaler["spec"]["replicas"] == 1
+    assert scaler["metadata"]["ownerReferences"][0]["name"] == "ext"
+    kubectl = [
+        f"{local_cluster.bin_dir}/kubectl",
+        f"--kubeconfig={local_cluster.kubeconfig}",
+        "-n",
+        namespace,
+    ]
+    subprocess.run(
+        [*kubectl, "scale", "pdrs", "ext-prefill", "--replicas=2"], check=True, capture_output=True
+    )
+
+    async def scaled() -> bool:
+        sts = await kube.get("apps/v1", "StatefulSet", "ext-prefill", namespace)
+        s = await kube.get(C.API_VERSION, C.SCALER_KIND, "ext-prefill", namespace)
+        return sts["spec"]["replicas"] == 2 and (s.get("status") or {}).get("replicas") == 2
+
+    await wait_until(scaled, timeout=30, message="StatefulSet follows the scaler")
+    await wait_until(lambda: ready(pdc, "ext"), timeout=120, message="2 prefill pods ready")
+    scale = await kube.request(
+        "GET", f"/apis/{C.API_VERSION}/namespaces/{namespace}/pdrolescalers/ext-prefill/scale"
+    )
+    assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
+    assert scale["status"]["selector"] == "pdcluster.io/cluster=ext,pdcluster.io/role=prefill"
+    # Out of bounds is clamped to the role's maxReplicas; the spec is never written.
+    subprocess.run(
+        [*kubectl, "scale", "pdrs", "ext-prefill", "--replicas=9"], check=True, capture_output=True
+    )
+    await asyncio.sleep(3)
+    assert (await kube.get("apps/v1", "StatefulSet", "ext-prefill", namespace))["spec"]["replicas"] == 3
+    assert (await pdc.get("ext"))["spec"]["prefill"]["replicas"] == 1

@@ -13,7 +13,7 @@ from pydantic_core import PydanticUndefined
 
 from pdcluster import constants as C
 from pdcluster.api.crd import PRINTER_COLUMNS
-from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus
+from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus, PDRoleScalerSpec, PDRoleScalerStatus
 
 
 def _type_name(tp: Any) -> str:
@@ -111,4 +111,25 @@ def api_reference() -> str:
     ]
     spec = [_section(m) for m in _models(PDClusterSpec)]
     status = [_section(m) for m in _models(PDClusterStatus)]
-    return "\n".join(head) + "\n" + "\n".join(spec) + "\n## Status\n\n" + "\n".join(status)
+    scaler = [
+        f"## {C.SCALER_KIND}",
+        "",
+        f"`apiVersion: {C.API_VERSION}`, `kind: {C.SCALER_KIND}`, short name `{C.SCALER_SHORT_NAMES[0]}`, with a "
+        "`/scale` subresource. With `autoscaling.mode: external` the operator creates `<name>-prefill` and "
+        "`<name>-decode` (starting from the roles' `replicas`) and takes the roles' replica counts from them, "
+        "clamped to `minReplicas`/`maxReplicas`; point an HPA or a KEDA ScaledObject at one (`scaleTargetRef: "
+        f"{{apiVersion: {C.API_VERSION}, kind: {C.SCALER_KIND}, name: <name>-decode}}`). The operator stays "
+        "the only writer of the StatefulSets and never writes `spec.replicas` of a scaler after creating it.",
+        "",
+        _section(PDRoleScalerSpec),
+        _section(PDRoleScalerStatus),
+    ]
+    return (
+        "\n".join(head)
+        + "\n"
+        + "\n".join(spec)
+        + "\n## Status\n\n"
+        + "\n".join(status)
+        + "\n"
+        + "\n".join(scaler)
+    )

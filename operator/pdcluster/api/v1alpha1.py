@@ -303,6 +303,7 @@ class SLOSpec(Model):
 class AutoscalingMode(StrEnum):
     auto = "auto"
     recommend = "recommend"
+    external = "external"
 
 
 _AUTOSCALING_RULES = [
@@ -322,7 +323,10 @@ class AutoscalingSpec(Model):
 
     enabled: bool = Field(False)
     mode: AutoscalingMode = Field(
-        AutoscalingMode.auto, description="`auto` applies decisions; `recommend` only records them."
+        AutoscalingMode.auto,
+        description="`auto` applies the control law's decisions; `recommend` only records them; `external` takes "
+        "replicas from the PDRoleScalers `<name>-prefill` and `<name>-decode`, which HPA or KEDA scale through "
+        "their /scale subresource.",
     )
     slo: SLOSpec = section(SLOSpec)
     gpu_budget: int | None = Field(
@@ -511,3 +515,23 @@ class PDClusterStatus(Model):
 
 
 Name = Annotated[str, Field(max_length=C.MAX_CLUSTER_NAME_LEN)]
+
+
+# ------------------------------------------------------------------- role scaler
+
+
+class PDRoleScalerSpec(Model):
+    """Desired replicas of one engine role, written by HPA, KEDA or `kubectl scale`."""
+
+    # Not optional: HPA reads /scale before its first write, and a missing field would
+    # leave it nothing to start from (as LWS's KEP-849 notes for its role scaler).
+    replicas: int = Field(
+        1, ge=0, description="Pods wanted for the role; clamped to the role's min/maxReplicas."
+    )
+
+
+class PDRoleScalerStatus(Model):
+    """What the /scale subresource reports back."""
+
+    replicas: int = Field(0, description="Pods of the role that exist now.")
+    selector: str = Field("", description="Label selector of the role's pods (for HPA's pod metrics).")

@@ -51,6 +51,7 @@ _RESOURCES: dict[str, tuple[str, bool]] = {
     "Lease": ("leases", True),
     "CustomResourceDefinition": ("customresourcedefinitions", False),
     "PDCluster": ("pdclusters", True),
+    "PDRoleScaler": ("pdrolescalers", True),
     "ServiceMonitor": ("servicemonitors", True),
     "PodMonitor": ("podmonitors", True),
 }

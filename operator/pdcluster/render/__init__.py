@@ -25,22 +25,30 @@ class Replicas:
         return self.prefill if role == C.ROLE_PREFILL else self.decode
 
     @classmethod
-    def choose(cls, spec: PDClusterSpec, state: AutoscalingState | None) -> Replicas:
+    def choose(
+        cls, spec: PDClusterSpec, state: AutoscalingState | None, external: dict[str, int] | None = None
+    ) -> Replicas:
         """The one place role replica counts come from: zero when suspended; the
-        autoscaler's decision (kept in status) in `auto` mode; otherwise the spec. The
-        spec is never rewritten, so GitOps tools never see it drift."""
+        autoscaler's decision (kept in status) in `auto` mode; the PDRoleScalers in
+        `external` mode; otherwise the spec. The spec is never rewritten, so GitOps tools
+        never see it drift, and each mode has exactly one writer."""
         if spec.suspend:
             return cls(0, 0)
         a = spec.autoscaling
+        source: dict[str, int | None] = {}
         if a.enabled and a.mode == AutoscalingMode.auto and state is not None:
-            counts = []
-            for role in C.ENGINE_ROLES:
-                r = spec.role(role)
-                wanted = getattr(state, role)
-                wanted = r.replicas if wanted is None else wanted
+            source = {role: getattr(state, role) for role in C.ENGINE_ROLES}
+        elif a.enabled and a.mode == AutoscalingMode.external and external is not None:
+            source = external
+        counts = []
+        for role in C.ENGINE_ROLES:
+            r = spec.role(role)
+            wanted = source.get(role)
+            if wanted is None:
+                counts.append(r.replicas)
+            else:
                 counts.append(min(max(wanted, r.min_replicas), r.max_replicas))
-            return cls(*counts)
-        return cls(spec.prefill.replicas, spec.decode.replicas)
+        return cls(*counts)
 
 
 def render_all(spec: PDClusterSpec, owner: Owner, replicas: Replicas) -> list[dict[str, Any]]:
