@@ -62,6 +62,10 @@ RELEASE = "pdcluster-operator"
 CHART = REPO / "charts" / "pdcluster-operator"
 EXAMPLE = REPO / "examples" / "pdcluster-sim.yaml"
 VOCABULARY = 128_000  # Llama 3's vocabulary size: token ids stay plausible
+# Calm, a surge the single prefill engine cannot serve, calm again: long enough for the
+# autoscaler (10 s interval, 30 s window, 60 s scale-down stabilization in the example)
+# to scale up and back down.
+DEFAULT_PHASES = "60:1,150:3,150:0.7"
 QUANTILE = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
 
 
@@ -77,15 +81,38 @@ class Request:
     salt: int  # makes the tokens past the trace's known blocks private to this request
 
 
-def workload(trace: Trace, start_s: float, duration_s: float, speed: float) -> list[Request]:
-    """The requests arriving in [start_s, start_s + duration_s) of the trace, replayed
-    `speed` times faster."""
-    t0 = trace.arrival_s[0] + start_s
-    return [
-        Request((at - t0) / speed, trace.input_tokens[i], trace.output_tokens[i], trace.blocks[i], i)
-        for i, at in enumerate(trace.arrival_s)
-        if t0 <= at < t0 + duration_s
-    ]
+def workload(trace: Trace, start_s: float, phases: list[tuple[float, float]]) -> list[Request]:
+    """The trace from `start_s` on, replayed in phases of (wall seconds, speed): a phase
+    at speed 3 plays three seconds of the trace each second."""
+    out = []
+    cursor = trace.arrival_s[0] + start_s  # trace time where the phase starts
+    wall = 0.0
+    for seconds, speed in phases:
+        end = cursor + seconds * speed
+        out += [
+            Request(
+                wall + (at - cursor) / speed,
+                trace.input_tokens[i],
+                trace.output_tokens[i],
+                trace.blocks[i],
+                i,
+            )
+            for i, at in enumerate(trace.arrival_s)
+            if cursor <= at < end
+        ]
+        cursor, wall = end, wall + seconds
+    return out
+
+
+def parse_phases(text: str) -> list[tuple[float, float]]:
+    """'60:1,150:3' -> [(60.0, 1.0), (150.0, 3.0)]."""
+    phases = []
+    for part in text.split(","):
+        seconds, _, speed = part.partition(":")
+        phases.append((float(seconds), float(speed or 1)))
+    if not phases or any(s <= 0 or v <= 0 for s, v in phases):
+        raise argparse.ArgumentTypeError(f"phases must be SECONDS:SPEED,... with both positive, not {text!r}")
+    return phases
 
 
 def _block(seed: int, length: int) -> list[int]:
@@ -455,7 +482,7 @@ async def run_and_watch(
     doc = yaml.safe_load(EXAMPLE.read_text())
     spec = doc["spec"]
     trace_path = Path(args.trace) if "/" in args.trace else perf.traces_dir() / args.trace
-    requests = workload(load_trace(trace_path), args.start_minute * 60, args.minutes * 60, args.speed)
+    requests = workload(load_trace(trace_path), args.start_minute * 60, args.phases)
     slo = {"quantile": "p90", "ttftMs": 2000, "itlMs": 25, **spec["autoscaling"].get("slo", {})}
     window_s = int(spec["autoscaling"].get("windowSeconds", 30))
     out = Outcomes()
@@ -468,9 +495,10 @@ async def run_and_watch(
         observer = Observer(
             kube, target.prometheus_url, target.namespace, target.name, QUANTILE[slo["quantile"]], window_s
         )
+        phases = ", ".join(f"{s:g} s at {v:g}x" for s, v in args.phases)
         title = (
-            f"PDCluster {target.namespace}/{target.name}: {trace_path.name}, minutes {args.start_minute:g}-"
-            f"{args.start_minute + args.minutes:g} at {args.speed:g}x, {len(requests)} requests via {url}"
+            f"PDCluster {target.namespace}/{target.name}: {trace_path.name} from minute {args.start_minute:g}, "
+            f"{phases}: {len(requests)} requests via {url}"
         )
         step(console, title)
         started = time.monotonic()
@@ -615,16 +643,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--start-minute", type=float, default=0.0, help="where the slice starts in the trace"
     )
     replay_opts.add_argument(
-        "--minutes", type=float, default=4.0, help="length of the slice, in trace minutes"
+        "--phases",
+        type=parse_phases,
+        default=DEFAULT_PHASES,
+        help="replay phases SECONDS:SPEED,... (default %(default)s: calm, surge, calm)",
     )
     replay_opts.add_argument(
-        "--speed", type=float, default=1.0, help="replay this many times faster than recorded"
-    )
-    replay_opts.add_argument(
-        "--cooldown",
-        type=float,
-        default=150.0,
-        help="after the replay, watch this long for scale-down (seconds)",
+        "--cooldown", type=float, default=30.0, help="after the replay, keep watching this long (seconds)"
     )
     replay_opts.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
     sub = p.add_subparsers(dest="command")

@@ -178,7 +178,7 @@ async def test_unschedulable_scale_up_times_out_within_budget(
                 body = await pdc.get("stuck")
                 state = body["status"].get("autoscaling") or {}
                 counts = await replicas(kube, namespace, "stuck")
-                assert counts[1] == 3 and state.get("blockedUntil"), (counts, state.get("lastDecision"))
+                assert counts[1] == 3 and state.get("blockedUntil"), (counts, state, body["status"]["decode"])
                 return state
 
             state = await wait_until(fell_back, timeout=90, message="fallback to the pods that run")
