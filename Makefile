@@ -5,13 +5,16 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo demo-down test test-unit lint generate verify bench deps cluster-up cluster-down
+.PHONY: demo demo-down kind test test-unit lint generate verify bench deps cluster-up cluster-down
 
-demo: deps ## Run the main job on the embedded local cluster
-	$(BIN)/python -m pdcluster.demo
+demo: deps ## Local cluster "demo", operator from the Helm chart, simulated PD cluster, trace replay, live view
+	$(BIN)/python e2e/local/demo.py up
 
 demo-down: ## Tear down the demo cluster
-	$(BIN)/python e2e/local/cluster down --name demo
+	$(BIN)/python e2e/local/demo.py down
+
+kind: $(STAMP) ## The same demo on a kind cluster with images built from images/ (needs Docker)
+	e2e/kind/run.sh
 
 test: deps ## Unit, integration and end-to-end tests (starts the local control plane itself)
 	$(BIN)/python -m pytest -q tests
@@ -28,8 +31,9 @@ generate: $(STAMP) ## Regenerate the CRD, the chart's copy and the API reference
 	cp crds/*.yaml charts/pdcluster-operator/crds/
 	$(BIN)/pdctl docs > docs/api.md
 
-bench: deps ## Benchmarks; figures go to stdout and docs/benchmarks.md
-	$(BIN)/python -m benchmarks.run
+bench: deps ## Benchmarks that print their figures (docs/benchmarks.md has the last ones)
+	$(BIN)/python benchmarks/router_bench.py --rounds 3
+	$(BIN)/python benchmarks/plan_bench.py
 
 deps: $(STAMP) ## Python env, Debian packages, control-plane binaries
 	e2e/local/install-deps.sh

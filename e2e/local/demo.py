@@ -9,10 +9,11 @@
            (e2e/kind/run.sh uses it through port-forwards)
     down   stop the cluster
 
-Requests are the trace's: its arrival times (scaled by --speed), prompt lengths, prefix
-blocks (token ids derived from the trace's 512-token block hashes, so shared prefixes
-stay shared) and output lengths (max_tokens with ignore_eos). Without a terminal the
-view is a plain line every few seconds, one line per decision.
+Requests are the trace's: its arrival times (sped up per phase, --phases), prompt
+lengths, prefix blocks (token ids derived from the trace's 512-token block hashes, so
+shared prefixes stay shared) and output lengths (max_tokens with ignore_eos). Without a
+terminal (CI) the view is plain lines: a status line every 10 s with the latest
+decision's reason, and a line for each scaling decision.
 """
 
 from __future__ import annotations
@@ -252,6 +253,7 @@ class Observer:
         self.snapshot = Snapshot()
         self.decisions: list[Decision] = []
         self._seen_events: set[str] = set()
+        self.uid = ""
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
 
     async def close(self) -> None:
@@ -267,6 +269,7 @@ class Observer:
     async def poll(self) -> Snapshot:
         s = Snapshot()
         obj = await self.kube.get(C.API_VERSION, C.KIND, self.name, self.namespace) or {}
+        self.uid = obj.get("metadata", {}).get("uid", "")
         status = obj.get("status") or {}
         for role in C.ENGINE_ROLES:
             r = status.get(role) or {}
@@ -280,11 +283,20 @@ class Observer:
         return s
 
     async def _events(self) -> None:
-        events = await self.kube.list("v1", "Event", self.namespace)
-        events.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+        if not self.uid:
+            return
+        # Only this PDCluster's: one of the same name from an earlier run has another uid.
+        answer = await self.kube.request(
+            "GET",
+            f"/api/v1/namespaces/{self.namespace}/events",
+            params={"fieldSelector": f"involvedObject.uid={self.uid}"},
+        )
+        events = sorted(
+            answer.get("items", []), key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or ""
+        )
         for e in events:
             uid = e["metadata"]["uid"]
-            if uid in self._seen_events or e["involvedObject"].get("name") != self.name:
+            if uid in self._seen_events:
                 continue
             self._seen_events.add(uid)
             if e.get("reason") in ("Scaled", "Recommended"):
@@ -355,6 +367,10 @@ class View:
                 f"failed {out.failed} | ready/desired {roles} | TTFT {self.slo['quantile']} {ms(s.ttft_s)} "
                 f"(SLO {self.slo['ttftMs']} ms) ITL {self.slo['quantile']} {ms(s.itl_s)} (SLO {self.slo['itlMs']} ms)"
             )
+            if s.last_decision:
+                self.console.print(
+                    f"{' ' * 9}last decision ({s.last_decision['action']}): {s.last_decision['reason']}"
+                )
 
     def _render(self, out: Outcomes, observer: Observer, phase: str) -> Group:
         s = observer.snapshot
@@ -556,8 +572,12 @@ def summary(console: Console, out: Outcomes, observer: Observer, seconds: float)
 
 
 def make_console() -> Console:
-    """Logs without a terminal get long lines rather than rich's 80 columns."""
-    return Console() if sys.stdout.isatty() else Console(width=200)
+    """Logs without a terminal get long lines rather than rich's 80 columns, each written
+    at once (a pipe is block-buffered)."""
+    if sys.stdout.isatty():
+        return Console()
+    sys.stdout.reconfigure(line_buffering=True)
+    return Console(width=200)
 
 
 def up(args: argparse.Namespace) -> int:
@@ -565,6 +585,12 @@ def up(args: argparse.Namespace) -> int:
 
     console = make_console()
     started = time.monotonic()
+    try:
+        traces = perf.traces_dir()
+    except FileNotFoundError as e:
+        raise SystemExit(f"demo: {e}") from None
+    # The pod runner passes this on to the engine simulators (their latency profiles).
+    os.environ["PDCLUSTER_TRACES"] = str(traces)
     step(console, f"local cluster {args.cluster!r} (e2e/local/cluster up --name {args.cluster})")
     state = cluster.up(args.cluster)
     step(

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 import aiohttp
 
 from pdcluster import constants as C
-from pdcluster import metrics
+from pdcluster import metrics, perf
 from pdcluster.api.v1alpha1 import AutoscalingMode, PDClusterSpec, PDClusterStatus, Quantile
 from pdcluster.control import Observed, RoleObserved, decide
 from pdcluster.control.law import parse_time
@@ -84,6 +84,13 @@ class PrometheusAutoscaler:
         due = state is None or not state.last_run_time
         if not due and now - parse_time(state.last_run_time) < timedelta(seconds=a.interval_seconds):
             return AutoscaleResult(state, held, (status.ttft_p99_ms, status.itl_p99_ms))
+        try:
+            perf.load(a.profile)  # the schema cannot know the profile names: an unknown one holds
+        except (KeyError, OSError) as e:
+            why = f"autoscaling.profile: {e.args[0] if e.args else e}; holding replicas"
+            return AutoscaleResult(
+                state, (False, "UnknownProfile", why), (status.ttft_p99_ms, status.itl_p99_ms)
+            )
         url = a.prometheus_url or self.default_url
         events: list[tuple[str, str, str]] = []
         latency: tuple[int | None, int | None] = (None, None)

@@ -1,7 +1,8 @@
 """Runs `reconcile` for every known PDCluster: level-based, one worker per cluster.
 
 A worker reconciles on a wake-up (its PDCluster or one of its children changed) or
-after `resync` seconds, whichever comes first, and only while this replica leads.
+after `resync` seconds (the autoscaling interval, if shorter), whichever comes first,
+and only while this replica leads.
 Nothing here needs a finalizer: children are garbage-collected by owner references,
 so a PDCluster can be deleted even when the operator is down.
 """
@@ -26,6 +27,16 @@ DEBOUNCE_SECONDS = 0.2
 MAX_BACKOFF_SECONDS = 60.0
 
 
+def wake_after(body: dict[str, Any], resync: float) -> float:
+    """Seconds until a worker reconciles without an event: the resync period, or the
+    autoscaling interval when shorter (the control law's timers, such as a scale-down
+    wanted for the stabilization window, assume it runs every interval)."""
+    autoscaling = (body.get("spec") or {}).get("autoscaling") or {}
+    if autoscaling.get("enabled"):
+        return min(resync, float(autoscaling.get("intervalSeconds") or resync))
+    return resync
+
+
 class Worker:
     def __init__(self, controller: Controller, key: tuple[str, str], body: dict[str, Any]):
         self.controller = controller
@@ -39,7 +50,7 @@ class Worker:
         backoff = 1.0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wakeup.wait(), timeout=self.controller.resync)
+                await asyncio.wait_for(self.wakeup.wait(), timeout=wake_after(self.body, self.controller.resync))
             await asyncio.sleep(DEBOUNCE_SECONDS)
             self.wakeup.clear()
             if self.controller.elector is not None:

@@ -22,7 +22,7 @@ import yaml
 from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus
 from pdcluster.drift import differences
-from pdcluster.io.kube import Kube
+from pdcluster.io.kube import ApiError, Kube
 from pdcluster.render import Owner, Replicas, render_all
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,11 +53,25 @@ async def install_crd(kube: Kube) -> None:
         conditions = ((obj or {}).get("status") or {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
+    async def served(kind: str) -> bool:
+        """Established is not enough: right after it a list can still get 429 "storage is
+        (re)initializing", which kopf logs at ERROR before it retries."""
+        try:
+            await kube.list(C.API_VERSION, kind)
+        except ApiError:
+            return False
+        return True
+
     for _ in range(300):
-        if await established(C.CRD_NAME) and await established(C.SCALER_CRD_NAME):
+        if (
+            await established(C.CRD_NAME)
+            and await established(C.SCALER_CRD_NAME)
+            and await served(C.KIND)
+            and await served(C.SCALER_KIND)
+        ):
             return
         await asyncio.sleep(0.1)
-    raise AssertionError("CRDs not established")
+    raise AssertionError("CRDs not served")
 
 
 @dataclass

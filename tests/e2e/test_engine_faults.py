@@ -93,10 +93,18 @@ async def test_deleted_decode_pod_is_replaced_and_routed_around(
         StreamLoad(await router_url(kube, namespace, "heal"), 6, 40) as load,
     ):
         await wait_until(lambda: served(http, old_ip), timeout=30, message=f"{victim} serves")
+        url = await router_url(kube, namespace, "heal")
         await kube.delete("v1", "Pod", victim, namespace)
         deleted_at = time.monotonic()
+
+        async def deregistered() -> float:
+            async with http.get(f"{url}/backends") as r:
+                decodes = [b["url"] for b in (await r.json())["decode"]]
+            return time.monotonic() - deleted_at if f"http://{old_ip}:8000" not in decodes else 0.0
+
+        left_after = await wait_until(deregistered, timeout=10, interval=0.02, message="router drops the pod")
         # The engine keeps running through its 5 s preStop sleep: ask it what reached it.
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(max(0.0, 2.0 - (time.monotonic() - deleted_at)))
         reached = await served(http, old_ip)
         late = [r for r in reached if load.sent_at.get(r, 0) > deleted_at + 1.0]
         assert not late, f"{len(late)} requests sent over 1 s after the deletion reached {victim}"
@@ -117,7 +125,10 @@ async def test_deleted_decode_pod_is_replaced_and_routed_around(
 
     failures = load.failures()
     assert not failures, failures[:5]
-    print(f"{len(outcomes)} streams, 0 failed; {len(before)} reached {victim} before its deletion")
+    print(
+        f"{len(outcomes)} streams, 0 failed; {len(before)} reached {victim} before its deletion; "
+        f"the router dropped it {left_after * 1000:.0f} ms after the delete"
+    )
     await wait_until(lambda: converged(kube, pdc, "heal"), timeout=60, message="converged")
     assert operator.failures() == []
 

@@ -8,6 +8,7 @@ import asyncio
 import random
 import re
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +57,16 @@ async def _kill_at_random_point(op: OperatorProcess, namespace: str, rng: random
     applied = re.compile(rf" (Created|Updated) {re.escape(namespace)}/")
     start = len(op.log())
     if rng.random() < 0.7:
-        k = rng.randint(1, 10)
-        for _ in range(300):  # up to 30 s: a slow start on a loaded machine
-            if len(applied.findall(op.log()[start:])) >= k or op.proc.poll() is not None:
+        k = rng.randint(1, 8)
+        writes, last_change, deadline = 0, time.monotonic(), time.monotonic() + 30  # slow starts
+        while writes < k and op.proc.poll() is None and time.monotonic() < deadline:
+            # Fewer writes to do than k: kill once the reconcile has gone quiet.
+            if writes and time.monotonic() - last_change > 2.0:
                 break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
+            now = len(applied.findall(op.log()[start:]))
+            if now != writes:
+                writes, last_change = now, time.monotonic()
         await asyncio.sleep(rng.uniform(0, 0.05))
         point = f"after write {k}"
     else:
@@ -84,17 +90,19 @@ async def test_sigkill_mid_reconcile_converges(
     rng = random.Random(7)
     log = tmp_path / "operator.log"
     extra = f"--prometheus-url={local_cluster.prometheus_url}"
-    kinds = {"StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1", "Deployment": "apps/v1"}
+    deletable = [
+        ("apps/v1", "StatefulSet", "decode"),
+        ("v1", "Service", "router"),
+        ("v1", "ConfigMap", "mooncake"),
+        ("apps/v1", "Deployment", "mooncake-master"),
+    ]
     points = []
     # Suspended while the operator is being killed: every child is written, no pods churn.
     for _ in range(20):
         await pdc.apply(_variant(rng, sim_cluster, suspend=True))
         # Someone deleted a few children meanwhile: they must come back exactly once.
-        for kind in rng.sample(sorted(kinds), rng.randint(0, 2)):
-            suffix = {"StatefulSet": "decode", "Service": "router", "ConfigMap": "mooncake"}.get(
-                kind, "mooncake-master"
-            )
-            await kube.delete(kinds[kind], kind, f"churn-{suffix}", namespace)
+        for api_version, kind, suffix in rng.sample(deletable, rng.randint(0, 2)):
+            await kube.delete(api_version, kind, f"churn-{suffix}", namespace)
         op = start_operator(local_cluster.kubeconfig, namespace, log, extra)
         points.append(await _kill_at_random_point(op, namespace, rng))
     print("killed", *points, sep="\n  ")

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from localcluster import load_state
 from pdcluster import constants as C
 from pdcluster.io.kube import Kube
 
@@ -110,7 +111,8 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
     print(f"rebalanced {reacted_after:.0f}s after load started; outcomes {outcomes}")
 
     # A hung Prometheus: the control law holds, and the condition says why.
-    prometheus = local_cluster.proc("prometheus")
+    # The state as it is now: a fault test may have restarted Prometheus (new pid).
+    prometheus = load_state(local_cluster.name).proc("prometheus")
     os.kill(prometheus.pid, signal.SIGSTOP)
     try:
 

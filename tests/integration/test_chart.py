@@ -95,8 +95,9 @@ async def test_every_rendered_object_passes_a_server_side_dry_run(
     args = (
         [] if values == "default" else ["-f", str(FULL_VALUES), "--set", f"watchNamespaces={{{namespace}}}"]
     )
-    docs = render(local_cluster, namespace, *args)
+    docs = render(local_cluster, namespace, "--include-crds", *args)
     kinds = {d["kind"] for d in docs}
+    assert "CustomResourceDefinition" in kinds
     if values == "full":
         assert {"PodMonitor", "ServiceMonitor", "ConfigMap", "Role"} <= kinds
     failures = []

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from localcluster import nodes as node_networks
 from localcluster import procs
 from pdcluster.io.kube import ApiError, Kube, KubeConfig
 
@@ -175,7 +176,7 @@ async def test_crd_cel_validation_rejects_a_bad_object(
 
 
 async def test_statefulset_scales_onto_gpu_nodes_with_real_processes(
-    kube: Kube, namespace: str, wait_until, stopwatch
+    kube: Kube, namespace: str, local_cluster, wait_until, stopwatch
 ) -> None:
     await kube.create(service(namespace, "web", headless=True, port=8000))
     # A whole node's GPUs per pod: three pods must land on three different GPU nodes.
@@ -192,7 +193,7 @@ async def test_statefulset_scales_onto_gpu_nodes_with_real_processes(
         node = await kube.get("v1", "Node", name)
         assert node is not None and node["metadata"]["labels"]["nvidia.com/gpu.present"] == "true"
     ips = {p["status"]["podIP"] for p in pods}
-    assert len(ips) == 3 and all(ip.startswith("127.1.") for ip in ips)
+    assert len(ips) == 3 and all(ip.startswith(node_networks.pod_network(local_cluster.slot) + ".") for ip in ips)
     for pod in pods:
         assert pod["status"]["phase"] == "Running"
         limits = pod["spec"]["containers"][0]["resources"]["limits"]
@@ -204,7 +205,7 @@ async def test_statefulset_scales_onto_gpu_nodes_with_real_processes(
 
 
 async def test_service_names_resolve_inside_a_pod(
-    kube: Kube, namespace: str, wait_until, stopwatch, pod_log
+    kube: Kube, namespace: str, local_cluster, wait_until, stopwatch, pod_log
 ) -> None:
     await kube.create(service(namespace, "web", headless=True, port=8000))
     await kube.create(service(namespace, "web-svc", headless=False, port=80))
@@ -213,7 +214,7 @@ async def test_service_names_resolve_inside_a_pod(
     svc = await kube.get("v1", "Service", "web-svc", namespace)
     assert svc is not None
     cluster_ip = svc["spec"]["clusterIP"]
-    assert cluster_ip.startswith("127.2.")
+    assert cluster_ip.startswith(node_networks.service_cidr(local_cluster.slot).removesuffix("0.0/16"))
 
     client = script_pod(
         namespace,
@@ -453,7 +454,7 @@ async def test_images_that_cannot_run_here_are_reported(kube: Kube, namespace: s
 
 
 async def test_service_account_rbac_inside_and_outside_pods(
-    kube: Kube, namespace: str, wait_until, service_account_kubeconfig, pod_log
+    kube: Kube, namespace: str, local_cluster, wait_until, service_account_kubeconfig, pod_log
 ) -> None:
     await kube.create(
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader", "namespace": namespace}}
@@ -508,7 +509,7 @@ async def test_service_account_rbac_inside_and_outside_pods(
     )
     log = pod_log(namespace, "incluster", "main")
     assert done["status"]["phase"] == "Succeeded", log
-    assert log.split() == ["127.2.0.1", "1", "403"]
+    assert log.split() == [node_networks.kubernetes_service_ip(local_cluster.slot), "1", "403"]
 
 
 async def test_prometheus_scrapes_annotated_pods(

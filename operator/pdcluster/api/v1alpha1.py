@@ -472,6 +472,17 @@ class Decision(Model):
     metrics: ObservedMetrics | None = None
 
 
+class LoadSample(Model):
+    """The demand on each role that one run of the control law saw (its trend predicts the next)."""
+
+    time: str
+    prefill: int = Field(ge=0, description="Prompt tokens arriving per second.")
+    decode: int = Field(
+        ge=0, description="KV tokens the arriving requests hold, per second of decoding x 1000 "
+        "(requests/s x output tokens x mean context / 1000)."
+    )
+
+
 class AutoscalingState(Model):
     """Control-law memory, kept in status so a restarted operator continues where it stopped."""
 
@@ -494,6 +505,9 @@ class AutoscalingState(Model):
     )
     down_wanted_since: StringMap | None = Field(
         None, description="Per role, since when a scale-down has been wanted."
+    )
+    history: list[LoadSample] | None = Field(
+        None, description="Demand seen by the runs of the last metrics window, oldest first."
     )
     last_decision: Decision | None = None
     decisions: int = Field(0, description="Decisions that changed replicas so far.")

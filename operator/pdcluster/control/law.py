@@ -36,6 +36,7 @@ from pdcluster.api.v1alpha1 import (
     AutoscalingMode,
     AutoscalingState,
     Decision,
+    LoadSample,
     ObservedMetrics,
     PDClusterSpec,
 )
@@ -47,6 +48,7 @@ QUANTILES = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
 # Without a reachable TTFT target (prompts whose own prefill exceeds it) prefill is
 # sized so that queueing adds at most this share of the target.
 QUEUEING_SHARE = 0.2
+MAX_GROWTH = 2.0  # the most a trend may grow the load in one window (start-up transients)
 
 
 def timestamp(t: datetime) -> str:
@@ -99,6 +101,7 @@ class _Run:
         stale = self._stale()
         self.up_since = {} if stale else dict(self.prev.up_wanted_since or {})
         self.down_since = {} if stale else dict(self.prev.down_wanted_since or {})
+        self.history = [] if stale else list(self.prev.history or [])
         self.pending = dict(self.prev.pending_since or {})
         self.blocked = {r: t for r, t in (self.prev.blocked_until or {}).items() if parse_time(t) > self.now}
         self.stored: dict[str, int] = {}
@@ -174,6 +177,7 @@ class _Run:
                 else f"no traffic in the last {m.window_s} s"
             )
             return self._finish(dict(self.current), self._with_notes(f"{why}: {hold}"))
+        self._record(m)
         needs = {"prefill": self._prefill_need(m), "decode": self._decode_need(m)}
         wants = {r: self._want(r, needs[r]) for r in ROLES}
         wants, donor = self._fit_budget(wants, needs)
@@ -221,19 +225,44 @@ class _Run:
         budget = self.auto.gpu_budget
         return high if budget is None else min(high, budget // self._gpus(role))
 
-    def _grown(self, model):
-        """The model at the load a window ahead, plus the tolerance.
+    def _record(self, m: MetricsSnapshot) -> None:
+        """Keep this run's demand with those of the last window (the trend's input)."""
+        horizon = self.now - timedelta(seconds=self.auto.window_seconds)
+        self.history = [h for h in self.history if horizon <= parse_time(h.time) < self.now]
+        prefill, decode = demand(m)
+        self.history.append(LoadSample(time=self.now_s, prefill=round(prefill), decode=round(decode)))
+
+    def _growth(self, role: str) -> float:
+        """How much the role's demand grows over the next window if its trend goes on.
 
         Engines asked for now serve a load one window later (the measurement lags by half
-        a window, a start-up takes about another half), so a rising rate is extrapolated
-        that far; a falling one is not (scaling down stays cautious). The tolerance is
-        room for noise, since latency rises steeply near capacity.
+        a window, a start-up takes about another half). The trend is the least-squares
+        slope of the demand the runs of the last window saw; with fewer than three runs
+        behind it, prefill falls back to the window before this one (what Prometheus
+        shows without history) and decode has none. A falling load is not extrapolated:
+        scaling down stays cautious.
         """
-        m = self.metrics
-        rate = model.rate
-        if m is not None and m.request_rate_before is not None and m.request_rate > m.request_rate_before:
-            rate *= m.request_rate / m.request_rate_before if m.request_rate_before > 0 else 1.0
-        return replace(model, rate=rate * (1.0 + self.tol))
+        window = self.auto.window_seconds
+        points = [
+            ((parse_time(h.time) - self.now).total_seconds(), float(getattr(h, role))) for h in self.history
+        ]
+        current = points[-1][1] if points else 0.0
+        if len(points) >= 3 and current > 0:
+            mean_t = sum(t for t, _ in points) / len(points)
+            mean_v = sum(v for _, v in points) / len(points)
+            spread = sum((t - mean_t) ** 2 for t, _ in points)
+            slope = sum((t - mean_t) * (v - mean_v) for t, v in points) / spread if spread else 0.0
+            growth = 1.0 + slope * window / current
+        elif role == "prefill" and self.metrics and self.metrics.request_rate_before:
+            growth = self.metrics.request_rate / self.metrics.request_rate_before
+        else:
+            growth = 1.0
+        return min(max(growth, 1.0), MAX_GROWTH)
+
+    def _grown(self, model, role: str):
+        """The model at the load a window ahead (the trend), plus the tolerance: room for
+        noise, since latency rises steeply near capacity."""
+        return replace(model, rate=model.rate * self._growth(role) * (1.0 + self.tol))
 
     def _wait_quantile(self, m: MetricsSnapshot) -> float | None:
         """The prefill wait at the SLO quantile (ms).
@@ -286,7 +315,7 @@ class _Run:
             lengths=m.prefill.prompt_tokens,
             own_prefill=self.auto.ttft_includes_prefill,
         )
-        model = self._grown(model)
+        model = self._grown(model, "prefill")
         # Engines only shorten the queueing part; when the rest alone nearly fills the
         # target (long prompts), queueing still gets a share of it.
         bound_up = model.fixed_ms + max(
@@ -339,7 +368,7 @@ class _Run:
             observed_itl_ms=itl,
             observed_kv_usage=m.decode_kv_usage,
         )
-        model = self._grown(model)
+        model = self._grown(model, "decode")
         need = _Need(0, 0)
         limit = self._limit("decode")
         kv_up, kv_down = models.KV_LIMIT, models.KV_LIMIT * (1.0 - self.tol)
@@ -508,8 +537,10 @@ class _Run:
                     self.notes.append(f"{role} scale-down to {want} wanted for {waited:.0f}/{needed} s")
                     continue
                 target[role] = cur - min(cur - want, auto.max_step)
-                # The next step down is judged on what the engines show at the new count.
-                self.down_since[role] = self.now_s
+                # The next step of the same scale-down waits for a window of metrics at the
+                # new count, and for the stabilization since the wish began.
+                settle = max(auto.scale_down_stabilization_seconds - auto.window_seconds, 0)
+                self.down_since[role] = timestamp(max(since, now - timedelta(seconds=settle)))
             else:
                 self.up_since.pop(role, None)
                 self.down_since.pop(role, None)
@@ -578,10 +609,18 @@ class _Run:
             blocked_until=self.blocked or None,
             up_wanted_since=self.up_since or None,
             down_wanted_since=self.down_since or None,
+            history=self.history or None,
             last_decision=decision,
             decisions=self.prev.decisions + (1 if applied else 0),
         )
         return state, decision
+
+
+def demand(m: MetricsSnapshot) -> tuple[float, float]:
+    """What each role has to serve: prefill, prompt tokens per second; decode, the KV
+    its sequences hold over their lives (requests/s x output tokens x mean context) / 1000."""
+    isl, osl = m.mean_input_tokens or 0.0, m.mean_output_tokens or 0.0
+    return m.request_rate * isl, m.request_rate * osl * (isl + osl / 2.0) / 1000.0
 
 
 def _observed_metrics(m: MetricsSnapshot | None) -> ObservedMetrics | None:

@@ -13,6 +13,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import ssl
 import tempfile
 from collections.abc import AsyncIterator
@@ -66,6 +67,22 @@ class ApiError(Exception):
         self.reason = reason
         self.message = message
         self.body = body or {}
+
+
+# JSON writes a character beyond U+FFFF as a surrogate pair of escapes, which JSON parsers
+# join and YAML parsers reject; an apply patch is parsed as YAML. Not preceded by an
+# escaped backslash: an odd run of backslashes ends in the escape's own.
+_SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
+
+
+def yaml_json(obj: Any) -> str:
+    """`obj` as JSON that is also valid YAML: surrogate pairs become one \\U escape."""
+
+    def join(m: re.Match[str]) -> str:
+        code = 0x10000 + ((int(m.group(2), 16) - 0xD800) << 10) + (int(m.group(3), 16) - 0xDC00)
+        return f"{m.group(1)}\\U{code:08x}"
+
+    return _SURROGATE_PAIR.sub(join, json.dumps(obj))
 
 
 def resource_path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:
@@ -211,7 +228,7 @@ class Kube:
         content_type: str = "application/json",
     ) -> dict[str, Any]:
         assert self._session is not None, "use `async with Kube(...)`"
-        data = None if body is None else json.dumps(body)
+        data = body if body is None or isinstance(body, str) else json.dumps(body)
         async with self._session.request(
             method, path, data=data, params=params, headers=self._headers(content_type if data else None)
         ) as resp:
@@ -258,7 +275,11 @@ class Kube:
         if dry_run:
             params["dryRun"] = "All"
         return await self.request(
-            "PATCH", object_path(obj), body=obj, params=params, content_type="application/apply-patch+yaml"
+            "PATCH",
+            object_path(obj),
+            body=yaml_json(obj),
+            params=params,
+            content_type="application/apply-patch+yaml",
         )
 
     async def create(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:

@@ -67,7 +67,12 @@ def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, A
         ref = spec.engine.hf_token_secret
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     env += rdma_env(spec)
-    return env + _env(spec.engine.env) + _env(spec.role(role).env)
+    # A name set twice is invalid in a server-side apply (env is a map keyed by name):
+    # the user's entries replace ours, the role's replace the engine's.
+    merged: dict[str, dict[str, Any]] = {}
+    for item in env + _env(spec.engine.env) + _env(spec.role(role).env):
+        merged[item["name"]] = item
+    return list(merged.values())
 
 
 def rdma_env(spec: PDClusterSpec) -> list[dict[str, Any]]:
@@ -140,10 +145,17 @@ def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
         "startupProbe": _probe("/health", "http", spec.engine.startup_probe),
         "readinessProbe": _probe("/health", "http", spec.engine.readiness_probe),
         "livenessProbe": {**_probe("/health", "http", spec.engine.readiness_probe), "failureThreshold": 6},
-        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        **_pre_stop(spec.engine.termination_grace_period_seconds),
         "securityContext": security,
         "volumeMounts": mounts,
     }
+
+
+def _pre_stop(grace_seconds: int) -> dict[str, Any]:
+    """The preStop sleep, shortened to fit a short grace period: the apiserver requires
+    it to be less than terminationGracePeriodSeconds."""
+    seconds = min(PRESTOP_SLEEP_SECONDS, grace_seconds - 1)
+    return {"lifecycle": {"preStop": {"sleep": {"seconds": seconds}}}} if seconds >= 1 else {}
 
 
 def pod_template(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:

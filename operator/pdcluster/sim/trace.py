@@ -58,17 +58,25 @@ class Trace:
 
         A copy's arrival moves by up to `jitter_s` either way, enough that copies of one
         long prompt do not land together (they are other users), short enough to keep
-        the load's pattern over minutes.
+        the load's pattern over minutes. A shift past either end of the trace is
+        reflected back inside: clamping would pile those copies onto the first and last
+        instant (thousands of requests at once at high factors) and a burst the trace
+        never had.
         """
         rng = random.Random(seed)
         whole = math.floor(factor)
+        start, end = (self.arrival_s[0], self.arrival_s[-1]) if self.arrival_s else (0.0, 0.0)
         rows = []
         for i, t in enumerate(self.arrival_s):
             copies = whole + (1 if rng.random() < factor - whole else 0)
             for c in range(copies):
-                shift = rng.uniform(-jitter_s, jitter_s) if c else 0.0
+                shifted = t + rng.uniform(-jitter_s, jitter_s) if c else t
+                if shifted < start:
+                    shifted = min(2 * start - shifted, end)
+                elif shifted > end:
+                    shifted = max(2 * end - shifted, start)
                 blocks = self.blocks[i] if c == 0 else tuple(h + (c << 40) for h in self.blocks[i])
-                rows.append((max(t + shift, 0.0), self.input_tokens[i], self.output_tokens[i], blocks))
+                rows.append((shifted, self.input_tokens[i], self.output_tokens[i], blocks))
         rows.sort(key=lambda r: r[0])
         return Trace(
             self.name,

@@ -7,6 +7,7 @@ import base64
 import os
 import shlex
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,12 +190,27 @@ def with_private_dirs(mounts_: list[Mount], *, tmp: Path, shm: Path) -> list[Mou
     return sorted(mounts_ + [m for m in private if m.target not in taken], key=lambda m: len(Path(m.target).parts))
 
 
-def launch_script(mounts_: list[Mount], *, hosts_file: Path, hostname: str, workdir: str) -> str:
+def host_tmp_paths(needed: list[Path]) -> list[str]:
+    """The entries of the host's /tmp that hold what a container needs (a checkout or a
+    cache under /tmp): the container's private /tmp would hide them."""
+    tmp = Path("/tmp")
+    return sorted({str(tmp / p.relative_to(tmp).parts[0]) for p in needed if p.is_relative_to(tmp) and p != tmp})
+
+
+def launch_script(
+    mounts_: list[Mount], *, hosts_file: Path, hostname: str, workdir: str,
+    keep_host_tmp: Sequence[str] = (), host_tmp_view: Path | None = None,
+) -> str:
     """sh script run by `unshare --mount --uts` before exec'ing the container command.
     Missing mount points are created on the host (empty directories or files), as a
-    container runtime creates them in the image's filesystem."""
+    container runtime creates them in the image's filesystem. `keep_host_tmp` stay visible
+    through the private /tmp: the host's /tmp is bound to `host_tmp_view` (outside /tmp)
+    first, and those paths are bound back from there once /tmp is replaced."""
     q = shlex.quote
     lines = [f"hostname {q(hostname)}", f"mount --bind {q(str(hosts_file))} /etc/hosts"]
+    if keep_host_tmp:
+        assert host_tmp_view is not None
+        lines += [f"mkdir -p {q(str(host_tmp_view))}", f"mount --bind /tmp {q(str(host_tmp_view))}"]
     for m in mounts_:
         if Path(m.source).is_dir():
             lines.append(f"mkdir -p {q(m.target)}")
@@ -203,5 +219,8 @@ def launch_script(mounts_: list[Mount], *, hosts_file: Path, hostname: str, work
         lines.append(f"mount --bind {q(m.source)} {q(m.target)}")
         if m.read_only:
             lines.append(f"mount -o remount,bind,ro {q(m.target)}")
+    for path in keep_host_tmp:
+        source = host_tmp_view / Path(path).relative_to("/tmp")
+        lines += [f"mkdir -p {q(path)}", f"mount --bind {q(str(source))} {q(path)}"]
     lines += [f"mkdir -p {q(workdir)}", f"cd {q(workdir)}", 'exec "$@"']
     return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""The demo's workload is the trace's: arrival times scaled per phase, prompt lengths,
+shared prefixes where the trace's block hashes are equal, output lengths."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import pytest
+
+import demo
+from pdcluster.sim.trace import Trace
+
+
+def trace(n: int = 100) -> Trace:
+    return Trace(
+        "t",
+        [float(i) for i in range(n)],
+        [1000 + i for i in range(n)],
+        [10 + i for i in range(n)],
+        [(1, 2, 3 + i) for i in range(n)],
+    )
+
+
+def test_phases_scale_time_and_keep_order() -> None:
+    requests = demo.workload(trace(), 0.0, [(10, 1.0), (10, 2.0)])
+    assert len(requests) == 30  # 10 s of the trace, then 20 s of it in 10 s
+    assert [r.at_s for r in requests[:3]] == [0.0, 1.0, 2.0]
+    assert [r.at_s for r in requests[10:13]] == [10.0, 10.5, 11.0]
+    assert all(a.at_s <= b.at_s for a, b in itertools.pairwise(requests))
+    assert max(r.at_s for r in requests) < 20
+    # Lengths travel with their request.
+    assert (requests[12].input_tokens, requests[12].output_tokens) == (1012, 22)
+
+
+def test_start_skips_into_the_trace() -> None:
+    requests = demo.workload(trace(), 50.0, [(5, 1.0)])
+    assert [r.input_tokens for r in requests] == [1050, 1051, 1052, 1053, 1054]
+    assert requests[0].at_s == 0.0
+
+
+def test_prompts_share_exactly_the_prefix_the_trace_shares() -> None:
+    a = demo.Request(0, 1300, 1, (7, 8, 9), salt=1)
+    b = demo.Request(0, 1300, 1, (7, 8, 10), salt=2)
+    ids_a, ids_b = demo.prompt_ids(a), demo.prompt_ids(b)
+    assert len(ids_a) == len(ids_b) == 1300
+    assert ids_a[:1024] == ids_b[:1024]  # blocks 7 and 8: 2 x 512 tokens
+    assert ids_a[1024:] != ids_b[1024:]  # the partial third block differs
+    assert all(0 < t < demo.VOCABULARY for t in ids_a)
+
+
+def test_prompts_longer_than_their_blocks_get_private_filler() -> None:
+    a = demo.Request(0, 700, 1, (7,), salt=1)
+    b = demo.Request(0, 700, 1, (7,), salt=2)
+    ids_a, ids_b = demo.prompt_ids(a), demo.prompt_ids(b)
+    assert len(ids_a) == 700 and ids_a[:512] == ids_b[:512] and ids_a[512:] != ids_b[512:]
+    assert len(demo.prompt_ids(demo.Request(0, 300, 1, (), salt=3))) == 300
+
+
+def test_parse_phases() -> None:
+    assert demo.parse_phases("60:1,150:3,150:0.7") == [(60.0, 1.0), (150.0, 3.0), (150.0, 0.7)]
+    with pytest.raises(argparse.ArgumentTypeError):
+        demo.parse_phases("60:0")
+
+
+def test_decision_events_are_split_for_the_table() -> None:
+    assert demo._split_decision("prefill 3, decode 2: TTFT p90 3955 ms > 2000 ms") == (
+        "3",
+        "2",
+        "TTFT p90 3955 ms > 2000 ms",
+    )
