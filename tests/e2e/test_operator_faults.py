@@ -210,3 +210,4 @@ async def test_foreign_edits_are_reverted_without_a_write_storm(
     ] == versions
     assert operator_writes() - before == fixes
     assert operator.failures() == []
+    print(f"{intruder_writes} foreign writes, {fixes} written back, none in 15 s at rest")

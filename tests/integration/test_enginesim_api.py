@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,36 +16,14 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from loopback import CONSUMER, PRODUCER, free_port, simulator
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import observability as obs
-from pdcluster.enginesim.cli import parse
 from pdcluster.enginesim.main import Simulator
 from pdcluster.router.protocol import MooncakeProtocol, PrefillEngine
 
-PRODUCER = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
-CONSUMER = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}'
 MOONCAKE_MASTER = Path(sys.executable).parent / "mooncake_master"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.asynccontextmanager
-async def simulator(*argv: str, abort_timeout: float | None = None) -> AsyncIterator[Simulator]:
-    config = parse(["sim-model", "--host", "127.0.0.1", "--port", str(free_port()), *argv])
-    config.bootstrap_port = free_port()
-    if abort_timeout is not None:
-        config.abort_timeout_s = abort_timeout
-    sim = Simulator(config)
-    await sim.start()
-    try:
-        yield sim
-    finally:
-        await sim.stop()
 
 
 def url(sim: Simulator, path: str) -> str:

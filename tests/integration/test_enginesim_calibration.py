@@ -13,9 +13,7 @@ All within 10%. Prompts are token-id lists, so their length is exact.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -23,22 +21,13 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 import pytest
+from loopback import CONSUMER, PRODUCER, engine_url, prefill_url, router, simulator
 
 from pdcluster import perf
-from pdcluster.enginesim.cli import parse
-from pdcluster.enginesim.main import Simulator
-from pdcluster.router.main import RouterService, parser
-from pdcluster.router.membership import parse_static
 
 # No chunking, so a prompt is one prefill pass, as in the profile's measurements.
 BUDGET = ("--max-num-batched-tokens", "65536")
 MAX_OUTPUT = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trace_slice(count: int) -> list[tuple[int, int]]:
@@ -54,18 +43,6 @@ def trace_slice(count: int) -> list[tuple[int, int]]:
             if len(picked) == count:
                 return picked
     raise AssertionError("trace too short")
-
-
-@contextlib.asynccontextmanager
-async def simulator(*argv: str) -> AsyncIterator[Simulator]:
-    config = parse(["m", "--host", "127.0.0.1", "--port", str(free_port()), *BUDGET, *argv])
-    config.bootstrap_port = free_port()
-    sim = Simulator(config)
-    await sim.start()
-    try:
-        yield sim
-    finally:
-        await sim.stop()
 
 
 async def timed_stream(
@@ -115,8 +92,8 @@ def assert_close(ratios: list[float], what: str) -> None:
 
 async def test_isolated_requests_match_the_profile(http: aiohttp.ClientSession) -> None:
     ttft, itl = [], []
-    async with simulator() as sim:
-        profile, url = sim.profile, f"http://127.0.0.1:{sim.config.port}"
+    async with simulator(*BUDGET, model="m") as sim:
+        profile, url = sim.profile, engine_url(sim)
         for prompt, output in trace_slice(10):
             times = await timed_stream(http, url, prompt, output)
             ttft.append(times[0] / (profile.prefill_one_ms(prompt) / 1000))
@@ -131,8 +108,8 @@ async def test_isolated_requests_match_the_profile(http: aiohttp.ClientSession) 
 
 async def test_a_batch_matches_the_profile(http: aiohttp.ClientSession) -> None:
     batch, prompt, output = 16, 2000, 48
-    async with simulator() as sim:
-        profile, url = sim.profile, f"http://127.0.0.1:{sim.config.port}"
+    async with simulator(*BUDGET, model="m") as sim:
+        profile, url = sim.profile, engine_url(sim)
         # The requests must reach the engine together to share one prefill batch; send
         # them, then time each from the moment all are out.
         runs = await asyncio.gather(*(timed_stream(http, url, prompt, output) for _ in range(batch)))
@@ -145,33 +122,19 @@ async def test_a_batch_matches_the_profile(http: aiohttp.ClientSession) -> None:
 
 
 async def test_disaggregated_ttft_adds_the_kv_transfer(http: aiohttp.ClientSession) -> None:
-    producer = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
-    consumer = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}'
     gbps = 50.0  # a slow link, so the transfer is a visible share of TTFT
     async with (
-        simulator("--kv-transfer-config", producer, "--sim-kv-gbps", str(gbps)) as p,
-        simulator("--kv-transfer-config", consumer) as d,
+        simulator(*BUDGET, "--kv-transfer-config", PRODUCER, "--sim-kv-gbps", str(gbps), model="m") as p,
+        simulator(*BUDGET, "--kv-transfer-config", CONSUMER, model="m") as d,
+        router("--no-admission", "--prefill", prefill_url(p), "--decode", engine_url(d)) as service,
     ):
-        args = parser().parse_args(
-            ["--host", "127.0.0.1", "--port", str(free_port()), "--no-admission",
-             "--prefill", f"http://127.0.0.1:{p.config.port}#bootstrap={p.config.bootstrap_port}",
-             "--decode", f"http://127.0.0.1:{d.config.port}"]
-        )  # fmt: skip
-        service = RouterService(args, parse_static(args.prefill, args.decode))
-        await service.start()
-        try:
-            async with asyncio.timeout(5):
-                while not service.pool.ready:  # type: ignore[union-attr]
-                    await asyncio.sleep(0.02)
-            profile, ratios = p.profile, []
-            for prompt, output in trace_slice(6):
-                times = await timed_stream(http, f"http://127.0.0.1:{args.port}", prompt, output)
-                expected = (
-                    profile.prefill_one_ms(prompt)
-                    + profile.kv_transfer_ms(prompt, gbps)
-                    + profile.decode_step_ms(1, prompt)
-                ) / 1000
-                ratios.append(times[0] / expected)
-            assert_close(ratios, "disaggregated TTFT")
-        finally:
-            await service.stop()
+        profile, ratios = p.profile, []
+        for prompt, output in trace_slice(6):
+            times = await timed_stream(http, f"http://127.0.0.1:{service.args.port}", prompt, output)
+            expected = (
+                profile.prefill_one_ms(prompt)
+                + profile.kv_transfer_ms(prompt, gbps)
+                + profile.decode_step_ms(1, prompt)
+            ) / 1000
+            ratios.append(times[0] / expected)
+        assert_close(ratios, "disaggregated TTFT")

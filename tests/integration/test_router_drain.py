@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -13,38 +12,19 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-
-from pdcluster.enginesim.cli import parse
-from pdcluster.enginesim.main import Simulator
+from loopback import CONSUMER, PRODUCER, engine_url, free_port, prefill_url, simulator
 
 ROUTER = str(Path(sys.executable).parent / "pdcluster-router")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager
 async def engines() -> AsyncIterator[tuple[str, str]]:
     """A prefill and a decode simulator at real time (decode steps of ~6 ms)."""
-    sims = []
-    for role in ("kv_producer", "kv_consumer"):
-        kv = f'{{"kv_connector":"MooncakeConnector","kv_role":"{role}"}}'
-        config = parse(["m", "--host", "127.0.0.1", "--port", str(free_port()), "--kv-transfer-config", kv])
-        config.bootstrap_port = free_port()
-        sims.append(Simulator(config))
-        await sims[-1].start()
-    p, d = sims
-    try:
-        yield (
-            f"http://127.0.0.1:{p.config.port}#bootstrap={p.config.bootstrap_port}",
-            f"http://127.0.0.1:{d.config.port}",
-        )
-    finally:
-        for sim in sims:
-            await sim.stop()
+    async with (
+        simulator("--kv-transfer-config", PRODUCER, model="m") as p,
+        simulator("--kv-transfer-config", CONSUMER, model="m") as d,
+    ):
+        yield prefill_url(p), engine_url(d)
 
 
 @contextlib.asynccontextmanager

@@ -3,10 +3,7 @@ crash, and the router keeps serving."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,11 +12,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from pdcluster.enginesim.cli import parse
-from pdcluster.enginesim.main import Simulator
-from pdcluster.router.main import RouterService, parser
-from pdcluster.router.membership import parse_static
+from loopback import CONSUMER, PRODUCER, engine_url, prefill_url, router, simulator
 
 FIELDS = [
     "prompt", "messages", "model", "max_tokens", "max_completion_tokens", "min_tokens", "n", "stream",
@@ -52,42 +45,15 @@ bodies = st.dictionaries(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.asynccontextmanager
-async def simulator(role: str) -> AsyncIterator[Simulator]:
-    kv = f'{{"kv_connector":"MooncakeConnector","kv_role":"{role}"}}'
-    config = parse(["m", "--host", "127.0.0.1", "--port", str(free_port()), "--sim-profile", "zero",
-                    "--max-model-len", "4096", "--kv-transfer-config", kv])  # fmt: skip
-    config.bootstrap_port = free_port()
-    sim = Simulator(config)
-    await sim.start()
-    try:
-        yield sim
-    finally:
-        await sim.stop()
-
-
 @pytest.fixture(scope="module")
 async def router_url() -> AsyncIterator[str]:
-    async with simulator("kv_producer") as p, simulator("kv_consumer") as d:
-        port = free_port()
-        args = parser().parse_args(
-            ["--host", "127.0.0.1", "--port", str(port), "--request-timeout", "10",
-             "--prefill", f"http://127.0.0.1:{p.config.port}#bootstrap={p.config.bootstrap_port}",
-             "--decode", f"http://127.0.0.1:{d.config.port}"]
-        )  # fmt: skip
-        service = RouterService(args, parse_static(args.prefill, args.decode))
-        await service.start()
-        async with asyncio.timeout(5):
-            while not service.pool.ready:  # type: ignore[union-attr]
-                await asyncio.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-        await service.stop()
+    flags = ("--sim-profile", "zero", "--max-model-len", "4096")
+    async with (
+        simulator(*flags, "--kv-transfer-config", PRODUCER, model="m") as p,
+        simulator(*flags, "--kv-transfer-config", CONSUMER, model="m") as d,
+        router("--request-timeout", "10", "--prefill", prefill_url(p), "--decode", engine_url(d)) as service,
+    ):
+        yield f"http://127.0.0.1:{service.args.port}"
 
 
 async def send(url: str, path: str, data: bytes) -> tuple[int, bytes]:

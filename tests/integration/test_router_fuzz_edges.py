@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,18 +16,11 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from loopback import CONSUMER, PRODUCER, engine_url, prefill_url, router, simulator
 
-from pdcluster.enginesim.cli import parse
 from pdcluster.enginesim.main import Simulator
-from pdcluster.router.main import RouterService, parser
-from pdcluster.router.membership import parse_static
+from pdcluster.router.main import RouterService
 from pdcluster.router.server import MAX_BODY_BYTES
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -60,36 +52,18 @@ class Stack:
         return out
 
 
-async def start_sim(role: str, *extra: str) -> Simulator:
-    kv = f'{{"kv_connector":"MooncakeConnector","kv_role":"{role}"}}'
-    config = parse(["m", "--host", "127.0.0.1", "--port", str(free_port()), "--max-model-len", "4096",
-                    "--kv-transfer-config", kv, *extra])  # fmt: skip
-    config.bootstrap_port = free_port()
-    sim = Simulator(config)
-    await sim.start()
-    return sim
-
-
 @pytest.fixture(scope="module")
 async def stack() -> AsyncIterator[Stack]:
     # Real-time decode (~6 ms a token), so a client can leave in the middle of a stream.
-    p = await start_sim("kv_producer", "--sim-profile", "zero")
-    d = await start_sim("kv_consumer")
-    port = free_port()
-    args = parser().parse_args(
-        ["--host", "127.0.0.1", "--port", str(port), "--request-timeout", "30", "--no-admission",
-         "--prefill", f"http://127.0.0.1:{p.config.port}#bootstrap={p.config.bootstrap_port}",
-         "--decode", f"http://127.0.0.1:{d.config.port}"]
-    )  # fmt: skip
-    service = RouterService(args, parse_static(args.prefill, args.decode))
-    await service.start()
-    async with asyncio.timeout(5):
-        while not service.pool.ready:  # type: ignore[union-attr]
-            await asyncio.sleep(0.02)
-    yield Stack(p, d, service, port)
-    await service.stop()
-    for sim in (p, d):
-        await sim.stop()
+    context = ("--max-model-len", "4096")
+    async with (
+        simulator(*context, "--kv-transfer-config", PRODUCER, "--sim-profile", "zero", model="m") as p,
+        simulator(*context, "--kv-transfer-config", CONSUMER, model="m") as d,
+        router(
+            "--request-timeout", "30", "--no-admission", "--prefill", prefill_url(p), "--decode", engine_url(d)
+        ) as service,
+    ):  # fmt: skip
+        yield Stack(p, d, service, service.args.port)
 
 
 async def post(url: str, data: bytes, path: str = "/v1/completions") -> tuple[int, bytes]:

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -24,9 +23,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from loopback import CONSUMER, PRODUCER, free_port, simulator
 
-from pdcluster.enginesim.cli import parse
-from pdcluster.enginesim.main import Simulator
 from pdcluster.io.kube import Kube
 from pdcluster.router.main import RouterService, parser
 
@@ -34,19 +32,11 @@ pytestmark = pytest.mark.cluster
 
 CLUSTER = "c1"
 SIM = str(Path(sys.executable).parent / "pdcluster-engine-sim")
-PRODUCER = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
-CONSUMER = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}'
 WaitUntil = Callable[..., Awaitable[Any]]
 
 
 def labels(role: str, cluster: str = CLUSTER) -> dict[str, str]:
     return {"pdcluster.io/cluster": cluster, "pdcluster.io/role": role}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager
@@ -233,30 +223,6 @@ async def test_router_follows_endpoint_slices(
 
 
 # ------------------------------------------------------------------------ Pods
-@contextlib.asynccontextmanager
-async def loopback_sim(ip: str, kv_config: str) -> AsyncIterator[Simulator]:
-    config = parse(
-        [
-            "m",
-            "--host",
-            ip,
-            "--port",
-            str(free_port(ip)),
-            "--sim-profile",
-            "zero",
-            "--kv-transfer-config",
-            kv_config,
-        ]
-    )
-    config.bootstrap_port = free_port(ip)
-    sim = Simulator(config)
-    await sim.start()
-    try:
-        yield sim
-    finally:
-        await sim.stop()
-
-
 def unmanaged_pod(namespace: str, name: str, role: str, ports: dict[str, int]) -> dict[str, Any]:
     """A pod bound to a node that does not exist, so no kubelet (kwok, the pod runner)
     touches it and the test writes its status."""
@@ -289,8 +255,8 @@ async def test_router_follows_pods(
 ) -> None:
     # Addresses outside the pod ranges the local cluster hands out.
     async with (
-        loopback_sim("127.1.254.1", PRODUCER) as p,
-        loopback_sim("127.1.254.2", CONSUMER) as d,
+        simulator("--sim-profile", "zero", "--kv-transfer-config", PRODUCER, model="m", host="127.1.254.1") as p,
+        simulator("--sim-profile", "zero", "--kv-transfer-config", CONSUMER, model="m", host="127.1.254.2") as d,
         aiohttp.ClientSession() as http,
         router(namespace, local_cluster.kubeconfig, "--discovery", "pods") as (service, url),
     ):

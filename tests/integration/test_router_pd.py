@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,36 +12,14 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from loopback import CONSUMER, PRODUCER, engine_url, free_port, prefill_url, router, simulator
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import observability as obs
-from pdcluster.enginesim.cli import parse
 from pdcluster.enginesim.main import Simulator
-from pdcluster.router.main import RouterService, parser
-from pdcluster.router.membership import parse_static
+from pdcluster.router.main import RouterService
 
-PRODUCER = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
-CONSUMER = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.asynccontextmanager
-async def simulator(*argv: str) -> AsyncIterator[Simulator]:
-    config = parse(
-        ["sim-model", "--host", "127.0.0.1", "--port", str(free_port()), "--sim-record", "50", *argv]
-    )
-    config.bootstrap_port = free_port()
-    sim = Simulator(config)
-    await sim.start()
-    try:
-        yield sim
-    finally:
-        await sim.stop()
+RECORD = ("--sim-record", "50")
 
 
 class Cluster:
@@ -62,34 +39,11 @@ async def cluster(
 ) -> AsyncIterator[Cluster]:
     profile = ("--sim-profile", "zero")
     async with (
-        simulator("--kv-transfer-config", PRODUCER, *(prefill_args or profile)) as p,
-        simulator("--kv-transfer-config", CONSUMER, *(decode_args or profile)) as d,
+        simulator(*RECORD, "--kv-transfer-config", PRODUCER, *(prefill_args or profile)) as p,
+        simulator(*RECORD, "--kv-transfer-config", CONSUMER, *(decode_args or profile)) as d,
+        router("--prefill", prefill_url(p), "--decode", engine_url(d), *router_args) as service,
     ):
-        prefill = f"http://127.0.0.1:{p.config.port}#bootstrap={p.config.bootstrap_port}"
-        decode = f"http://127.0.0.1:{d.config.port}"
-        args = parser().parse_args(
-            [
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(free_port()),
-                "--prefill",
-                prefill,
-                "--decode",
-                decode,
-                *router_args,
-            ]
-        )
-        service = RouterService(args, parse_static(args.prefill, args.decode))
-        await service.start()
-        try:
-            assert service.pool is not None
-            async with asyncio.timeout(5):
-                while not service.pool.ready:
-                    await asyncio.sleep(0.02)
-            yield Cluster(p, d, service)
-        finally:
-            await service.stop()
+        yield Cluster(p, d, service)
 
 
 @pytest.fixture
@@ -387,31 +341,23 @@ async def test_bad_requests(http: aiohttp.ClientSession, body: bytes, status: in
 
 
 async def test_prefix_aware_policy_keeps_a_conversation_on_one_prefill(http: aiohttp.ClientSession) -> None:
+    zero = ("--sim-profile", "zero")
     async with (
-        simulator("--kv-transfer-config", PRODUCER, "--sim-profile", "zero") as p1,
-        simulator("--kv-transfer-config", PRODUCER, "--sim-profile", "zero") as p2,
-        simulator("--kv-transfer-config", CONSUMER, "--sim-profile", "zero") as d,
-    ):
-        prefills = [f"http://127.0.0.1:{p.config.port}#bootstrap={p.config.bootstrap_port}" for p in (p1, p2)]
-        args = parser().parse_args(
-            ["--host", "127.0.0.1", "--port", str(free_port()), "--policy", "prefix-aware",
-             "--prefill", prefills[0], "--prefill", prefills[1], "--decode", f"http://127.0.0.1:{d.config.port}"]
-        )  # fmt: skip
-        service = RouterService(args, parse_static(args.prefill, args.decode))
-        await service.start()
-        try:
-            async with asyncio.timeout(5):
-                while len(service.pool.prefill) < 2:  # type: ignore[union-attr]
-                    await asyncio.sleep(0.02)
-            base = f"http://127.0.0.1:{args.port}/v1/completions"
-            history = "system prompt " * 200
-            for turn in range(6):
-                history += f" turn {turn} " * 20
-                status, _, _ = await post(http, base, {"prompt": history, "max_tokens": 2})
-                assert status == 200
-            counts = [len(await recorded(http, p)) for p in (p1, p2)]
-        finally:
-            await service.stop()
+        simulator(*RECORD, "--kv-transfer-config", PRODUCER, *zero) as p1,
+        simulator(*RECORD, "--kv-transfer-config", PRODUCER, *zero) as p2,
+        simulator(*RECORD, "--kv-transfer-config", CONSUMER, *zero) as d,
+        router(
+            "--policy", "prefix-aware", "--prefill", prefill_url(p1), "--prefill", prefill_url(p2),
+            "--decode", engine_url(d), ready=lambda pool: len(pool.prefill) >= 2,
+        ) as service,
+    ):  # fmt: skip
+        base = f"http://127.0.0.1:{service.args.port}/v1/completions"
+        history = "system prompt " * 200
+        for turn in range(6):
+            history += f" turn {turn} " * 20
+            status, _, _ = await post(http, base, {"prompt": history, "max_tokens": 2})
+            assert status == 200
+        counts = [len(await recorded(http, p)) for p in (p1, p2)]
     assert sorted(counts) == [0, 6]
 
 

@@ -137,15 +137,27 @@ class MooncakeStore:
 
     The master may come up after the engines (pods start in parallel): when the first
     setup fails, it keeps retrying in the background instead of giving up, and until it
-    is connected puts fail, so KV goes only over the side channel."""
+    is connected puts fail, so KV goes only over the side channel.
+
+    A restarted master knows nothing of this engine's segment. Mooncake's client
+    reconnects (and mounts again) only after three failed pings, one a second, so a
+    master replaced faster than that never learns of the segment and puts fail for lack
+    of space. A marker key written at every setup tells: when a master answers that it
+    does not have it, this is a new master, and the client is set up again."""
 
     RETRY_SECONDS = 2.0
+    CHECK_SECONDS = 3.0
 
     def __init__(self, master: str, local_hostname: str):
         self.master = master
         self.local_hostname = local_hostname
+        self.marker = f"pdcluster-sim/alive/{local_hostname}"
         self._store: Any = None
-        self._retry: asyncio.Task[None] | None = None
+        self._marked = False
+        self._in_use = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
 
     @classmethod
     async def connect(cls, master: str, local_hostname: str) -> MooncakeStore | None:
@@ -155,8 +167,8 @@ class MooncakeStore:
             log.warning("Mooncake store disabled: %s", e)
             return None
         store = cls(master, local_hostname)
-        if not await store._setup():
-            store._retry = asyncio.get_running_loop().create_task(store._keep_trying())
+        connected = await store._setup()
+        store._task = asyncio.get_running_loop().create_task(store._maintain(connected))
         return store
 
     async def _setup(self) -> bool:
@@ -169,34 +181,62 @@ class MooncakeStore:
         if rc != 0:
             log.warning("Mooncake store: setup against master %s returned %s", self.master, rc)
             return False
+        # No marker (a full store): no check, Mooncake's own reconnect is all there is.
+        self._marked = await asyncio.to_thread(store.put, self.marker, b"1") == 0
         self._store = store
         log.info("Mooncake store connected to master %s", self.master)
         return True
 
-    async def _keep_trying(self) -> None:
-        while not await self._setup():
-            await asyncio.sleep(self.RETRY_SECONDS)
+    async def _maintain(self, connected: bool) -> None:
+        while True:
+            if not connected:
+                await asyncio.sleep(self.RETRY_SECONDS)
+                connected = await self._setup()
+                continue
+            await asyncio.sleep(self.CHECK_SECONDS)
+            # 0: the master answered and has no marker; < 0: no answer (Mooncake retries).
+            if self._marked and await self._call("is_exist", self.marker) == 0:
+                log.warning("Mooncake master %s does not know this engine (restarted): setting up again", self.master)
+                await self._drop()
+                connected = await self._setup()
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """A store call in a thread; the client is not closed while calls run."""
+        store = self._store
+        if store is None:
+            return None
+        self._in_use += 1
+        self._idle.clear()
+        try:
+            return await asyncio.to_thread(getattr(store, method), *args)
+        finally:
+            self._in_use -= 1
+            if not self._in_use:
+                self._idle.set()
+
+    async def _drop(self) -> None:
+        store, self._store = self._store, None
+        await self._idle.wait()
+        if store is not None:
+            await asyncio.to_thread(store.close)
 
     @property
     def connected(self) -> bool:
         return self._store is not None
 
     async def put(self, key: str, size: int) -> bool:
-        if self._store is None:
-            return False
-        rc = await asyncio.to_thread(self._store.put, key, b"\0" * max(size, 1))
-        return rc == 0
+        return await self._call("put", key, b"\0" * max(size, 1)) == 0
 
     async def take(self, key: str) -> int:
-        if self._store is None:
+        data = await self._call("get", key)
+        if data is None:
             raise RuntimeError("not connected to the Mooncake master")
-        data = await asyncio.to_thread(self._store.get, key)
-        await asyncio.to_thread(self._store.remove, key)
+        await self._call("remove", key)
         return len(data)
 
     def close(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
+        if self._task is not None:
+            self._task.cancel()
         if self._store is not None:
             self._store.close()
 
