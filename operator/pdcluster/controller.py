@@ -15,7 +15,6 @@ import copy
 import logging
 from typing import Any
 
-from pdcluster import constants as C
 from pdcluster import metrics
 from pdcluster.io.lease import LeaderElector
 from pdcluster.reconcile import Context, reconcile
@@ -98,9 +97,7 @@ class Controller:
         worker = self.workers.pop((namespace, name), None)
         if worker is not None:
             worker.task.cancel()
-        for role in C.ENGINE_ROLES:
-            with contextlib.suppress(KeyError):
-                metrics.DESIRED_REPLICAS.remove(namespace, name, role)
+        metrics.forget(namespace, name)
 
     def wake(self, namespace: str, name: str) -> None:
         worker = self.workers.get((namespace, name))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
 
+from pdcluster import constants as C
 from pdcluster import observability as O
 
 RECONCILES = Counter(O.OPERATOR_RECONCILES, "Reconciles of PDClusters by result", ["result"])
@@ -12,6 +15,7 @@ RECONCILE_SECONDS = Histogram(
     "Time one reconcile takes",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
+DECISION_ACTIONS = ("scale", "hold", "recommend")
 DECISIONS = Counter(
     O.OPERATOR_DECISIONS, "Autoscaling decisions by action", ["pdcluster_namespace", "pdcluster", "action"]
 )
@@ -25,3 +29,13 @@ DESIRED_REPLICAS = Gauge(
 def observe_reconcile(result: str, seconds: float) -> None:
     RECONCILES.labels(result).inc()
     RECONCILE_SECONDS.observe(seconds)
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop a deleted PDCluster's series, so that churn does not grow the exposition."""
+    for role in C.ENGINE_ROLES:
+        with contextlib.suppress(KeyError):
+            DESIRED_REPLICAS.remove(namespace, name, role)
+    for action in DECISION_ACTIONS:
+        with contextlib.suppress(KeyError):
+            DECISIONS.remove(namespace, name, action)
