@@ -17,6 +17,8 @@ log = logging.getLogger(__name__)
 COMPONENT = "pdcluster-operator"
 # The same warning on every reconcile would flood the namespace; repeat it at most this often.
 REPEAT_AFTER_SECONDS = 600.0
+# Keys of deleted PDClusters and of old messages are dropped once there are this many.
+PRUNE_AT = 1024
 
 
 class EventRecorder:
@@ -24,6 +26,7 @@ class EventRecorder:
         self.kube = kube
         self.instance = os.environ.get("POD_NAME") or socket.gethostname()
         self._last: dict[tuple[str, str, str], float] = {}
+        self._prune_at = PRUNE_AT
 
     async def emit(self, owner: dict[str, Any], type_: str, reason: str, message: str) -> None:
         meta = owner["metadata"]
@@ -32,6 +35,9 @@ class EventRecorder:
         if now - self._last.get(key, -REPEAT_AFTER_SECONDS) < REPEAT_AFTER_SECONDS:
             return
         self._last[key] = now
+        if len(self._last) >= self._prune_at:
+            self._last = {k: t for k, t in self._last.items() if now - t < REPEAT_AFTER_SECONDS}
+            self._prune_at = max(PRUNE_AT, 2 * len(self._last))  # amortized: prune rarely
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1",
