@@ -19,9 +19,11 @@ import argparse
 import asyncio
 import itertools
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -148,6 +150,11 @@ async def run(args: argparse.Namespace) -> int:
             header = "".join(f"# {p}\n" for p in problems)
             path.write_text(header + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
         print(f"recorded {len(broken)} specs in {CRASHERS.relative_to(REPO)}")
+    if operator_failures:
+        # `down` removes the run directory: keep the log with the whole tracebacks.
+        kept = Path(tempfile.mkdtemp(prefix="specs-property-")) / log.name
+        shutil.copy(log, kept)
+        print(f"operator log with the tracebacks: {kept}")
     if not args.keep:
         subprocess.run(
             [sys.executable, str(REPO / "e2e" / "local" / "cluster"), "--name", args.cluster, "down"]
