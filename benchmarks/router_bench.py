@@ -404,51 +404,32 @@ def orchestrate(args: argparse.Namespace) -> None:
     sim = [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1", "--sim-profile", "zero"]
     try:
         procs.start("canned", [sys.executable, __file__, "_canned", "--port", str(ports["canned"])])
-        procs.start(
-            "prefill",
-            [*sim, "--port", str(ports["prefill"]), "--kv-transfer-config", kv % "kv_producer"],
-            {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(ports["bootstrap"])},
-        )
-        decode_args = [
-            "--port",
-            str(ports["decode"]),
-            "--kv-transfer-config",
-            kv % "kv_consumer",
-            "--sim-stamp-tokens",
-        ]
-        procs.start("decode", [*sim, *decode_args])
-        procs.start(
-            "router",
-            [
-                _bin("pdcluster-router"), "--host", "127.0.0.1", "--port", str(ports["router"]), "--log-level", "WARNING",
-                "--prefill", f"http://127.0.0.1:{ports['prefill']}#bootstrap={ports['bootstrap']}",
-                "--decode", f"http://127.0.0.1:{ports['decode']}",
-            ],
-        )  # fmt: skip
+        def pd_with_router(prefix: str, engine: list[str]) -> None:
+            """A prefill and a decode simulator and a pdcluster-router in front of them."""
+            procs.start(
+                f"{prefix}prefill",
+                [*engine, "--port", str(ports[f"{prefix}prefill"]), "--kv-transfer-config", kv % "kv_producer"],
+                {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(ports[f"{prefix}bootstrap"])},
+            )
+            procs.start(
+                f"{prefix}decode",
+                [*engine, "--port", str(ports[f"{prefix}decode"]), "--kv-transfer-config", kv % "kv_consumer",
+                 "--sim-stamp-tokens"],
+            )  # fmt: skip
+            procs.start(
+                f"{prefix}router",
+                [
+                    _bin("pdcluster-router"), "--host", "127.0.0.1", "--port", str(ports[f"{prefix}router"]),
+                    "--log-level", "WARNING",
+                    "--prefill", f"http://127.0.0.1:{ports[f'{prefix}prefill']}#bootstrap={ports[f'{prefix}bootstrap']}",
+                    "--decode", f"http://127.0.0.1:{ports[f'{prefix}decode']}",
+                ],
+            )  # fmt: skip
+
+        pd_with_router("", sim)
         # A second pair at real time for per-token latency: zero-latency engines emit a
         # stream's tokens in one burst, which measures relay throughput, not latency.
-        realtime = [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1"]
-        procs.start(
-            "rt-prefill",
-            [*realtime, "--port", str(ports["rt-prefill"]), "--kv-transfer-config", kv % "kv_producer"],
-            {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(ports["rt-bootstrap"])},
-        )
-        rt_decode = [
-            "--port",
-            str(ports["rt-decode"]),
-            "--kv-transfer-config",
-            kv % "kv_consumer",
-            "--sim-stamp-tokens",
-        ]
-        procs.start("rt-decode", [*realtime, *rt_decode])
-        procs.start(
-            "rt-router",
-            [
-                _bin("pdcluster-router"), "--host", "127.0.0.1", "--port", str(ports["rt-router"]), "--log-level", "WARNING",
-                "--prefill", f"http://127.0.0.1:{ports['rt-prefill']}#bootstrap={ports['rt-bootstrap']}",
-                "--decode", f"http://127.0.0.1:{ports['rt-decode']}",
-            ],
-        )  # fmt: skip
+        pd_with_router("rt-", [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1"])
         have_mooncake = _mooncake_proxy_available()
         if have_mooncake:
             procs.start(
