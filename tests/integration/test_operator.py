@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from harness import CHILD_KINDS
 
 from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import PDClusterSpec
@@ -36,21 +37,11 @@ CHILDREN = [
     ("Role", "router"),
     ("RoleBinding", "router"),
 ]
-API = {
-    "StatefulSet": "apps/v1",
-    "Deployment": "apps/v1",
-    "Service": "v1",
-    "ConfigMap": "v1",
-    "ServiceAccount": "v1",
-    "PodDisruptionBudget": "policy/v1",
-    "Role": "rbac.authorization.k8s.io/v1",
-    "RoleBinding": "rbac.authorization.k8s.io/v1",
-}
 
 
 async def children(kube: Kube, namespace: str, name: str) -> dict[tuple[str, str], dict[str, Any] | None]:
     return {
-        (kind, suffix): await kube.get(API[kind], kind, f"{name}-{suffix}", namespace)
+        (kind, suffix): await kube.get(CHILD_KINDS[kind], kind, f"{name}-{suffix}", namespace)
         for kind, suffix in CHILDREN
     }
 
