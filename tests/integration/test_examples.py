@@ -141,9 +141,15 @@ async def test_example(
         return status
 
     await wait_until(reports_engines_not_ready, timeout=60, message="status reports engines not ready")
-    pods = await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}={name}")
-    engines = [p for p in pods if p["metadata"]["labels"][C.LABEL_ROLE] in C.ENGINE_ROLES]
-    assert len(engines) == spec.prefill.replicas + spec.decode.replicas
+
+    # The StatefulSet controller creates the pods after the status is written: wait for them.
+    async def engine_pods() -> list[dict[str, Any]]:
+        pods = await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}={name}")
+        engines = [p for p in pods if p["metadata"]["labels"][C.LABEL_ROLE] in C.ENGINE_ROLES]
+        assert len(engines) == spec.prefill.replicas + spec.decode.replicas, engines
+        return engines
+
+    engines = await wait_until(engine_pods, timeout=30, message="every engine pod created")
     assert not any(
         c.get("ready") for p in engines for c in p.get("status", {}).get("containerStatuses") or []
     )
