@@ -96,10 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    # The stdlib loop, not uvloop: the operator's traffic is a few TLS calls a second to
+    # the apiserver, and uvloop's TLS transport logs "Fatal error on SSL protocol" when a
+    # closed connection still has data to flush (MagicStack/uvloop#506, open).
     asyncio.run(run(args))
 
 

@@ -11,14 +11,15 @@ import sys
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
 from pdcluster.constants import ROUTER_PORT
 from pdcluster.io.kube import Kube, KubeConfig
+from pdcluster.router import openai
+from pdcluster.router.http import HttpServer
 from pdcluster.router.membership import Members, Pool, parse_static, watch_kube
 from pdcluster.router.policy import Admission, make_policy
 from pdcluster.router.prompt import BLOCK_TOKENS
-from pdcluster.router.server import Router, RouterConfig
+from pdcluster.router.server import MAX_BODY_BYTES, Router, RouterConfig
 
 log = logging.getLogger("pdcluster.router")
 
@@ -95,7 +96,7 @@ class RouterService:
         self.session: aiohttp.ClientSession | None = None
         self.pool: Pool | None = None
         self.router: Router | None = None
-        self._runner: web.AppRunner | None = None
+        self._http: HttpServer | None = None
         self._kube: Kube | None = None
         self._watcher: asyncio.Task[None] | None = None
 
@@ -127,12 +128,8 @@ class RouterService:
             )
         else:
             self.pool.update(self.members)
-        # The drain has already waited for in-flight requests; cut whatever is left.
-        self._runner = web.AppRunner(
-            self.router.app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0
-        )
-        await self._runner.setup()
-        await web.TCPSite(self._runner, args.host, args.port, backlog=2048).start()
+        self._http = HttpServer(self.router.handle, openai.error_body, MAX_BODY_BYTES)
+        await self._http.start(args.host, args.port)
         log.info(
             "listening on %s:%d, policy %s, admission %s",
             args.host,
@@ -157,8 +154,8 @@ class RouterService:
             log.warning("drain timeout: dropping %d requests", router.inflight)
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._http is not None:  # the drain has waited for in-flight requests: cut the rest
+            await self._http.close()
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)

@@ -21,17 +21,18 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdcluster.router import openai
+from pdcluster.router.http import Request, Response, Stream
 from pdcluster.router.membership import Pool, Upstream
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policy import Admission, LeastLoaded, Policy
 from pdcluster.router.prompt import block_hashes, count_tokens, prompt_of
 from pdcluster.router.protocol import MooncakeProtocol
-from pdcluster.router.upstream import Response, UpstreamError, UpstreamPool
+from pdcluster.router.upstream import Response as UpstreamResponse
+from pdcluster.router.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ DEFAULT_OUTPUT_TOKENS = 256
 COOLDOWN_S = 2.0
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+_SSE_HEADERS = [("Content-Type", "text/event-stream; charset=utf-8"), ("Cache-Control", "no-cache")]
+_JSON = "application/json"
 
 
 @dataclass
@@ -51,18 +53,13 @@ class RouterConfig:
 
 
 def _error(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
-) -> web.Response:
-    return web.Response(
-        status=status,
-        body=openai.error_body(status, message, param),
-        content_type="application/json",
-        headers=headers,
-    )
+    status: int, message: str, param: str | None = None, headers: list[tuple[str, str]] | None = None
+) -> Response:
+    return Response(status, openai.error_body(status, message, param), _JSON, headers)
 
 
 class _UpstreamFailed(Exception):
-    def __init__(self, role: str, upstream: Upstream, response: web.Response):
+    def __init__(self, role: str, upstream: Upstream, response: Response):
         self.role = role
         self.upstream = upstream
         self.response = response
@@ -91,6 +88,15 @@ class Router:
         self.idle = asyncio.Event()
         self.idle.set()
         self._bearer = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._routes: dict[str, dict[str, Any]] = {
+            "/v1/completions": {"POST": self.completions},
+            "/v1/chat/completions": {"POST": self.chat_completions},
+            "/v1/models": {"GET": self.models},
+            "/health": {"GET": self.health},
+            "/ready": {"GET": self.ready},
+            "/metrics": {"GET": self.prometheus},
+            "/backends": {"GET": self.backends},
+        }
 
     def _load_snapshot(self) -> tuple[list[Upstream], dict[str, int]]:
         return self.pool.all_upstreams(), {"prefill": len(self.pool.prefill), "decode": len(self.pool.decode)}
@@ -104,44 +110,34 @@ class Router:
             with contextlib.suppress(KeyError):
                 self.metrics.upstream_errors.remove(role, backend_id)
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.ready)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/backends", self.backends)
-        app.router.add_route("*", "/{path:.*}", self.unknown)  # last: errors in OpenAI's shape
-        return app
-
-    async def unknown(self, request: web.Request) -> web.Response:
-        known = {r.resource.canonical for r in request.app.router.routes() if r.resource is not None}
-        if request.path in known:
+    async def handle(self, request: Request) -> Response | Stream:
+        """The HTTP server's one handler: route by path and method."""
+        routes = self._routes.get(request.path)
+        if routes is None:
+            return _error(404, f"no route {request.path}")
+        handler = routes.get("GET" if request.method == "HEAD" else request.method)
+        if handler is None:
             return _error(405, f"{request.method} is not allowed on {request.path}")
-        return _error(404, f"no route {request.path}")
+        return await handler(request)
 
     # ------------------------------------------------------------------ plain routes
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+    async def health(self, request: Request) -> Response:
+        return Response(body=b"ok")
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, request: Request) -> Response:
         if self.draining:
-            return web.Response(status=503, text="draining")
+            return Response(503, b"draining")
         if not self.pool.ready:
-            return web.Response(status=503, text="no ready prefill and decode backends")
-        return web.Response(text="ready")
+            return Response(503, b"no ready prefill and decode backends")
+        return Response(body=b"ready")
 
-    async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+    async def prometheus(self, request: Request) -> Response:
+        return Response(body=generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
-    async def backends(self, request: web.Request) -> web.Response:
-        return web.Response(body=orjson.dumps(self.pool.describe()), content_type="application/json")
+    async def backends(self, request: Request) -> Response:
+        return Response(body=orjson.dumps(self.pool.describe()), content_type=_JSON)
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         if not self._authorized(request):
             return _error(401, "invalid or missing API key")
         for upstream in self.pool.decode:
@@ -150,50 +146,46 @@ class Router:
                     f"{upstream.url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)
                 ) as resp:
                     if resp.status == 200:
-                        return web.Response(body=await resp.read(), content_type="application/json")
+                        return Response(body=await resp.read(), content_type=_JSON)
         if self.config.model:
             data = [
                 {"id": self.config.model, "object": "model", "owned_by": "vllm", "root": self.config.model}
             ]
-            return web.Response(
-                body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
-            )
+            return Response(body=orjson.dumps({"object": "list", "data": data}), content_type=_JSON)
         return _error(503, "no decode backend answered")
 
     # ------------------------------------------------------------------ generate
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Response | Stream:
         return await self._generate(request, "/v1/completions", chat=False)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, request: Request) -> Response | Stream:
         return await self._generate(request, "/v1/chat/completions", chat=True)
 
-    def _authorized(self, request: web.Request) -> bool:
+    def _authorized(self, request: Request) -> bool:
         if self._bearer is None:
             return True
-        return hmac.compare_digest(request.headers.get("Authorization", "").encode(), self._bearer)
+        return hmac.compare_digest(request.headers.get("authorization", "").encode("latin-1"), self._bearer)
 
     def _reject(
-        self, reason: str, status: int, message: str, headers: dict[str, str] | None = None
-    ) -> web.Response:
+        self, reason: str, status: int, message: str, headers: list[tuple[str, str]] | None = None
+    ) -> Response:
         self.metrics.rejections[reason].inc()
         self.metrics.requests["rejected" if reason != "unauthorized" else "client_error"].inc()
         return _error(status, message, headers=headers)
 
-    def _client_error(self, status: int, message: str, param: str | None = None) -> web.Response:
+    def _client_error(self, status: int, message: str, param: str | None = None) -> Response:
         self.metrics.requests["client_error"].inc()
         return _error(status, message, param)
 
-    async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: Request, path: str, chat: bool) -> Response | Stream:
         started = time.monotonic()
         if self.draining:
             return self._reject("draining", 503, "the router is shutting down")
         if not self._authorized(request):
             return self._reject("unauthorized", 401, "invalid or missing API key")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        if request.too_large:
             return self._client_error(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-        body, why = openai.parse_json(raw)
+        body, why = openai.parse_json(request.body)
         if body is None:
             return self._client_error(400, why or "bad request")
         problem = openai.check_request(body, chat)
@@ -223,11 +215,11 @@ class Router:
                     "slo",
                     429,
                     f"predicted time to first token {decision.predicted_ttft_ms:.0f} ms exceeds the SLO",
-                    {"Retry-After": str(decision.retry_after_s)},
+                    [("Retry-After", str(decision.retry_after_s))],
                 )
         self.policy.record(prefill.id, hashes)
 
-        header_id = request.headers.get("X-Request-Id")
+        header_id = request.headers.get("x-request-id")
         request_id = header_id if header_id and _REQUEST_ID.fullmatch(header_id) else os.urandom(16).hex()
         transfer_id = f"xfer-{os.urandom(16).hex()}"
         kv_tokens = prompt_tokens + (openai.max_tokens_of(body, chat) or DEFAULT_OUTPUT_TOKENS)
@@ -252,6 +244,7 @@ class Router:
                     await flow.response.write(
                         b"data: " + openai.error_body(504, "request timed out") + b"\n\ndata: [DONE]\n\n"
                     )
+                    await flow.response.write_eof()
                 return flow.response
             return _error(504, f"no answer within {self.config.request_timeout_s:g} s")
         except asyncio.CancelledError:
@@ -285,7 +278,7 @@ class _Flow:
     def __init__(
         self,
         router: Router,
-        request: web.Request,
+        request: Request,
         path: str,
         body: dict[str, Any],
         prefill: Upstream,
@@ -301,7 +294,7 @@ class _Flow:
         self.decode = decode
         self.prompt_tokens = prompt_tokens
         self.started = started
-        self.response: web.StreamResponse | None = None
+        self.response: Stream | None = None
         self._prefill_open = True
 
     def prefill_done(self, ok: bool = False) -> None:
@@ -314,7 +307,7 @@ class _Flow:
         if ok and admission is not None:
             admission.completed(self.prefill.id, self.prompt_tokens, time.monotonic())
 
-    async def run(self, request_id: str, transfer_id: str) -> web.StreamResponse:
+    async def run(self, request_id: str, transfer_id: str) -> Response | Stream:
         router = self.router
         protocol = router.protocol
         engine = self.prefill.engine
@@ -354,7 +347,7 @@ class _Flow:
                     router.pool.invalidate(self.prefill)
                 else:
                     router.metrics.requests["client_error"].inc()
-                return web.Response(status=status, body=payload, content_type="application/json")
+                return Response(status, payload, _JSON)
             if self.body.get("stream"):
                 return await self._relay_stream(upstream)
             return await self._relay_body(upstream)
@@ -367,6 +360,7 @@ class _Flow:
                 await self.response.write(
                     b"data: " + openai.error_body(502, str(e)) + b"\n\ndata: [DONE]\n\n"
                 )
+                await self.response.write_eof()
             return self.response
         finally:
             upstream.close()  # keeps a finished connection, drops an unfinished one
@@ -392,20 +386,20 @@ class _Flow:
             raise _UpstreamFailed(
                 "client",
                 self.prefill,
-                web.Response(status=status, body=payload, content_type="application/json"),
+                Response(status, payload, _JSON),
             )
         raise _UpstreamFailed(
             "prefill", self.prefill, _error(502, f"prefill backend failed with HTTP {status}")
         )
 
-    async def _await_decode(self, task: asyncio.Task[Response]) -> Response:
+    async def _await_decode(self, task: asyncio.Task[UpstreamResponse]) -> UpstreamResponse:
         try:
             return await task
         except UpstreamError as e:
             self.decode.cooldown_until = time.monotonic() + COOLDOWN_S
             raise _UpstreamFailed("decode", self.decode, _error(502, f"decode backend failed: {e}")) from e
 
-    def _fail(self, failure: _UpstreamFailed) -> web.Response:
+    def _fail(self, failure: _UpstreamFailed) -> Response:
         metrics = self.router.metrics
         if failure.role == "client":
             metrics.requests["client_error"].inc()
@@ -417,19 +411,18 @@ class _Flow:
     def _count_upstream_error(self, role: str, upstream: Upstream) -> None:
         self.router.metrics.upstream_errors.labels(role, upstream.id).inc()
 
-    async def _relay_body(self, upstream: Response) -> web.Response:
+    async def _relay_body(self, upstream: UpstreamResponse) -> Response:
         payload = await upstream.read()
         metrics = self.router.metrics
         with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             metrics.generation_tokens.inc(orjson.loads(payload)["usage"]["completion_tokens"])
         metrics.e2e.observe(time.monotonic() - self.started)
         metrics.requests["ok"].inc()
-        return web.Response(body=payload, content_type="application/json")
+        return Response(body=payload, content_type=_JSON)
 
-    async def _relay_stream(self, upstream: Response) -> web.StreamResponse:
+    async def _relay_stream(self, upstream: UpstreamResponse) -> Stream:
         metrics = self.router.metrics
-        response = web.StreamResponse(headers=_SSE_HEADERS)
-        await response.prepare(self.request)
+        response = self.request.stream(200, _SSE_HEADERS)
         self.response = response
         last_token_at = 0.0
         tokens = 0
@@ -477,7 +470,7 @@ def _header_lines(headers: list[tuple[str, str]]) -> bytes:
     return "".join(f"{name}: {value}\r\n" for name, value in headers).encode()
 
 
-def _discard(task: asyncio.Task[Response]) -> None:
+def _discard(task: asyncio.Task[UpstreamResponse]) -> None:
     """Abandon a decode request: cancel it, or close its response to abort the engine."""
     if not task.done():
         task.cancel()

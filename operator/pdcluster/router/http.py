@@ -1,0 +1,395 @@
+"""The router's HTTP/1.1 server: asyncio protocols and httptools' parser (llhttp).
+
+Every client request crosses this front, so it does the least it can: one parser
+callback per header, the whole body in one buffer, a response head built as bytes and
+sent with its body in one write. aiohttp's server does much more per request (request
+objects, multidicts, stream readers with flow control, response preparation), which
+cost the router about half its CPU on short requests (docs/benchmarks.md).
+
+What it keeps of a general server: keep-alive and pipelining (answers in order), chunked
+and Content-Length bodies, `Expect: 100-continue`, limits on head and body size,
+HTTP/1.0 clients, streamed answers with chunked encoding and write backpressure, an idle
+timeout, and handler cancellation when the client goes away (what aiohttp calls
+handler_cancellation): the router's upstream requests are aborted with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any
+
+import httptools
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 64 * 1024
+KEEPALIVE_S = 75.0  # aiohttp's and nginx's default
+_MAX_QUEUED = 8  # pipelined requests buffered before reading pauses
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class Request:
+    """One complete request. Header names are lower-case."""
+
+    __slots__ = ("_conn", "body", "headers", "keep_alive", "method", "path", "too_large", "version")
+
+    def __init__(
+        self,
+        conn: _Connection,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        keep_alive: bool,
+        version: str,
+        too_large: bool,
+    ):
+        self._conn = conn
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.version = version
+        self.too_large = too_large  # the body passed the server's limit and was dropped
+
+    def stream(self, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Stream:
+        """Start a streamed answer (chunked; HTTP/1.0 clients get it close-delimited)."""
+        return self._conn.start_stream(self, status, headers or [])
+
+
+class Response:
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(
+        self,
+        status: int = 200,
+        body: bytes = b"",
+        content_type: str = "text/plain; charset=utf-8",
+        headers: list[tuple[str, str]] | None = None,
+    ):
+        self.status = status
+        self.body = body
+        self.headers = [("Content-Type", content_type), *(headers or [])]
+
+
+class Stream:
+    """A streamed answer in progress. `write` raises ConnectionResetError once the
+    client has gone."""
+
+    __slots__ = ("_chunked", "_conn", "ended")
+
+    def __init__(self, conn: _Connection, chunked: bool):
+        self._conn = conn
+        self._chunked = chunked
+        self.ended = False
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return
+        conn = self._conn
+        if conn.closed:
+            raise ConnectionResetError("the client closed the connection")
+        conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        if conn.write_paused:
+            await conn.drain()
+
+    async def write_eof(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self._chunked and not self._conn.closed:
+            self._conn.transport.write(b"0\r\n\r\n")
+
+
+Handler = Callable[[Request], Awaitable["Response | Stream"]]
+
+
+class _Date:
+    """The Date header, formatted once a second."""
+
+    second = -1
+    value = b""
+
+    @classmethod
+    def header(cls) -> bytes:
+        now = int(time.time())
+        if now != cls.second:
+            cls.second = now
+            cls.value = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+        return cls.value
+
+
+def _head(status: int, headers: list[tuple[str, str]], close: bool) -> bytearray:
+    out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"")))
+    out += _Date.header()
+    for name, value in headers:
+        out += f"{name}: {value}\r\n".encode("latin-1")
+    if close:
+        out += b"Connection: close\r\n"
+    return out
+
+
+class _Connection(asyncio.Protocol):
+    __slots__ = (
+        "_body",
+        "_drain",
+        "_expect_continue",
+        "_head_bytes",
+        "_headers",
+        "_last_active",
+        "_parser",
+        "_queue",
+        "_read_paused",
+        "_task",
+        "_too_large",
+        "_url",
+        "closed",
+        "server",
+        "transport",
+        "write_paused",
+    )  # fmt: skip
+
+    def __init__(self, server: HttpServer):
+        self.server = server
+        self._parser = httptools.HttpRequestParser(self)
+        self.transport: Any = None
+        self.closed = False
+        self.write_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._queue: deque[Request] = deque()
+        self._read_paused = False
+        self._task: asyncio.Task[None] | None = None
+        self._last_active = 0.0
+        self._new_message()
+
+    def _new_message(self) -> None:
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body = bytearray()
+        self._head_bytes = 0
+        self._too_large = False
+        self._expect_continue = False
+
+    # ------------------------------------------------------------------ transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.server.connections.add(self)
+        self._last_active = self.server.loop.time()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self._task is not None:
+            self._task.cancel()  # the client left: stop its work upstream
+        self._queue.clear()
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self._drain = None
+
+    async def drain(self) -> None:
+        if self.write_paused and not self.closed:
+            self._drain = self.server.loop.create_future()
+            await self._drain
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+
+    def idle_for(self, now: float) -> float:
+        return 0.0 if self._task is not None else now - self._last_active
+
+    def close(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        self._last_active = self.server.loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as e:
+            self._refuse(400, f"malformed HTTP request: {e}")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer a request that cannot be parsed or taken, and hang up."""
+        if self.closed:
+            return
+        body = self.server.error_body(status, message)
+        head = _head(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], True)
+        self.transport.write(bytes(head) + b"\r\n" + body)
+        self.transport.close()
+        self.closed = True
+
+    # ------------------------------------------------------------------ parser callbacks
+    def on_message_begin(self) -> None:
+        self._new_message()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_bytes += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            return  # refused at the end of the head
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        previous = self._headers.get(key)
+        self._headers[key] = text if previous is None else f"{previous}, {text}"
+
+    def on_headers_complete(self) -> None:
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._refuse(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+            return
+        length = self._headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.server.max_body:
+            self._too_large = True
+        if self._headers.get("expect", "").lower() == "100-continue":
+            if self._too_large:  # the client has not sent the body: no need to read it
+                self._refuse(413, f"request body larger than {self.server.max_body} bytes")
+            else:
+                self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        if self._too_large:
+            return
+        self._body += body
+        if len(self._body) > self.server.max_body:
+            self._too_large = True
+            self._body = bytearray()
+
+    def on_message_complete(self) -> None:
+        if self.closed:
+            return
+        parser = self._parser
+        path = self._url.split(b"?", 1)[0].decode("latin-1")
+        request = Request(
+            self,
+            parser.get_method().decode("latin-1"),
+            path,
+            self._headers,
+            bytes(self._body),
+            parser.should_keep_alive() and not self._too_large,
+            parser.get_http_version(),
+            self._too_large,
+        )
+        if self._task is None:
+            self._task = self.server.loop.create_task(self._serve(request))
+        else:  # pipelined: answered in order
+            self._queue.append(request)
+            if len(self._queue) >= _MAX_QUEUED and not self._read_paused:
+                self._read_paused = True
+                self.transport.pause_reading()
+
+    # ------------------------------------------------------------------ answers
+    def start_stream(self, request: Request, status: int, headers: list[tuple[str, str]]) -> Stream:
+        chunked = request.version != "1.0"
+        head = _head(status, headers, not request.keep_alive)
+        head += b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"\r\n"
+        if not chunked:
+            request.keep_alive = False  # the end of the answer is the end of the connection
+        if not self.closed:
+            self.transport.write(bytes(head))
+        return Stream(self, chunked)
+
+    def _respond(self, request: Request, response: Response) -> None:
+        body = response.body
+        head = _head(response.status, response.headers, not request.keep_alive)
+        head += b"Content-Length: %d\r\n\r\n" % len(body)
+        if request.method != "HEAD":
+            head += body
+        self.transport.write(bytes(head))
+
+    async def _serve(self, request: Request) -> None:
+        server = self.server
+        while True:
+            try:
+                answer = await server.handler(request)
+            except asyncio.CancelledError:
+                return  # the client left (or the server stops)
+            except Exception:
+                log.exception("%s %s failed", request.method, request.path)
+                answer = Response(500, server.error_body(500, "internal error"), "application/json")
+            if self.closed:
+                return
+            if isinstance(answer, Response):
+                self._respond(request, answer)
+            elif not answer.ended:  # a handler gave up mid-stream: the client must see a cut
+                request.keep_alive = False
+            if not request.keep_alive:
+                self.transport.close()
+                self.closed = True
+                return
+            if not self._queue:
+                self._task = None
+                self._last_active = server.loop.time()
+                if self._read_paused:
+                    self._read_paused = False
+                    self.transport.resume_reading()
+                return
+            request = self._queue.popleft()
+
+
+class HttpServer:
+    """Listens and dispatches every request to one handler."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        error_body: Callable[[int, str], bytes],
+        max_body: int,
+        keepalive_s: float = KEEPALIVE_S,
+    ):
+        self.handler = handler
+        self.error_body = error_body
+        self.max_body = max_body
+        self.keepalive_s = keepalive_s
+        self.connections: set[_Connection] = set()
+        self.loop = asyncio.get_running_loop()
+        self._server: asyncio.Server | None = None
+        self._reaper: asyncio.TimerHandle | None = None
+
+    async def start(self, host: str, port: int, backlog: int = 2048) -> int:
+        """Listen; returns the port (useful with port 0)."""
+        self._server = await self.loop.create_server(
+            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True
+        )
+        self._reap()
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def _reap(self) -> None:
+        """Close keep-alive connections idle for too long (one timer for all)."""
+        now = self.loop.time()
+        for conn in [c for c in self.connections if c.idle_for(now) > self.keepalive_s]:
+            conn.close()
+        self._reaper = self.loop.call_later(min(self.keepalive_s, 5.0), self._reap)
+
+    async def close(self) -> None:
+        """Stop listening and close every connection; handlers still running are cancelled."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.close()
+        if self._server is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
