@@ -7,6 +7,8 @@ Setups, all in front of the same two engine simulators (`--sim-profile zero`: no
 time, so what is measured is the HTTP path):
   ceiling  the load generator against a canned-answer server: its own limit
   direct   straight to the decode engine (it prefills locally, like vLLM without KV params)
+  relay    the router's HTTP front, upstream client and protocol doing the two requests
+           and nothing else: the most any router can reach on this machine
   router   pdcluster-router in front of 1 prefill + 1 decode
   mooncake python -m mooncake.vllm_v1_proxy_server in front of the same two (needs the
            `bench` extra: fastapi, uvicorn). It waits for the prefill answer before it
@@ -303,11 +305,72 @@ async def canned(port: int) -> None:
         await server.serve_forever()
 
 
+# ---------------------------------------------------------------------------- bare relay
+async def relay(port: int, prefill: str, bootstrap: str, decode: str) -> None:
+    """The router's own HTTP front, upstream client and connector protocol doing the
+    prefill and decode requests and nothing else: no checks, policy, admission, metrics
+    or timeouts. What is left is the transport, so its req/s bounds any router here."""
+    import aiohttp
+
+    from pdcluster.router import openai
+    from pdcluster.router.http import HttpServer, Request, Response, Stream
+    from pdcluster.router.protocol import BootstrapError, MooncakeProtocol
+    from pdcluster.router.upstream import Origin, UpstreamPool
+
+    protocol, pool = MooncakeProtocol(), UpstreamPool()
+    async with aiohttp.ClientSession() as session:
+        for _ in range(300):  # the prefill engine starts alongside
+            with contextlib.suppress(BootstrapError):
+                engine = (await protocol.query(session, bootstrap))[0]
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError(f"no engine at {bootstrap}")
+    p_origin, d_origin = Origin.parse(prefill), Origin.parse(decode)
+    headers = b"Content-Type: application/json\r\n"
+
+    async def handle(request: Request) -> Response | Stream:
+        body = json.loads(request.body)
+        transfer_id = f"xfer-{random.getrandbits(128):032x}"
+        prefill_body = json.dumps(protocol.prefill_body(body, transfer_id)).encode()
+        decode_body = json.dumps(protocol.decode_body(body, transfer_id, engine)).encode()
+        path = request.path.encode()
+        decode_task = asyncio.create_task(pool.request(d_origin, b"POST", path, headers, decode_body))
+        prefill_headers = headers + b"X-data-parallel-rank: 0\r\n"
+        answer = await pool.request(p_origin, b"POST", path, prefill_headers, prefill_body)
+        await answer.read()
+        answer.close()
+        answer = await decode_task
+        try:
+            if not body.get("stream"):
+                return Response(answer.status, await answer.read(), "application/json")
+            stream = request.stream(200, [("Content-Type", "text/event-stream")])
+            async for chunk in answer.iter_chunks():
+                await stream.write(chunk)
+            await stream.write_eof()
+            return stream
+        finally:
+            answer.close()
+
+    server = HttpServer(handle, openai.error_body, 64 * 1024 * 1024)
+    await server.start("127.0.0.1", port)
+    await asyncio.Event().wait()
+
+
 # ---------------------------------------------------------------------------- orchestration
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
 
 
 def _wait_http(url: str, timeout: float = 30.0) -> None:
@@ -397,8 +460,8 @@ def _fmt(value: float, digits: int = 1) -> str:
 def orchestrate(args: argparse.Namespace) -> None:
     logdir = Path(tempfile.mkdtemp(prefix="router-bench-"))
     procs = _Procs(logdir)
-    names = ("prefill", "bootstrap", "decode", "router", "mooncake", "canned", "rt-prefill", "rt-bootstrap",
-             "rt-decode", "rt-router")  # fmt: skip
+    names = ("prefill", "bootstrap", "decode", "router", "relay", "mooncake", "canned", "rt-prefill",
+             "rt-bootstrap", "rt-decode", "rt-router")  # fmt: skip
     ports = {name: _free_port() for name in names}
     kv = '{"kv_connector":"MooncakeConnector","kv_role":"%s"}'
     sim = [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1", "--sim-profile", "zero"]
@@ -430,6 +493,12 @@ def orchestrate(args: argparse.Namespace) -> None:
         # A second pair at real time for per-token latency: zero-latency engines emit a
         # stream's tokens in one burst, which measures relay throughput, not latency.
         pd_with_router("rt-", [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1"])
+        procs.start(
+            "relay",
+            [sys.executable, __file__, "_relay", "--port", str(ports["relay"]),
+             "--prefill", f"http://127.0.0.1:{ports['prefill']}", "--decode", f"http://127.0.0.1:{ports['decode']}",
+             "--bootstrap", f"http://127.0.0.1:{ports['bootstrap']}"],
+        )  # fmt: skip
         have_mooncake = _mooncake_proxy_available()
         if have_mooncake:
             procs.start(
@@ -445,10 +514,11 @@ def orchestrate(args: argparse.Namespace) -> None:
         _wait_http(f"http://127.0.0.1:{ports['decode']}/health")
         _wait_http(f"http://127.0.0.1:{ports['router']}/ready")
         _wait_http(f"http://127.0.0.1:{ports['rt-router']}/ready")
+        _wait_port(ports["relay"])
         if have_mooncake:
             _wait_http(f"http://127.0.0.1:{ports['mooncake']}/healthcheck")
 
-        setups = [("ceiling", "canned"), ("direct", "decode"), ("router", "router")]
+        setups = [("ceiling", "canned"), ("direct", "decode"), ("relay", "relay"), ("router", "router")]
         if have_mooncake:
             setups.append(("mooncake", "mooncake"))
         # Rounds interleave the setups; each setup keeps its best round, which damps
@@ -491,7 +561,7 @@ def _print_throughput(
         for setup, _ in setups:
             r = results[(workload, setup)]
             cpu = r["cpu_us"]
-            proxy = {"router": cpu["router"], "mooncake": cpu.get("mooncake", math.nan)}.get(setup, math.nan)
+            proxy = cpu.get(setup, math.nan) if setup in ("router", "relay", "mooncake") else math.nan
             engines = (cpu["prefill"], cpu["decode"]) if setup != "ceiling" else (math.nan, math.nan)
             print(
                 f"{workload:9s} {setup:9s} {r['rps']:7.0f} {_fmt(r['p50_ms']):>7s} {_fmt(r['p99_ms']):>7s} "
@@ -502,7 +572,11 @@ def _print_throughput(
     print()
     for workload in WORKLOADS:
         router, direct = results[(workload, "router")], results[(workload, "direct")]
-        line = f"{workload}: router {router['rps'] / direct['rps']:.0%} of direct req/s"
+        bare = results[(workload, "relay")]
+        line = (
+            f"{workload}: router {router['rps'] / direct['rps']:.0%} of direct req/s "
+            f"(bare relay {bare['rps'] / direct['rps']:.0%})"
+        )
         mooncake = results.get((workload, "mooncake"))
         if have_mooncake and mooncake and mooncake["rps"]:
             line += (
@@ -575,6 +649,10 @@ def main() -> None:
     lg.add_argument("--stamps", action="store_true")
     cn = sub.add_parser("_canned")
     cn.add_argument("--port", type=int, required=True)
+    rl = sub.add_parser("_relay")
+    for flag in ("--prefill", "--bootstrap", "--decode"):
+        rl.add_argument(flag, required=True)
+    rl.add_argument("--port", type=int, required=True)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--warmup", type=float, default=2.0)
@@ -591,6 +669,8 @@ def main() -> None:
         print(json.dumps(run(loadgen(args))))
     elif args.command == "_canned":
         run(canned(args.port))
+    elif args.command == "_relay":
+        run(relay(args.port, args.prefill, args.bootstrap, args.decode))
     else:
         orchestrate(args)
 

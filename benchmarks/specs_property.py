@@ -115,6 +115,7 @@ async def run(args: argparse.Namespace) -> int:
             outcomes.append(outcome)
             if outcome.problems:
                 broken.append((doc, outcome.problems))
+                print(f"  broken: {doc['metadata']['name']}: {outcome.problems}", flush=True)
             if len(outcomes) % 500 == 0:
                 operator_failures.extend(op.failures())
                 rate = len(outcomes) / (time.monotonic() - started)

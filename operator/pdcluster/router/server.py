@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
+import random
 import re
 import time
 from dataclasses import dataclass
@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 DEFAULT_OUTPUT_TOKENS = 256
 COOLDOWN_S = 2.0
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# Request and transfer ids need only be unique: a generator seeded from os.urandom
+# costs no system call per id.
+_ids = random.Random()
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _SSE_HEADERS = [("Content-Type", "text/event-stream; charset=utf-8"), ("Cache-Control", "no-cache")]
 _JSON = "application/json"
@@ -220,8 +223,10 @@ class Router:
         self.policy.record(prefill.id, hashes)
 
         header_id = request.headers.get("x-request-id")
-        request_id = header_id if header_id and _REQUEST_ID.fullmatch(header_id) else os.urandom(16).hex()
-        transfer_id = f"xfer-{os.urandom(16).hex()}"
+        request_id = (
+            header_id if header_id and _REQUEST_ID.fullmatch(header_id) else f"{_ids.getrandbits(128):032x}"
+        )
+        transfer_id = f"xfer-{_ids.getrandbits(128):032x}"
         kv_tokens = prompt_tokens + (openai.max_tokens_of(body, chat) or DEFAULT_OUTPUT_TOKENS)
         self.metrics.prompt_tokens.inc(prompt_tokens)
 
