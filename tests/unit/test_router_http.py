@@ -164,8 +164,11 @@ async def test_a_body_over_the_limit_reaches_the_handler_marked_and_the_connecti
         (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n", 400),
         (b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n", 400),
         (b"GET / HTTP/1.1\r\nX-Big: " + b"y" * (http.MAX_HEAD_BYTES + 1) + b"\r\n\r\n", 431),
+        (b"GET /" + b"u" * (http.MAX_HEAD_BYTES + 1) + b" HTTP/1.1\r\n\r\n", 431),
+        # A head that never ends is refused once it passes the limit, not at its end.
+        (b"GET / HTTP/1.1\r\n" + b"X-Many: y\r\n" * (http.MAX_HEAD_BYTES // 4), 431),
     ],
-    ids=["garbage", "bad-length", "upgrade", "huge-head"],
+    ids=["garbage", "bad-length", "upgrade", "huge-head", "huge-url", "endless-head"],
 )
 async def test_bad_requests_get_a_json_error_and_a_hang_up(
     server: tuple[HttpServer, App, int], raw: bytes, status: int

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
 KEEPALIVE_S = 75.0  # aiohttp's and nginx's default
+LINGER_S = 2.0  # after a refusal, how long the client's remaining input is read and dropped
 _MAX_QUEUED = 8  # pipelined requests buffered before reading pauses
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -220,6 +221,8 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return  # refused: dropped until the lingering close
         self._last_active = self.server.loop.time()
         try:
             self._parser.feed_data(data)
@@ -229,35 +232,45 @@ class _Connection(asyncio.Protocol):
             self._refuse(400, f"malformed HTTP request: {e}")
 
     def _refuse(self, status: int, message: str) -> None:
-        """Answer a request that cannot be parsed or taken, and hang up."""
+        """Answer a request that cannot be parsed or taken, and hang up. Closing at once
+        with unread input sends a reset, which some client stacks act on before they read
+        the answer, so input is read and dropped for a moment first (a lingering close)."""
         if self.closed:
             return
+        self.closed = True
         body = self.server.error_body(status, message)
         head = _head(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], True)
         self.transport.write(bytes(head) + b"\r\n" + body)
-        self.transport.close()
-        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+        self.transport.write_eof()
+        self.server.loop.call_later(LINGER_S, self.transport.close)
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
         self._new_message()
 
+    def _head_fits(self, size: int) -> bool:
+        self._head_bytes += size
+        if self._head_bytes <= MAX_HEAD_BYTES:
+            return True
+        self._refuse(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+        return False
+
     def on_url(self, url: bytes) -> None:
-        self._url += url
-        self._head_bytes += len(url)
+        if self._head_fits(len(url)):
+            self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value)
-        if self._head_bytes > MAX_HEAD_BYTES:
-            return  # refused at the end of the head
+        if not self._head_fits(len(name) + len(value)):
+            return
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         previous = self._headers.get(key)
         self._headers[key] = text if previous is None else f"{previous}, {text}"
 
     def on_headers_complete(self) -> None:
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._refuse(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+        if self.closed:
             return
         length = self._headers.get("content-length", "")
         if length.isdigit() and int(length) > self.server.max_body:
