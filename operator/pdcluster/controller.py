@@ -43,6 +43,7 @@ class Worker:
         self.body = body
         self.wakeup = asyncio.Event()
         self.wakeup.set()
+        self.uid = body["metadata"].get("uid")
         self.task = asyncio.create_task(self._loop(), name=f"reconcile {key[0]}/{key[1]}")
 
     async def _loop(self) -> None:
@@ -77,6 +78,10 @@ class Controller:
         self.elector = elector
         self.workers: dict[tuple[str, str], Worker] = {}
 
+    # kopf handles each object's events in order, but objects (uids) concurrently: when a
+    # PDCluster is deleted and created again under its name, the old one's last events
+    # may be handled after the new one's first. Workers are keyed by name (their
+    # children are), so the uid decides which object an event may act for.
     def observe(self, body: dict[str, Any]) -> None:
         """The PDCluster as the watch delivered it (created, changed, or listed again)."""
         meta = body["metadata"]
@@ -86,15 +91,21 @@ class Controller:
         if worker is None or worker.task.done():
             self.workers[key] = Worker(self, key, body)
             return
-        if worker.body.get("metadata", {}).get("uid") != meta.get("uid"):
+        if worker.uid != meta.get("uid"):
+            if meta.get("deletionTimestamp"):
+                return  # a late event of the object this name had before
             worker.task.cancel()  # deleted and recreated under the same name
             self.workers[key] = Worker(self, key, body)
             return
         worker.body = body
         worker.wakeup.set()
 
-    def forget(self, namespace: str, name: str) -> None:
-        worker = self.workers.pop((namespace, name), None)
+    def forget(self, namespace: str, name: str, uid: str | None) -> None:
+        """A PDCluster was deleted: stop its worker, unless the name has a new owner."""
+        worker = self.workers.get((namespace, name))
+        if worker is not None and uid is not None and worker.uid != uid:
+            return
+        self.workers.pop((namespace, name), None)
         if worker is not None:
             worker.task.cancel()
         metrics.forget(namespace, name)

@@ -59,7 +59,7 @@ def register(registry: kopf.OperatorRegistry, controller: Controller, config: Ku
     async def pdcluster_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
         meta = body["metadata"]
         if event.get("type") == "DELETED":
-            controller.forget(meta["namespace"], meta["name"])
+            controller.forget(meta["namespace"], meta["name"], meta.get("uid"))
         else:
             controller.observe(_plain(body))
 

@@ -1,10 +1,16 @@
 """A worker wakes at least every autoscaling interval: the control law's timers (a
 scale-down wanted for the stabilization window) assume it runs that often, and discard
-themselves after a longer gap."""
+themselves after a longer gap. And one worker per name follows the object that holds the
+name now."""
 
 from __future__ import annotations
 
-from pdcluster.controller import wake_after
+import asyncio
+
+import pytest
+
+from pdcluster import controller as controller_module
+from pdcluster.controller import Controller, wake_after
 
 
 def auto(**fields: object) -> dict:
@@ -20,3 +26,45 @@ def test_autoscaling_interval_when_shorter() -> None:
     assert wake_after(auto(enabled=True, intervalSeconds=10), 30.0) == 10.0
     assert wake_after(auto(enabled=True, intervalSeconds=60), 30.0) == 30.0
     assert wake_after(auto(enabled=True), 30.0) == 30.0
+
+
+# ---------------------------------------------------------------------- same name, new object
+class _Status:
+    def wire(self) -> dict:
+        return {}
+
+
+def body(uid: str, deleting: bool = False) -> dict:
+    meta = {"namespace": "ns", "name": "pd", "uid": uid}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {}}
+
+
+async def test_a_recreated_pdcluster_keeps_its_worker_when_the_old_ones_events_come_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kopf handles objects (uids) concurrently, so the deleted object's last events can
+    follow its successor's first: they must not stop the successor's reconciles."""
+    reconciled: list[str] = []
+
+    async def fake_reconcile(context: object, body: dict) -> _Status:
+        reconciled.append(body["metadata"]["uid"])
+        return _Status()
+
+    monkeypatch.setattr(controller_module, "reconcile", fake_reconcile)
+    controller = Controller(context=None, resync=3600)  # type: ignore[arg-type]
+    controller.observe(body("old"))
+    controller.observe(body("new"))  # recreated under the same name
+    controller.observe(body("old", deleting=True))  # the old one's late update
+    controller.forget("ns", "pd", "old")  # and its late DELETED
+    worker = controller.workers[("ns", "pd")]
+    assert worker.uid == "new" and not worker.task.done()
+    await asyncio.sleep(controller_module.DEBOUNCE_SECONDS + 0.1)
+    assert reconciled == ["new"]
+
+    controller.forget("ns", "pd", "new")
+    assert ("ns", "pd") not in controller.workers
+    await asyncio.wait_for(asyncio.gather(worker.task, return_exceptions=True), 5)
+    assert worker.task.cancelled()
+    await controller.close()
