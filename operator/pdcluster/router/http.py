@@ -143,7 +143,6 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "_body",
         "_drain",
-        "_expect_continue",
         "_head_bytes",
         "_headers",
         "_last_active",
@@ -178,7 +177,6 @@ class _Connection(asyncio.Protocol):
         self._body = bytearray()
         self._head_bytes = 0
         self._too_large = False
-        self._expect_continue = False
 
     # ------------------------------------------------------------------ transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
