@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "e2e"), str(REPO / "e2e" / "local")]
 
-from harness import install_crd, make_sim_cluster, settled, start_operator  # noqa: E402
+from harness import install_crd, make_sim_cluster, rss_mib, settled, start_operator, stop_on_sigterm  # noqa: E402
 
 from localcluster import State, load_state  # noqa: E402
 from pdcluster import constants as C  # noqa: E402
@@ -110,11 +109,7 @@ async def router_pod(kube: Kube) -> dict[str, Any]:
 def router_rss_mib(state: State, pod: dict[str, Any]) -> float:
     """RSS of the router container's process (the pod runner records its pid)."""
     pid_file = Path(state.run_dir) / "pods" / f"{NAMESPACE}_{pod['metadata']['name']}" / "router.pid"
-    pid = json.loads(pid_file.read_text())[0]
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return rss_mib(json.loads(pid_file.read_text())[0])
 
 
 async def client(url: str, samples: list[Sample], started: float, stop: asyncio.Event, seed: int) -> None:
@@ -248,12 +243,8 @@ async def soak(args: argparse.Namespace, state: State, kube: Kube, op: Any) -> i
     return 1 if errors or failures or router_restarts else 0
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt  # so that `finally` stops the operator on SIGTERM too
-
-
 def main() -> None:
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=int, default=10)
     p.add_argument("--concurrency", type=int, default=32, help="closed-loop clients")

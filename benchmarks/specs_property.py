@@ -20,7 +20,6 @@ import asyncio
 import itertools
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "e2e"), str(REPO / "e2e" / "local")]
 
-from harness import install_crd, start_operator  # noqa: E402
+from harness import install_crd, rss_mib, start_operator, stop_on_sigterm  # noqa: E402
 from specgen import Outcome, check_spec, pdcluster, shape_name  # noqa: E402
 
 from localcluster import load_state  # noqa: E402
@@ -72,13 +71,6 @@ def where(message: str) -> str:
     """The first field path an apiserver message names, indices folded."""
     m = _FIELD.search(message)
     return re.sub(r"\[[^\]]*\]", "[]", m.group(1)) if m else message[:80]
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -195,12 +187,8 @@ def report(
         print(f"  {line[:300]}")
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt  # so that `finally` stops the operator on SIGTERM too
-
-
 def main() -> None:
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, default=10_000)
     p.add_argument("--concurrency", type=int, default=24, help="specs in flight at once")

@@ -96,6 +96,27 @@ class OperatorProcess:
         return [line for line in new.splitlines() if _FAILURE.search(line)]
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process (NaN once it has exited)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return float("nan")
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt, so a benchmark's `finally` stops what it started."""
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def start_operator(kubeconfig: str, namespace: str, log_path: Path, *extra: str) -> OperatorProcess:
     """`pdcluster-operator` as a real process watching one namespace, without leader
     election, resyncing every 5 s; its output is appended to `log_path`."""
