@@ -238,7 +238,7 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         body = self.server.error_body(status, message)
         head = _head(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], True)
-        self.transport.write(bytes(head) + b"\r\n" + body)
+        self.transport.write(head + b"\r\n" + body)
         if self._task is not None:
             self._task.cancel()
         self.transport.write_eof()
@@ -318,7 +318,7 @@ class _Connection(asyncio.Protocol):
         if not chunked:
             request.keep_alive = False  # the end of the answer is the end of the connection
         if not self.closed:
-            self.transport.write(bytes(head))
+            self.transport.write(head)
         return Stream(self, chunked)
 
     def _respond(self, request: Request, response: Response) -> None:
@@ -327,7 +327,7 @@ class _Connection(asyncio.Protocol):
         head += b"Content-Length: %d\r\n\r\n" % len(body)
         if request.method != "HEAD":
             head += body
-        self.transport.write(bytes(head))
+        self.transport.write(head)
 
     async def _serve(self, request: Request) -> None:
         server = self.server
