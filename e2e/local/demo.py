@@ -2,7 +2,8 @@
 """`make demo`: a PD cluster on the local control plane, driven by a real trace.
 
     up     start the local cluster `demo`, install the operator from the Helm chart,
-           apply examples/pdcluster-sim.yaml, replay a slice of a public trace through
+           apply examples/pdcluster-sim.yaml (`--engine vllm`: examples/pdcluster-vllm-cpu.yaml,
+           real vLLM on CPU with a tiny model), replay a slice of a public trace through
            the router and show replicas, latency against the SLO and every scaling
            decision live; the cluster stays up afterwards
     watch  the replay and the live view only, against a cluster set up elsewhere
@@ -11,7 +12,8 @@
 
 Requests are the trace's: its arrival times (sped up per phase, --phases), prompt
 lengths, prefix blocks (token ids derived from the trace's 512-token block hashes, so
-shared prefixes stay shared) and output lengths (max_tokens with ignore_eos). Without a
+shared prefixes stay shared) and output lengths (max_tokens with ignore_eos); for the
+tiny model of real vLLM, lengths are scaled down to fit its 512-token context. Without a
 terminal (CI) the view is plain lines: a status line every 10 s with the latest
 decision's reason, and a line for each scaling decision.
 """
@@ -61,12 +63,29 @@ NAMESPACE = "demo"
 OPERATOR_NAMESPACE = "pdcluster-system"
 RELEASE = "pdcluster-operator"
 CHART = REPO / "charts" / "pdcluster-operator"
-EXAMPLE = REPO / "examples" / "pdcluster-sim.yaml"
 VOCABULARY = 128_000  # Llama 3's vocabulary size: token ids stay plausible
-# Calm, a surge the single prefill engine cannot serve, calm again: long enough for the
-# autoscaler (10 s interval, 30 s window, 60 s scale-down stabilization in the example)
-# to scale up and back down.
-DEFAULT_PHASES = "60:1,150:3,150:0.7"
+
+
+@dataclass(frozen=True)
+class Engine:
+    example: Path
+    vocabulary: int
+    phases: str
+    length_divisor: int = 1  # prompt lengths / this, so they fit the model's context
+    max_output: int | None = None
+
+
+ENGINES = {
+    # Calm, a surge the single prefill engine cannot serve, calm again: long enough for the
+    # autoscaler (10 s interval, 30 s window, 60 s scale-down stabilization in the example)
+    # to scale up and back down.
+    "sim": Engine(REPO / "examples" / "pdcluster-sim.yaml", VOCABULARY, "60:1,150:3,150:0.7"),
+    # Real vLLM on two cores: one prefill and one decode engine of a 2048-token vocabulary
+    # and a 512-token context, and a two-minute replay (the trace's prompts are 12k
+    # tokens on average: divided by 64, they fit with their prefixes still shared).
+    "vllm": Engine(REPO / "examples" / "pdcluster-vllm-cpu.yaml", 2048, "40:1,40:2,40:1",
+                   length_divisor=64, max_output=32),
+}
 QUANTILE = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
 
 
@@ -116,21 +135,37 @@ def parse_phases(text: str) -> list[tuple[float, float]]:
     return phases
 
 
-def _block(seed: int, length: int) -> list[int]:
+def _block(seed: int, length: int, vocabulary: int) -> list[int]:
     """`length` token ids determined by `seed` (a multiplicative hash, cheap and spread)."""
-    return [1 + (seed * 2654435761 + k * 40503) % (VOCABULARY - 1) for k in range(length)]
+    return [1 + (seed * 2654435761 + k * 40503) % (vocabulary - 1) for k in range(length)]
 
 
-def prompt_ids(request: Request, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
-    """Token ids whose 512-token blocks repeat exactly where the trace's block hashes do."""
+def prompt_ids(
+    request: Request, block_tokens: int = MOONCAKE_BLOCK_TOKENS, vocabulary: int = VOCABULARY
+) -> list[int]:
+    """Token ids whose blocks repeat exactly where the trace's block hashes do."""
     ids: list[int] = []
     for h in request.blocks:
         if len(ids) >= request.input_tokens:
             break
-        ids += _block(h, min(block_tokens, request.input_tokens - len(ids)))
+        ids += _block(h, min(block_tokens, request.input_tokens - len(ids)), vocabulary)
     if len(ids) < request.input_tokens:
-        ids += _block(request.salt + (1 << 48), request.input_tokens - len(ids))
+        ids += _block(request.salt + (1 << 48), request.input_tokens - len(ids), vocabulary)
     return ids
+
+
+def fit(requests: list[Request], engine: Engine, max_model_len: int | None) -> list[Request]:
+    """The trace's requests scaled to an engine with a short context: prompt lengths
+    divided (the block structure with them) and outputs capped, within the context."""
+    if engine.length_divisor == 1 and engine.max_output is None:
+        return requests
+    out = []
+    for r in requests:
+        output = min(r.output_tokens, engine.max_output or r.output_tokens)
+        room = (max_model_len or 1 << 30) - output
+        out.append(Request(r.at_s, max(1, min(room, r.input_tokens // engine.length_divisor)), output,
+                           r.blocks, r.salt))
+    return out
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -160,10 +195,12 @@ class Outcomes:
         return self.ok + self.rejected + self.failed
 
 
-async def send(session: aiohttp.ClientSession, url: str, model: str, request: Request, out: Outcomes) -> None:
+async def send(
+    session: aiohttp.ClientSession, url: str, model: str, request: Request, out: Outcomes, engine: Engine
+) -> None:
     body = {
         "model": model,
-        "prompt": prompt_ids(request),
+        "prompt": prompt_ids(request, MOONCAKE_BLOCK_TOKENS // engine.length_divisor, engine.vocabulary),
         "max_tokens": request.output_tokens,
         "ignore_eos": True,  # the trace's output length, not the simulator's EOS draw
         "stream": True,
@@ -198,7 +235,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, request: Re
         out.itl_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
 
 
-async def replay(url: str, model: str, requests: list[Request], out: Outcomes) -> None:
+async def replay(url: str, model: str, requests: list[Request], out: Outcomes, engine: Engine) -> None:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         started = time.monotonic()
@@ -208,7 +245,7 @@ async def replay(url: str, model: str, requests: list[Request], out: Outcomes) -
             if delay > 0:
                 await asyncio.sleep(delay)
             out.sent += 1
-            tasks.append(asyncio.create_task(send(session, url, model, request, out)))
+            tasks.append(asyncio.create_task(send(session, url, model, request, out, engine)))
         await asyncio.gather(*tasks)
 
 
@@ -495,10 +532,13 @@ class Target:
 async def run_and_watch(
     console: Console, target: Target, args: argparse.Namespace
 ) -> tuple[Outcomes, Observer, float]:
-    doc = yaml.safe_load(EXAMPLE.read_text())
+    engine = ENGINES[args.engine]
+    doc = yaml.safe_load(engine.example.read_text())
     spec = doc["spec"]
     trace_path = Path(args.trace) if "/" in args.trace else perf.traces_dir() / args.trace
-    requests = workload(load_trace(trace_path), args.start_minute * 60, args.phases)
+    phases = args.phases or parse_phases(engine.phases)
+    requests = workload(load_trace(trace_path), args.start_minute * 60, phases)
+    requests = fit(requests, engine, spec["model"].get("maxModelLen"))
     slo = {"quantile": "p90", "ttftMs": 2000, "itlMs": 25, **spec["autoscaling"].get("slo", {})}
     window_s = int(spec["autoscaling"].get("windowSeconds", 30))
     out = Outcomes()
@@ -511,16 +551,16 @@ async def run_and_watch(
         observer = Observer(
             kube, target.prometheus_url, target.namespace, target.name, QUANTILE[slo["quantile"]], window_s
         )
-        phases = ", ".join(f"{s:g} s at {v:g}x" for s, v in args.phases)
+        described = ", ".join(f"{s:g} s at {v:g}x" for s, v in phases)
         title = (
             f"PDCluster {target.namespace}/{target.name}: {trace_path.name} from minute {args.start_minute:g}, "
-            f"{phases}: {len(requests)} requests via {url}"
+            f"{described}: {len(requests)} requests via {url}"
         )
         step(console, title)
         started = time.monotonic()
         try:
             with View(console, title, slo, len(requests), args.plain) as view:
-                replay_task = asyncio.create_task(replay(url, model, requests, out))
+                replay_task = asyncio.create_task(replay(url, model, requests, out, engine))
                 cooldown_until = None
                 while True:
                     with contextlib.suppress(ApiError, aiohttp.ClientError, TimeoutError):
@@ -591,8 +631,13 @@ def up(args: argparse.Namespace) -> int:
         raise SystemExit(f"demo: {e}") from None
     # The pod runner passes this on to the engine simulators (their latency profiles).
     os.environ["PDCLUSTER_TRACES"] = str(traces)
-    step(console, f"local cluster {args.cluster!r} (e2e/local/cluster up --name {args.cluster})")
-    state = cluster.up(args.cluster)
+    vllm = args.engine == "vllm"
+    if vllm:
+        step(console, "real-vLLM runtime (e2e/local/vllm/build.sh: minutes the first time)")
+        subprocess.run([str(HERE / "vllm" / "build.sh")], check=True, stdout=subprocess.DEVNULL)
+    flag = " --vllm" if vllm else ""
+    step(console, f"local cluster {args.cluster!r} (e2e/local/cluster up --name {args.cluster}{flag})")
+    state = cluster.up(args.cluster, vllm=vllm)
     step(
         console, f"operator from the Helm chart into {OPERATOR_NAMESPACE} (Prometheus {state.prometheus_url})"
     )
@@ -611,14 +656,16 @@ def up(args: argparse.Namespace) -> int:
         "--set",
         f"prometheusUrl={state.prometheus_url}",
     )
-    doc = yaml.safe_load(EXAMPLE.read_text())
+    example = ENGINES[args.engine].example
+    doc = yaml.safe_load(example.read_text())
 
     async def prepare() -> None:
         async with Kube(KubeConfig.from_file(state.kubeconfig)) as kube:
             await crd_established(kube)
-            step(console, f"PDCluster from {EXAMPLE.relative_to(REPO)} into namespace {NAMESPACE}")
+            step(console, f"PDCluster from {example.relative_to(REPO)} into namespace {NAMESPACE}")
             await fresh_pdcluster(kube, console, doc)
-            await wait_ready(kube, console, NAMESPACE, doc["metadata"]["name"])
+            # Real vLLM engines take a minute or two to start on two cores.
+            await wait_ready(kube, console, NAMESPACE, doc["metadata"]["name"], timeout=900 if vllm else 300)
 
     asyncio.run(prepare())
     console.print(f"    set up in {time.monotonic() - started:.0f} s")
@@ -641,7 +688,8 @@ def up(args: argparse.Namespace) -> int:
 
 def watch(args: argparse.Namespace) -> int:
     console = make_console()
-    target = Target(args.kubeconfig, args.prometheus_url, args.router_url, args.namespace, args.pdcluster)
+    name = args.pdcluster or yaml.safe_load(ENGINES[args.engine].example.read_text())["metadata"]["name"]
+    target = Target(args.kubeconfig, args.prometheus_url, args.router_url, args.namespace, name)
     out, observer, seconds = asyncio.run(run_and_watch(console, target, args))
     summary(console, out, observer, seconds)
     return 0 if out.ok else 1
@@ -671,8 +719,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     replay_opts.add_argument(
         "--phases",
         type=parse_phases,
-        default=DEFAULT_PHASES,
-        help="replay phases SECONDS:SPEED,... (default %(default)s: calm, surge, calm)",
+        help=f"replay phases SECONDS:SPEED,... (default: {ENGINES['sim'].phases} for the simulator, "
+        f"{ENGINES['vllm'].phases} for vLLM: calm, surge, calm)",
+    )
+    replay_opts.add_argument(
+        "--engine", choices=sorted(ENGINES), default="sim",
+        help="engine simulators (default) or real vLLM on CPU",
     )
     replay_opts.add_argument(
         "--cooldown", type=float, default=30.0, help="after the replay, keep watching this long (seconds)"
@@ -687,7 +739,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--prometheus-url", required=True)
     w.add_argument("--router-url", required=True, help="the router, e.g. through kubectl port-forward")
     w.add_argument("--namespace", default=NAMESPACE)
-    w.add_argument("--pdcluster", default=yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"])
+    w.add_argument("--pdcluster", help="PDCluster name (default: the engine's example's)")
     args = p.parse_args(argv)
     if args.command is None:
         args = p.parse_args(["up", *(argv if argv is not None else sys.argv[1:])])

@@ -5,6 +5,7 @@ benchmarks/specs_property.py). Plain functions, no pytest."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import os
 import re
@@ -261,14 +262,16 @@ async def stream_completion(
 
 
 class StreamLoad:
-    """`concurrency` clients sending streamed completions back to back until stop().
-    Request ids carry a sequence number, so engines' request records (the simulator's
-    --sim-record) tell which client request reached which engine."""
+    """`concurrency` clients sending streamed completions until stop(), each `pause_s`
+    after its last one ended (0: back to back). Request ids carry a sequence number, so
+    engines' request records (the simulator's --sim-record) tell which client request
+    reached which engine."""
 
-    def __init__(self, url: str, concurrency: int, max_tokens: int):
+    def __init__(self, url: str, concurrency: int, max_tokens: int, pause_s: float = 0.0):
         self.url = url
         self.concurrency = concurrency
         self.max_tokens = max_tokens
+        self.pause_s = pause_s
         self.outcomes: list[Outcome] = []
         self.sent_at: dict[str, float] = {}
         self._stop = asyncio.Event()
@@ -291,6 +294,9 @@ class StreamLoad:
             request_id = f"load-{self._seq}"
             self.sent_at[request_id] = time.monotonic()
             self.outcomes.append(await stream_completion(self._http, self.url, request_id, self.max_tokens))
+            if self.pause_s:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.pause_s)
 
     async def stop(self) -> list[Outcome]:
         """Stop sending and wait for the requests in flight."""

@@ -120,7 +120,10 @@ async def test_streamed_completion_token_ids_prompt(http: aiohttp.ClientSession)
     events = sse_events(raw)
     assert status == 200 and len(events) == 4
     assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, None, "length"]
-    assert all(e["kv_transfer_params"] is None for e in events)
+    # vLLM 0.32.0's chunks carry no kv_transfer_params; the last one names the engine.
+    assert not any("kv_transfer_params" in e for e in events)
+    assert events[-1]["system_fingerprint"].startswith("vllm-0.32.0-")
+    assert not any("system_fingerprint" in e for e in events[:-1])
     # Same prompt and seed, same text streamed or not.
     assert "".join(e["choices"][0]["text"] for e in events) == body["choices"][0]["text"]
     assert status2 == 200 and body["usage"]["prompt_tokens"] == 100

@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--gpu-product", default=defaults.gpu_product)
     up.add_argument("--cpu-nodes", type=int, default=defaults.cpu_nodes)
     up.add_argument("--scrape-interval", default="2s", help="Prometheus scrape interval (default: %(default)s)")
+    up.add_argument("--vllm", action="store_true", help="run pods of vLLM's image on the real-vLLM runtime")
 
     sub.add_parser("down", parents=[common], help="stop everything and remove the run directory")
     st = sub.add_parser("status", parents=[common], help="components, addresses and nodes")
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_nodes=args.gpu_nodes, gpus_per_node=args.gpus_per_node, rdma_resource=args.rdma_resource,
             rdma_per_node=args.rdma_per_node, gpu_product=args.gpu_product, cpu_nodes=args.cpu_nodes,
         )
-        state = cluster.up(args.name, pool, scrape_interval=args.scrape_interval)
+        state = cluster.up(args.name, pool, scrape_interval=args.scrape_interval, vllm=args.vllm)
         print(f"kubeconfig: {state.kubeconfig}\nprometheus: {state.prometheus_url}\nrun dir:    {state.run_dir}")
     elif args.command == "down":
         if not cluster.down(args.name):

@@ -162,8 +162,11 @@ def _free_slot() -> int:
     raise RuntimeError(f"{nodes.MAX_SLOTS} local clusters are already running; stop one first")
 
 
-def up(name: str, pool: nodes.NodePool | None = None, *, scrape_interval: str = "2s", log: Log = _stderr) -> State:
-    """Starts the cluster, or reuses it when it is already up and healthy."""
+def up(name: str, pool: nodes.NodePool | None = None, *, scrape_interval: str = "2s", vllm: bool = False,
+       log: Log = _stderr) -> State:
+    """Starts the cluster, or reuses it when it is already up and healthy. With `vllm`, the
+    pod runner runs pods of vLLM's image on the real-vLLM runtime (podrunner/vllm.py);
+    without, they wait with ImageNotRunnableLocally, as anything else it cannot run."""
     pool = pool or nodes.NodePool()
     if os.geteuid() != 0:
         raise PermissionError("the local cluster runs as root: pods get private mount namespaces "
@@ -179,7 +182,7 @@ def up(name: str, pool: nodes.NodePool | None = None, *, scrape_interval: str = 
         if state is not None or paths.run_dir(name).exists():
             _down(name, log)
         try:
-            return _start(name, pool, scrape_interval, log)
+            return _start(name, pool, scrape_interval, vllm, log)
         except BaseException:
             # Stop what did start, but keep the logs for a look; the next `up` clears them.
             if (partial := load_state(name)) is not None:
@@ -188,7 +191,7 @@ def up(name: str, pool: nodes.NodePool | None = None, *, scrape_interval: str = 
             raise
 
 
-def _start(name: str, pool: nodes.NodePool, scrape_interval: str, log: Log) -> State:
+def _start(name: str, pool: nodes.NodePool, scrape_interval: str, vllm: bool, log: Log) -> State:
     t0 = time.monotonic()
 
     def step(message: str) -> None:
@@ -266,6 +269,7 @@ def _start(name: str, pool: nodes.NodePool, scrape_interval: str, log: Log) -> S
         sys.executable, "-m", "localcluster.podrunner", f"--run-dir={run}", f"--kubeconfig={admin}",
         f"--bind-shim={shim}", f"--venv-bin={Path(sys.executable).parent}",
         f"--apiserver=127.0.0.1:{ports['apiserver']}", f"--listen=127.0.0.1:{ports['podrunner']}",
+        *(["--vllm"] if vllm else []),
     ], env={**os.environ, "PYTHONPATH": str(paths.LOCAL_DIR), "PYTHONUNBUFFERED": "1"})
     runner_url = f"http://127.0.0.1:{ports['podrunner']}"
     prom_config = prometheus.config(targets_url=f"{runner_url}/targets", scrape_interval=scrape_interval)

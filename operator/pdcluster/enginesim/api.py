@@ -1,4 +1,6 @@
-"""The simulator's OpenAI-compatible HTTP server, shaped like vLLM 0.33's.
+"""The simulator's OpenAI-compatible HTTP server, shaped like vLLM 0.32.0's (the version
+the real-engine tests run, tests/e2e/test_vllm.py, which holds the shapes to it; 0.33
+speaks the same protocol).
 
 Responses follow vllm/entrypoints/openai/{completion,chat_completion}/serving.py: ids
 `cmpl-<X-Request-Id or random>` / `chatcmpl-...`, usage, finish_reason, streamed chunks
@@ -37,6 +39,7 @@ _WORDS = (
 )  # fmt: skip
 _WORDS_JSON = tuple(orjson.dumps(w) for w in _WORDS)
 _DONE = b"data: [DONE]\n\n"
+VLLM_VERSION = "0.32.0"  # the version whose answers these are
 
 
 def _json(status: int, payload: Any) -> web.Response:
@@ -82,6 +85,7 @@ class OpenAIServer:
         self._producer = config.has_connector and config.role in ("prefill", "both")
         self._consumer = config.has_connector and config.role in ("decode", "both")
         self._warned: set[str] = set()
+        self.fingerprint = system_fingerprint(config)
         self.recorded: deque[dict[str, Any]] = deque(maxlen=config.record or None)
 
     def app(self) -> web.Application:
@@ -261,7 +265,7 @@ class OpenAIServer:
         payload: dict[str, Any] = {"id": req.id, "created": req.created, "model": req.model}
         if req.chat:
             message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                       "function_call": None, "tool_calls": [], "reasoning": None}  # fmt: skip
+                       "function_call": None, "reasoning": None}  # fmt: skip
             payload["object"] = "chat.completion"
             payload["choices"] = [{"index": 0, "message": message, **end}]
         else:
@@ -269,7 +273,7 @@ class OpenAIServer:
             payload["choices"] = [{"index": 0, "text": text, **end, "prompt_logprobs": None}]
         payload |= {
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": self.fingerprint,
             "usage": req.usage() | {"prompt_tokens_details": None},
         }
         if req.chat:
@@ -285,13 +289,14 @@ class OpenAIServer:
         head = orjson.dumps({"id": req.id, "object": kind, "created": req.created, "model": req.model})[:-1]
         if req.chat:
             open_, close = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":', b"}"
-            tail = b',"logprobs":null,"finish_reason":%s%s}],"kv_transfer_params":null%s}\n\n'
+            tail = b',"logprobs":null,"finish_reason":%s%s}]%s}\n\n'
         else:
             open_, close = b"data: " + head + b',"choices":[{"index":0,"text":', b""
             tail = (
-                b',"logprobs":null,"finish_reason":%s%s,"prompt_token_ids":null,"token_ids":null,'
-                b'"weight_versions":null}],"kv_transfer_params":null%s}\n\n'
+                b',"logprobs":null,"finish_reason":%s%s,"prompt_token_ids":null,"token_ids":null}]%s}\n\n'
             )
+        # vLLM names itself in the last event before [DONE].
+        fingerprint = b',"system_fingerprint":' + orjson.dumps(self.fingerprint)
         not_final = b',"stop_reason":null' if not req.chat else b""
         sent = 0
         while True:
@@ -314,7 +319,7 @@ class OpenAIServer:
                 last = finished and i == len(words) - 1
                 if last:
                     reason = orjson.dumps(seq.finish_reason)
-                    end = tail % (reason, b',"stop_reason":null', stamp)
+                    end = tail % (reason, b',"stop_reason":null', stamp + (b"" if req.include_usage else fingerprint))
                 else:
                     end = running
                 out.append(open_ + _WORDS_JSON[word] + close + end)
@@ -322,7 +327,7 @@ class OpenAIServer:
             if finished:
                 if req.include_usage:
                     usage = {"id": req.id, "object": kind, "created": req.created, "model": req.model,
-                             "choices": [], "usage": req.usage()}  # fmt: skip
+                             "choices": [], "usage": req.usage(), "system_fingerprint": self.fingerprint}  # fmt: skip
                     out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
                 out.append(_DONE)
             if out:
@@ -331,6 +336,19 @@ class OpenAIServer:
                 break
         await response.write_eof()
         return response
+
+
+def system_fingerprint(config: SimConfig) -> str:
+    """As vLLM's default ("full") mode writes it (entrypoints/serve/utils/fingerprint.py):
+    version, parallel sizes above 1, and a hash of the engine's configuration."""
+    parts = [f"vllm-{VLLM_VERSION}"]
+    for prefix, size in (("tp", config.tensor_parallel_size), ("pp", config.pipeline_parallel_size),
+                         ("dp", config.data_parallel_size)):
+        if size > 1:
+            parts.append(f"{prefix}{size}")
+    described = f"{config.model}|{config.max_model_len}|{config.tensor_parallel_size}|{config.pipeline_parallel_size}"
+    parts.append(f"{zlib.crc32(described.encode()):08x}")
+    return "-".join(parts)
 
 
 def _is_batch(prompt: list[Any]) -> bool:

