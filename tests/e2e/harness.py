@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import os
 import re
 import signal
@@ -237,8 +238,11 @@ async def stream_completion(
     http: aiohttp.ClientSession, url: str, request_id: str, max_tokens: int, prompt: str = "hello"
 ) -> Outcome:
     """One streamed completion; an answer counts only if it ends with [DONE] after exactly
-    `max_tokens` tokens and carries no error event."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    `max_tokens` tokens and carries no error event. Tokens are counted by the usage the
+    stream ends with: a real engine's detokenizer may hold a token back (an incomplete
+    UTF-8 character) and send it with the next, so events are not tokens."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     sent = time.monotonic()
     try:
         async with http.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}) as r:
@@ -250,14 +254,19 @@ async def stream_completion(
     if status != 200:
         return Outcome(request_id, sent, ended, status, 0, raw[:200].decode(errors="replace"))
     events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.strip()]
-    tokens = sum(1 for e in events if e != b"[DONE]" and b'"error"' not in e)
-    error = ""
     if not events or events[-1] != b"[DONE]":
-        error = "stream cut off before [DONE]"
-    elif any(b'"error"' in e for e in events):
-        error = next(e for e in events if b'"error"' in e)[:200].decode(errors="replace")
-    elif tokens != max_tokens:
-        error = f"{tokens} tokens, want {max_tokens}"
+        return Outcome(request_id, sent, ended, status, 0, "stream cut off before [DONE]")
+    try:
+        chunks = [json.loads(e) for e in events[:-1]]
+    except ValueError:
+        return Outcome(request_id, sent, ended, status, 0, f"not JSON: {raw[:200]!r}")
+    if errors := [c for c in chunks if "error" in c]:
+        return Outcome(request_id, sent, ended, status, 0, json.dumps(errors[0])[:200])
+    usage = next((c["usage"] for c in chunks if c.get("usage")), None)
+    if usage is None:
+        return Outcome(request_id, sent, ended, status, 0, "no usage at the end of the stream")
+    tokens = usage["completion_tokens"]
+    error = "" if tokens == max_tokens else f"{tokens} tokens, want {max_tokens}"
     return Outcome(request_id, sent, ended, status, tokens, error)
 
 

@@ -10,16 +10,21 @@ and nothing else:
    AMX tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM); a process that
    has not asked dies with SIGILL on its first one-token forward pass, which is a
    decode server's first step. `torch.cpu._init_amx()` asks.
-3. Each vLLM process polls its shared-memory queues with sched_yield() for a second
-   after every read before it sleeps on a socket (SpinCondition, busy_loop_s=1, in
-   vllm/distributed/device_communicators/shm_broadcast.py). With more engines than
-   cores, a busy engine's workers then hold their core: a second engine bound to it
-   gets no CPU at all while the first one serves (seen on Linux 6.18, two cores: its
-   threads runnable for minutes with no time). Without the spin a reader sleeps until
-   the writer's notification, as it already does after that second.
+3. Each vLLM process polls its shared-memory queues in a sched_yield() loop for a
+   second after every read before it sleeps on a socket (SpinCondition, busy_loop_s=1,
+   in vllm/distributed/device_communicators/shm_broadcast.py). With more engines than
+   cores, a busy engine then holds its core: a second engine bound to it got no CPU at
+   all while the first one served (Linux 6.18, two cores: its threads runnable for
+   minutes with no time; a SIGSTOP of the first let it run at once). Polling with a
+   half-millisecond sleep instead of a yield keeps the loop (its second of polling
+   covers notifications a reader can miss) and gives the core away between polls.
 """
 
 from __future__ import annotations
+
+import time
+
+POLL_PAUSE_S = 0.0005
 
 
 def register() -> None:
@@ -32,6 +37,8 @@ def register() -> None:
 
     from vllm.distributed.device_communicators import shm_broadcast
 
-    init = shm_broadcast.SpinCondition.__init__
-    assert init.__defaults__ == (1,), init.__defaults__  # busy_loop_s, as read above
-    init.__defaults__ = (0,)
+    shm_broadcast.sched_yield = _poll_pause
+
+
+def _poll_pause() -> None:
+    time.sleep(POLL_PAUSE_S)
