@@ -87,8 +87,8 @@ def local_cluster() -> Iterator[State]:
 def vllm_runtime() -> Path:
     """The real-vLLM runtime, built if missing. A build that fails is the test's failure,
     never a skip: it says why."""
-    out = subprocess.run([str(REPO / "e2e" / "local" / "vllm" / "build.sh")], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    out = subprocess.run([str(REPO / "e2e" / "local" / "vllm" / "build.sh")], capture_output=True,
+                         text=True)
     if out.returncode != 0:
         pytest.fail(f"the real-vLLM runtime could not be built:\n{out.stderr[-4000:]}", pytrace=False)
     return Path(out.stdout.strip().splitlines()[-1])
