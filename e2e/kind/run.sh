@@ -52,10 +52,7 @@ kind get kubeconfig --name "$CLUSTER" >"$KUBECONFIG"
 step "images pdcluster/{operator,router,engine-sim}:$VERSION (build context: the repository)"
 refs=()
 for image in "${IMAGES[@]}"; do
-  extra=()
-  # The engine simulator carries the latency profiles from the traces folder.
-  [ "$image" = engine-sim ] && extra=(--build-context "traces=$TRACES")
-  docker build -q -f "images/$image/Dockerfile" "${extra[@]}" -t "pdcluster/$image:$VERSION" .
+  docker build -q -f "images/$image/Dockerfile" -t "pdcluster/$image:$VERSION" .
   refs+=("pdcluster/$image:$VERSION")
 done
 kind load docker-image --name "$CLUSTER" "${refs[@]}"

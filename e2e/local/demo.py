@@ -626,11 +626,9 @@ def up(args: argparse.Namespace) -> int:
     console = make_console()
     started = time.monotonic()
     try:
-        traces = perf.traces_dir()
+        perf.traces_dir()  # the replay's trace, before anything starts
     except FileNotFoundError as e:
         raise SystemExit(f"demo: {e}") from None
-    # The pod runner passes this on to the engine simulators (their latency profiles).
-    os.environ["PDCLUSTER_TRACES"] = str(traces)
     vllm = args.engine == "vllm"
     if vllm:
         step(console, "real-vLLM runtime (e2e/local/vllm/build.sh: minutes the first time)")

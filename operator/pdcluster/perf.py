@@ -8,19 +8,22 @@ the control law all ask:
 - how long one decode step takes:  d0 + d1 * batch + d2 * kv_tokens  (weights and KV
   read from HBM once per step).
 
-Coefficients are least-squares fits to measured points. The default profile is NVIDIA
-Dynamo's pre-deployment profile of Llama-3.1-8B-Instruct-FP8 on one H200 (vLLM 0.10.1.1,
-TP1), as published in the Dynamo repository (tests/planner/profiling_results/H200_TP1P_TP1D).
+Coefficients are least-squares fits to measured points, which ship in the package
+(pdcluster/data/, with their sources). The default profile is NVIDIA Dynamo's
+pre-deployment profile of Llama-3.1-8B-Instruct-FP8 on one H200 (vLLM 0.10.1.1, TP1), as
+published in the Dynamo repository (tests/planner/profiling_results/H200_TP1P_TP1D).
 """
 
 from __future__ import annotations
 
 import csv
 import functools
+import importlib.resources
 import json
 import math
 import os
 from dataclasses import dataclass
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import numpy as np
@@ -28,22 +31,18 @@ import numpy as np
 DEFAULT_PROFILE = "h200-llama3.1-8b"
 
 _SHARED_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-_IMAGE_TRACES = Path("/usr/share/pdcluster/traces")
+PROFILE_DATA = importlib.resources.files("pdcluster") / "data"
 
 
 def traces_dir() -> Path:
-    """Where the public traces and latency profiles live.
-
-    `PDCLUSTER_TRACES` wins; a checkout finds them next to the repository; images
-    carry a copy under /usr/share/pdcluster/traces.
-    """
+    """Where the public request traces (for benchmarks and the demo) live:
+    `PDCLUSTER_TRACES`, else the traces folder next to the repository."""
     env = os.environ.get("PDCLUSTER_TRACES")
-    for candidate in (Path(env) if env else None, _SHARED_TRACES, _IMAGE_TRACES):
+    for candidate in (Path(env) if env else None, _SHARED_TRACES):
         if candidate is not None and candidate.is_dir():
             return candidate
     raise FileNotFoundError(
-        "latency profiles and traces not found: set PDCLUSTER_TRACES to the folder holding "
-        "latency_dynamo_h200_llama31_8b_fp8_prefill.csv and the trace files"
+        "request traces not found: set PDCLUSTER_TRACES to the folder holding mooncake_conversation_trace.jsonl"
     )
 
 
@@ -95,12 +94,12 @@ def _lstsq(rows: list[list[float]], y: list[float]) -> tuple[float, float, float
     return (float(coef[0]), float(coef[1]), float(coef[2]))
 
 
-def _read_csv(path: Path) -> list[dict[str, str]]:
+def _read_csv(path: Traversable) -> list[dict[str, str]]:
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
 
 
-def _dynamo_h200(root: Path) -> Profile:
+def _dynamo_h200(root: Traversable) -> Profile:
     prefill = _read_csv(root / "latency_dynamo_h200_llama31_8b_fp8_prefill.csv")
     decode = _read_csv(root / "latency_dynamo_h200_llama31_8b_fp8_decode.csv")
     p = _lstsq(
@@ -115,7 +114,7 @@ def _dynamo_h200(root: Path) -> Profile:
     return Profile(DEFAULT_PROFILE, p, d, int(decode[0]["max_kv_tokens"]), 131072)
 
 
-def _splitwise(root: Path, model: str, hardware: str, tp: int) -> Profile:
+def _splitwise(root: Traversable, model: str, hardware: str, tp: int) -> Profile:
     rows = [
         r
         for r in _read_csv(root / "latency_splitwise_perf_model.csv")
@@ -141,7 +140,7 @@ def _splitwise(root: Path, model: str, hardware: str, tp: int) -> Profile:
     return Profile(f"splitwise-{model}-{hardware}-tp{tp}", p, (d0, d1, d2), max(capacity, 1), kv_bytes, tp)
 
 
-def _distserve(root: Path, engine: str, model: str, tp: int) -> Profile:
+def _distserve(root: Traversable, engine: str, model: str, tp: int) -> Profile:
     data = json.loads((root / f"latency_distserve_a100_{engine}.json").read_text())
     coef = data[model][str(tp)]
     a, b, c = coef["prefill"]
@@ -168,7 +167,7 @@ def profile_names() -> list[str]:
 
 @functools.cache
 def load(name: str = DEFAULT_PROFILE) -> Profile:
-    root = traces_dir()
+    root = PROFILE_DATA
     if name == DEFAULT_PROFILE:
         return _dynamo_h200(root)
     parts = name.split("-")

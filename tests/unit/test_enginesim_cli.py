@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -136,3 +137,13 @@ def test_errors(argv: list[str]) -> None:
 )
 def test_human_readable_int(text: str, value: int) -> None:
     assert human_readable_int(text) == value
+
+
+@pytest.mark.parametrize(
+    "script", ["pdcluster.main", "pdcluster.router.main", "pdcluster.enginesim.main", "pdcluster.cli"]
+)
+def test_every_console_script_answers_help(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(script).main(["--help"])
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out

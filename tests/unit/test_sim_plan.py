@@ -106,3 +106,8 @@ def test_a_per_prompt_ttft_target_adds_the_isolated_prefill() -> None:
     targets = plan.SLO(500, 25, plus_prefill=True).ttft_targets_s(trace, profile)
     assert targets[1] * 1000 == pytest.approx(500 + profile.prefill_one_ms(50000))
     assert plan.SLO(500, 25, plus_prefill=False).ttft_targets_s(trace, profile) == [0.5, 0.5]
+
+
+def test_parallel_runs_take_an_empty_or_single_list() -> None:
+    """The rate search can ask for no splits at all (`--jobs` above 1 crashed on it)."""
+    assert plan.run_many(None, [], jobs=4) == []  # type: ignore[arg-type]

@@ -166,6 +166,8 @@ async def serve(config: SimConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        argv = ["serve", "--help"]  # the one command's help, as `vllm serve --help`
     if not argv or argv[0] != "serve":
         sys.exit("usage: pdcluster-engine-sim serve MODEL [vllm serve flags] [--sim-* flags]")
     config = parse(argv[1:])

@@ -221,7 +221,7 @@ def run_many(
 ) -> list[tuple[Score, Result]]:
     global _SETUP, _START
     _SETUP, _START = setup, start
-    if jobs <= 1 or len(names) == 1:
+    if jobs <= 1 or len(names) <= 1:  # a pool of none or one is only overhead (and none is an error)
         return [_run(n) for n in names]
     with ProcessPoolExecutor(min(jobs, len(names)), mp_context=get_context("fork")) as pool:
         return list(pool.map(_run, names))

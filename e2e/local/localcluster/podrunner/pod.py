@@ -153,9 +153,6 @@ class Container:
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",
             "HOSTNAME": network.pod_hostname(pod),
-            # The engine-sim image carries the latency profiles; here they are wherever this
-            # checkout found them (a clone away from ../shared/traces sets PDCLUSTER_TRACES).
-            **{k: v for k, v in os.environ.items() if k == "PDCLUSTER_TRACES"},
             **envvars.container_env(
                 pod, self.spec, services=list(runner.services.values()),
                 config_maps={n: await runner.kube.get("v1", "ConfigMap", n, ns) for n in config_maps},
@@ -194,7 +191,6 @@ class Container:
                                            shm=self.pod.memory_dir / ".dev-shm")
         # A checkout or cache under /tmp (a fresh clone there) must survive the private /tmp.
         needed = [paths.REPO_ROOT, self.pod.runner.venv_bin, self.pod.runner.bind_shim]
-        needed += [Path(os.environ["PDCLUSTER_TRACES"])] if "PDCLUSTER_TRACES" in os.environ else []
         needed += [vllm.runtime()] if image_repository(self.spec["image"]) == vllm.REPOSITORY else []
         script = volumes.launch_script(mounts, hosts_file=self.pod.hosts_path, hostname=network.pod_hostname(self.pod.pod),
                                        workdir=self.workdir, keep_host_tmp=volumes.host_tmp_paths(needed),
