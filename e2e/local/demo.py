@@ -55,6 +55,7 @@ from rich.table import Table  # noqa: E402
 from pdcluster import constants as C  # noqa: E402
 from pdcluster import observability as O  # noqa: E402
 from pdcluster import perf  # noqa: E402
+from pdcluster.api.v1alpha1 import Quantile  # noqa: E402
 from pdcluster.io.kube import ApiError, Kube, KubeConfig  # noqa: E402
 from pdcluster.sim.trace import MOONCAKE_BLOCK_TOKENS, Trace, load_trace  # noqa: E402
 
@@ -86,7 +87,6 @@ ENGINES = {
     "vllm": Engine(REPO / "examples" / "pdcluster-vllm-cpu.yaml", 2048, "40:1,40:2,40:1",
                    length_divisor=64, max_output=32),
 }
-QUANTILE = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
 
 
 # ------------------------------------------------------------------ the workload (pure)
@@ -549,7 +549,7 @@ async def run_and_watch(
             url = f"http://{svc['spec']['clusterIP']}:{C.ROUTER_PORT}"
         model = spec["model"].get("servedModelName") or spec["model"]["name"]
         observer = Observer(
-            kube, target.prometheus_url, target.namespace, target.name, QUANTILE[slo["quantile"]], window_s
+            kube, target.prometheus_url, target.namespace, target.name, Quantile(slo["quantile"]).fraction, window_s
         )
         described = ", ".join(f"{s:g} s at {v:g}x" for s, v in phases)
         title = (

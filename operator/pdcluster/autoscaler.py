@@ -15,7 +15,7 @@ import aiohttp
 
 from pdcluster import constants as C
 from pdcluster import metrics, perf
-from pdcluster.api.v1alpha1 import AutoscalingMode, PDClusterSpec, PDClusterStatus, Quantile
+from pdcluster.api.v1alpha1 import AutoscalingMode, PDClusterSpec, PDClusterStatus
 from pdcluster.control import Observed, RoleObserved, decide
 from pdcluster.control.law import parse_time
 from pdcluster.io.kube import Kube
@@ -25,7 +25,6 @@ from pdcluster.render import Owner
 
 log = logging.getLogger(__name__)
 
-QUANTILE = {Quantile.p50: 0.5, Quantile.p90: 0.9, Quantile.p95: 0.95, Quantile.p99: 0.99}
 
 
 def _unschedulable(pods: list[dict]) -> int:
@@ -105,7 +104,7 @@ class PrometheusAutoscaler:
             prom = self._prometheus(url)
             try:
                 snapshot = await prom.snapshot(
-                    owner.namespace, owner.name, a.window_seconds, QUANTILE[a.slo.quantile]
+                    owner.namespace, owner.name, a.window_seconds, a.slo.quantile.fraction
                 )
                 latency = await prom.router_p99_ms(owner.namespace, owner.name, a.window_seconds)
             except PrometheusUnavailable as e:

@@ -38,8 +38,6 @@ MANAGED_BY: Final = "pdcluster-operator"
 ANNOTATION_SCRAPE: Final = "prometheus.io/scrape"
 ANNOTATION_SCRAPE_PORT: Final = "prometheus.io/port"
 ANNOTATION_SCRAPE_PATH: Final = "prometheus.io/path"
-# Set on pod templates so that a change of rendered config rolls the pods.
-ANNOTATION_CONFIG_HASH: Final = f"{GROUP}/config-hash"
 
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"

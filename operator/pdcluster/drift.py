@@ -8,33 +8,9 @@ are fine; a missing or different one is drift and triggers an apply.
 
 from __future__ import annotations
 
-import re
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
-_SUFFIX = {
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-}  # fmt: skip
-_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
-
-
-def quantity(value: Any) -> Decimal | None:
-    """A Kubernetes quantity's value, or None if `value` is not one."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int | float):
-        return Decimal(str(value))
-    if not isinstance(value, str):
-        return None
-    m = _QUANTITY.match(value)
-    if not m:
-        return None
-    try:
-        return Decimal(m.group(1)) * Decimal(_SUFFIX[m.group(2) or ""])
-    except InvalidOperation:
-        return None
+from pdcluster.api.base import quantity
 
 
 def _empty(value: Any) -> bool:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from pdcluster.drift import differences, in_sync, merge_patch, quantity
+from pdcluster.api.base import quantity
+from pdcluster.drift import differences, in_sync, merge_patch
 
 
 def test_quantities_compare_by_value() -> None:

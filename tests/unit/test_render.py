@@ -169,3 +169,16 @@ def test_replicas_come_from_one_place() -> None:
         if o["kind"] in ("StatefulSet", "Deployment")
     }
     assert set(workloads.values()) == {0}
+
+
+def test_mooncake_sizes_are_bytes() -> None:
+    """Mooncake parses byte counts, not Kubernetes suffixes: every quantity becomes bytes,
+    fractional ones too (a "1.5Gi" used to be passed on as it was)."""
+    from pdcluster.render import mooncake
+
+    spec = PDClusterSpec.model_validate(
+        {"model": {"name": "m"}, "mooncake": {"store": {"globalSegmentSize": "1.5Gi", "localBufferSize": "512Mi"}}}
+    )
+    data = mooncake.config_map(spec, Owner("c", "ns", "uid"))["data"]
+    assert data["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == str(3 * 2**29)
+    assert data["MOONCAKE_LOCAL_BUFFER_SIZE"] == str(2**29)

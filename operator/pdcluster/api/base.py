@@ -7,6 +7,8 @@ that end up in the CRD and in docs/api.md.
 
 from __future__ import annotations
 
+import re
+from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
@@ -47,6 +49,32 @@ Quantity = Annotated[
         }
     ),
 ]
+
+_SUFFIX = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+}  # fmt: skip
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+
+
+def quantity(value: Any) -> Decimal | None:
+    """A Kubernetes quantity's value ("16Gi", "500m", 4, "1e3"), or None if `value` is
+    not one. The project's one quantity parser."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return Decimal(str(value))
+    if not isinstance(value, str):
+        return None
+    m = _QUANTITY.match(value)
+    if not m:
+        return None
+    try:
+        return Decimal(m.group(1)) * Decimal(_SUFFIX[m.group(2) or ""])
+    except InvalidOperation:
+        return None
+
 
 # Kubernetes objects we pass through untouched (affinity, env valueFrom, ...): the
 # apiserver validates them when the child object is applied.

@@ -291,6 +291,11 @@ class Quantile(StrEnum):
     p95 = "p95"
     p99 = "p99"
 
+    @property
+    def fraction(self) -> float:
+        """0.9 for p90: what histogram_quantile takes."""
+        return int(self.value[1:]) / 100
+
 
 class SLOSpec(Model):
     """Latency targets the autoscaler keeps."""

@@ -44,7 +44,6 @@ from pdcluster.control import models
 from pdcluster.control.types import MetricsSnapshot, Observed
 
 ROLES = ("prefill", "decode")
-QUANTILES = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
 # Without a reachable TTFT target (prompts whose own prefill exceeds it) prefill is
 # sized so that queueing adds at most this share of the target.
 QUEUEING_SHARE = 0.2
@@ -275,7 +274,7 @@ class _Run:
         if hist is None:
             return mean
         if mean is not None and hist <= 1000.0 * obs.VLLM_REQUEST_LATENCY_BUCKETS[0]:
-            q = QUANTILES[self.auto.slo.quantile.value]
+            q = self.auto.slo.quantile.fraction
             return min(hist, mean * math.log(1.0 / (1.0 - q)))
         return hist
 
@@ -306,7 +305,7 @@ class _Run:
             rate=m.request_rate,
             input_tokens=m.mean_input_tokens or 1.0,
             hit_ratio=min(max(m.prefix_hit_ratio or 0.0, 0.0), 0.95),
-            quantile=QUANTILES[self.auto.slo.quantile.value],
+            quantile=self.auto.slo.quantile.fraction,
             engines=engines,
             observed_ttft_ms=ttft,
             observed_wait_ms=wait,

@@ -50,7 +50,7 @@ def _env(items: list[EnvVar]) -> list[dict[str, Any]]:
     return [e.wire() for e in items]
 
 
-def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, Any]]:
+def engine_env(spec: PDClusterSpec, role: str) -> list[dict[str, Any]]:
     env = [
         env_field("POD_IP", "status.podIP"),
         env_field("POD_NAME", "metadata.name"),
@@ -138,7 +138,7 @@ def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": list(spec.engine.command),
         "args": engine_args(spec, role),
-        "env": engine_env(spec, owner, role),
+        "env": engine_env(spec, role),
         "envFrom": [{"configMapRef": {"name": mooncake.config_map_name(owner)}}],
         "ports": ports,
         "resources": resources(spec.role(role), spec),
@@ -221,7 +221,7 @@ def headless_service(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, 
         "kind": "Service",
         "metadata": metadata(owner, role),
         "spec": {
-            # Headless: stable pod DNS, and routers read ready endpoints from its EndpointSlices.
+            # Headless: stable pod DNS for each engine (routers follow the pods themselves).
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
             "selector": selector(owner, role),

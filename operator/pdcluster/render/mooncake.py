@@ -9,9 +9,11 @@ adds its own MOONCAKE_LOCAL_HOSTNAME (the default, localhost, is wrong in a pod)
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pdcluster import constants as C
+from pdcluster.api.base import quantity
 from pdcluster.api.v1alpha1 import PDClusterSpec, Resources
 from pdcluster.render.names import (
     Owner,
@@ -33,24 +35,11 @@ def master_address(spec: PDClusterSpec, owner: Owner) -> str:
     return f"{owner.child(C.ROLE_MOONCAKE_MASTER)}:{spec.mooncake.rpc_port}"
 
 
-def _size(quantity: int | str) -> str:
-    """Mooncake parses plain byte counts and '10gb'-style sizes, not Kubernetes 'Gi'."""
-    if isinstance(quantity, int):
-        return str(quantity)
-    units = {
-        "Ki": 2**10,
-        "Mi": 2**20,
-        "Gi": 2**30,
-        "Ti": 2**40,
-        "K": 10**3,
-        "M": 10**6,
-        "G": 10**9,
-        "T": 10**12,
-    }
-    for suffix, factor in units.items():
-        if quantity.endswith(suffix) and quantity[: -len(suffix)].isdigit():
-            return str(int(quantity[: -len(suffix)]) * factor)
-    return quantity
+def _size(value: int | str) -> str:
+    """Bytes, as Mooncake parses sizes (plain counts or '10gb', not Kubernetes' 'Gi'),
+    rounded up as Kubernetes rounds a quantity's value. The CRD admits only quantities."""
+    size = quantity(value)
+    return str(math.ceil(size)) if size is not None else str(value)
 
 
 def config_map(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:

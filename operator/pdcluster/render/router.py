@@ -1,4 +1,5 @@
-"""The PD router: a Deployment, its Service, and read-only access to EndpointSlices."""
+"""The PD router: a Deployment, its Service, and read-only access to the cluster's pods
+(it follows engines by pod readiness)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -129,10 +130,18 @@ class _Date:
         return cls.value
 
 
+# As uvicorn checks what it writes (RFC 9110 5.1 and 5.5): a token for a name, no control
+# characters but tab in a value, so no header a caller passes can split the response.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_HEADER_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
 def _head(status: int, headers: list[tuple[str, str]], close: bool) -> bytearray:
     out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"")))
     out += _Date.header()
     for name, value in headers:
+        if not _HEADER_NAME.fullmatch(name) or _BAD_HEADER_VALUE.search(value):
+            raise ValueError(f"invalid response header {name!r}: {value!r}")
         out += f"{name}: {value}\r\n".encode("latin-1")
     if close:
         out += b"Connection: close\r\n"

@@ -203,9 +203,6 @@ class Admission:
     def tokens_per_s(self, backend_id: str) -> float:
         return self._rate(backend_id).tokens_per_s
 
-    def predict_ttft_ms(self, backend: Backend, prompt_tokens: int) -> float:
-        return (backend.inflight_tokens + prompt_tokens) / self.tokens_per_s(backend.id) * 1000.0
-
     def decide(self, backend: Backend, prompt_tokens: int) -> Decision:
         rate = self.tokens_per_s(backend.id)
         predicted = (backend.inflight_tokens + prompt_tokens) / rate * 1000.0
