@@ -182,3 +182,11 @@ def test_mooncake_sizes_are_bytes() -> None:
     data = mooncake.config_map(spec, Owner("c", "ns", "uid"))["data"]
     assert data["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == str(3 * 2**29)
     assert data["MOONCAKE_LOCAL_BUFFER_SIZE"] == str(2**29)
+
+
+@pytest.mark.parametrize(("grace", "drain"), [(120, 113), (30, 23), (8, 1), (3, 0), (0, 0)])
+def test_engines_drain_in_the_grace_period_the_prestop_sleep_leaves(grace: int, drain: int) -> None:
+    spec = PDClusterSpec.model_validate({"model": {"name": "m"}, "engine": {"terminationGracePeriodSeconds": grace}})
+    for role in C.ENGINE_ROLES:
+        args = engine_args(spec, role)
+        assert args[args.index("--shutdown-timeout") + 1] == str(drain)

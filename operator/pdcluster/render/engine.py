@@ -22,6 +22,8 @@ SHM_VOLUME = "dshm"
 # Long enough for routers to see the pod leave its EndpointSlice before SIGTERM, so no
 # new request lands on an engine that is shutting down.
 PRESTOP_SLEEP_SECONDS = 5
+# Left between vLLM's drain and the kubelet's SIGKILL, for the process to exit.
+SHUTDOWN_MARGIN_SECONDS = 2
 
 
 def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any]:
@@ -43,6 +45,12 @@ def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
     if spec.model.max_model_len:
         args += ["--max-model-len", str(spec.model.max_model_len)]
     args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role), separators=(",", ":"))]
+    # On SIGTERM vLLM aborts what it is serving unless given time to drain
+    # (--shutdown-timeout, 0 by default: vllm/config/vllm.py): give it the grace period
+    # the preStop sleep leaves, so a scale-down finishes the streams in flight.
+    grace = spec.engine.termination_grace_period_seconds
+    drain = grace - prestop_seconds(grace) - SHUTDOWN_MARGIN_SECONDS
+    args += ["--shutdown-timeout", str(max(drain, 0))]
     return args + spec.engine.args + r.args
 
 
@@ -151,10 +159,14 @@ def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
     }
 
 
-def _pre_stop(grace_seconds: int) -> dict[str, Any]:
+def prestop_seconds(grace_seconds: int) -> int:
     """The preStop sleep, shortened to fit a short grace period: the apiserver requires
-    it to be less than terminationGracePeriodSeconds."""
-    seconds = min(PRESTOP_SLEEP_SECONDS, grace_seconds - 1)
+    it to be less than terminationGracePeriodSeconds. 0: none."""
+    return max(min(PRESTOP_SLEEP_SECONDS, grace_seconds - 1), 0)
+
+
+def _pre_stop(grace_seconds: int) -> dict[str, Any]:
+    seconds = prestop_seconds(grace_seconds)
     return {"lifecycle": {"preStop": {"sleep": {"seconds": seconds}}}} if seconds >= 1 else {}
 
 

@@ -165,7 +165,7 @@ class Container:
         argv = envvars.command_line(entrypoint, default_args, self.spec, self.env)
         if repository == vllm.REPOSITORY:
             argv = vllm.command(argv)
-            self.env = vllm.environment(self.env, argv, pod_ip=self.pod.ip, cache_dir=self.pod.dir / "vllm-cache")
+            self.env = vllm.environment(self.env, pod_ip=self.pod.ip, cache_dir=self.pod.dir / "vllm-cache")
         return argv
 
     async def run_once(self) -> int | None:

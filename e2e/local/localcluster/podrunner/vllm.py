@@ -12,11 +12,13 @@ a few things differ from the image, and each is supplied here, never in the mani
 - model: any model name stands for the tiny model (a directory of the runtime), since a
   Hugging Face id cannot be downloaded here; `--served-model-name` is kept as rendered;
 - `--enforce-eager`: halves start-up (no compile warm-up) on two cores;
-- environment: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache), `VLLM_CPU_OMP_THREADS_BIND`
-  (each engine its own core, in turn, so engines do not fight over OpenMP threads),
-  `VLLM_HOST_IP` (the pod IP, when the pod sets none), offline Hugging Face and no usage
-  reports, a vLLM cache directory per pod. A pod's own env wins over all but the offline
-  switches.
+- environment: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache); one OpenMP thread and no
+  core binding (`VLLM_CPU_OMP_THREADS_BIND=nobind`, `OMP_NUM_THREADS=1`): with more
+  engines than cores, an engine bound to a core whose other engine is busy starved (KV
+  transfers to a decode engine just started timed out after 30 s), while unbound threads
+  go to whichever core is free; `VLLM_HOST_IP` (the pod IP, when the pod sets none),
+  offline Hugging Face and no usage reports, a vLLM cache directory per pod. A pod's own
+  env wins over all but the offline switches.
 - `VLLM_DP_MASTER_IP`: the pod IP. Ports need nothing: the bind shim puts every listener
   on the pod's own IP, so each prefill pod's bootstrap server (0.0.0.0:
   VLLM_MOONCAKE_BOOTSTRAP_PORT) is its own. But then it no longer answers on 127.0.0.1,
@@ -30,8 +32,6 @@ Other commands in the image (`mooncake_master`, `python3`) run from the runtime'
 from __future__ import annotations
 
 import functools
-import itertools
-import os
 import subprocess
 from pathlib import Path
 
@@ -74,11 +74,13 @@ def command(argv: list[str]) -> list[str]:
             "--model", str(root / "model"), *rest, "--enforce-eager"]
 
 
-def environment(env: dict[str, str], argv: list[str], *, pod_ip: str, cache_dir: Path) -> dict[str, str]:
-    """The container's environment with what vLLM needs here; `argv` as command() made it."""
+def environment(env: dict[str, str], *, pod_ip: str, cache_dir: Path) -> dict[str, str]:
+    """The container's environment with what vLLM needs here."""
     root = runtime()
     defaults = {
         "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
         "VLLM_HOST_IP": pod_ip,
         "VLLM_DP_MASTER_IP": pod_ip,
         "VLLM_CACHE_ROOT": str(cache_dir),
@@ -90,9 +92,4 @@ def environment(env: dict[str, str], argv: list[str], *, pod_ip: str, cache_dir:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
-    if SERVER in argv:
-        defaults["VLLM_CPU_OMP_THREADS_BIND"] = str(next(_engines_started) % (os.cpu_count() or 1))
     return {**defaults, **env, **forced}
-
-
-_engines_started = itertools.count()  # engines take the cores in turn
