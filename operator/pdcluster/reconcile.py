@@ -182,11 +182,12 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     status = compute_status(spec, generation, obs, previous, result.state, now)
     for role, scaler in scalers.items():
         await _report_scale(ctx, owner, role, scaler, workloads.get(role))
+    # Status first: events describe what was stored, so a failed write (retried) emits none.
+    await _write_status(ctx, body, previous, status)
     for type_, reason, message in result.events:
         await ctx.events.emit(body, type_, reason, message)
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
-    await _write_status(ctx, body, previous, status)
     metrics.observe_reconcile("degraded" if problems else "ok", time.monotonic() - started)
     return status
 

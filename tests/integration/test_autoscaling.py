@@ -105,8 +105,12 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
     assert sts == {"prefill": 2, "decode": 1}
     spec = (await pdc.get("slo"))["spec"]
     assert (spec["prefill"]["replicas"], spec["decode"]["replicas"]) == (1, 2)
-    events = await kube.list("v1", "Event", namespace)
-    assert any(e["reason"] == "Scaled" and e["involvedObject"]["name"] == "slo" for e in events)
+    # Events follow the status write that they describe.
+    async def scaled_event() -> bool:
+        events = await kube.list("v1", "Event", namespace)
+        return any(e["reason"] == "Scaled" and e["involvedObject"]["name"] == "slo" for e in events)
+
+    await wait_until(scaled_event, timeout=10, message="Scaled Event")
     assert outcomes.get(200, 0) > 0 and outcomes.get(-1, 0) == 0, outcomes
     print(f"rebalanced {reacted_after:.0f}s after load started; outcomes {outcomes}")
 

@@ -189,8 +189,12 @@ async def test_missing_secret_is_degraded_not_a_crash(
     # Engines are not rolled onto a config that cannot start; the rest is there.
     assert await kube.get("apps/v1", "StatefulSet", "gated-prefill", namespace) is None
     assert await kube.get("apps/v1", "Deployment", "gated-router", namespace) is not None
-    events = await kube.list("v1", "Event", namespace)
-    assert any(e["reason"] == "SecretNotFound" and e["involvedObject"]["name"] == "gated" for e in events)
+    # Events follow the status write that they describe.
+    async def warned() -> bool:
+        events = await kube.list("v1", "Event", namespace)
+        return any(e["reason"] == "SecretNotFound" and e["involvedObject"]["name"] == "gated" for e in events)
+
+    await wait_until(warned, timeout=10, message="SecretNotFound Event")
 
     await kube.create(
         {

@@ -122,7 +122,10 @@ class EngineSpec(Model):
     startup_probe: StartupProbe = section(StartupProbe)
     readiness_probe: ReadinessProbe = section(ReadinessProbe)
     termination_grace_period_seconds: int = Field(
-        120, ge=0, description="Time a draining engine gets to finish its in-flight requests."
+        120,
+        ge=0,
+        description="Time a draining engine gets to finish its in-flight requests: a 5 s preStop sleep while "
+        "routers stop sending to it, then vLLM's `--shutdown-timeout` for the rest, less 2 s.",
     )
 
 
