@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import aiohttp
 
@@ -102,10 +103,12 @@ class Prometheus:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def query(self, promql: str) -> float | None:
-        """The value of an expression that yields at most one series; None when empty or NaN."""
+    async def query(self, promql: str, at: float | None = None) -> float | None:
+        """The value of an expression that yields at most one series, evaluated at `at`
+        (Unix seconds; Prometheus' now when None); None when empty or NaN."""
+        params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
         try:
-            async with self.session.get(self.url, params={"query": promql}, timeout=self.timeout) as resp:
+            async with self.session.get(self.url, params=params, timeout=self.timeout) as resp:
                 body = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise PrometheusUnavailable(f"{self.url}: {type(e).__name__}: {e}") from e
@@ -127,14 +130,19 @@ class Prometheus:
     ) -> tuple[int | None, int | None]:
         """The router's TTFT and ITL p99 in ms, for `kubectl get pdc`."""
         q = queries(namespace, cluster, window_s, 0.99)
-        ttft, itl = await asyncio.gather(self.query(q["ttft"]), self.query(q["itl"]))
+        at = time.time()
+        ttft, itl = await asyncio.gather(self.query(q["ttft"], at), self.query(q["itl"], at))
         return (None if ttft is None else round(ttft * 1000), None if itl is None else round(itl * 1000))
 
     async def snapshot(
         self, namespace: str, cluster: str, window_s: int, quantile: float
     ) -> MetricsSnapshot | None:
         names, exprs = zip(*queries(namespace, cluster, window_s, quantile).items(), strict=True)
-        values = dict(zip(names, await asyncio.gather(*(self.query(e) for e in exprs)), strict=True))
+        # One instant for every query: evaluated as each request arrives, a scrape between
+        # two of them gives their rates different windows, and ratios of them (the mean
+        # prompt) drift by tenths of a percent.
+        at = time.time()
+        values = dict(zip(names, await asyncio.gather(*(self.query(e, at) for e in exprs)), strict=True))
         if not values["series"]:
             return None
 
