@@ -93,12 +93,14 @@ def is_ready(pod: dict[str, Any] | None) -> bool:
 
 
 async def poll(predicate: Any, timeout: float, message: str, interval: float = 1.0) -> Any:
-    async with asyncio.timeout(timeout):
-        while True:
-            if value := await predicate():
-                return value
-            await asyncio.sleep(interval)
-    raise AssertionError(message)  # pragma: no cover
+    """`predicate()`'s first truthy value; an AssertionError naming `message` after `timeout` s."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not (value := await predicate()):
+                await asyncio.sleep(interval)
+            return value
+    except TimeoutError:
+        raise AssertionError(f"not true after {timeout:g} s: {message}") from None
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,7 @@ async def env(vllm_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> As
 
             try:
                 await poll(up, STARTUP_S, "real-vLLM PDCluster and plain engine Ready", interval=2)
-            except TimeoutError:
+            except AssertionError:
                 pods = await kube.list("v1", "Pod", namespace)
                 states = {p["metadata"]["name"]: p.get("status", {}).get("containerStatuses") for p in pods}
                 raise AssertionError(f"not Ready after {STARTUP_S}s: {json.dumps(states)[:3000]}") from None
