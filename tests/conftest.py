@@ -67,7 +67,9 @@ async def wait_until(
 
 
 def _cluster(*args: str, name: str = CLUSTER_NAME) -> None:
-    subprocess.run([sys.executable, str(REPO / "e2e" / "local" / "cluster"), "--name", name, *args], check=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "e2e" / "local" / "cluster"), "--name", name, *args], check=True
+    )
 
 
 @pytest.fixture(scope="session")
@@ -87,8 +89,7 @@ def local_cluster() -> Iterator[State]:
 def vllm_runtime() -> Path:
     """The real-vLLM runtime, built if missing. A build that fails is the test's failure,
     never a skip: it says why."""
-    out = subprocess.run([str(REPO / "e2e" / "local" / "vllm" / "build.sh")], capture_output=True,
-                         text=True)
+    out = subprocess.run([str(REPO / "e2e" / "local" / "vllm" / "build.sh")], capture_output=True, text=True)
     if out.returncode != 0:
         pytest.fail(f"the real-vLLM runtime could not be built:\n{out.stderr[-4000:]}", pytrace=False)
     return Path(out.stdout.strip().splitlines()[-1])
@@ -133,8 +134,11 @@ async def namespace(kube: Kube, request: pytest.FixtureRequest) -> AsyncIterator
     name = f"{slug}-{uuid.uuid4().hex[:5]}"
     await kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
     # Pods are refused until the service account controller has made "default".
-    await wait_until(lambda: kube.get("v1", "ServiceAccount", "default", name), timeout=30,
-                     message=f"default ServiceAccount in {name}")
+    await wait_until(
+        lambda: kube.get("v1", "ServiceAccount", "default", name),
+        timeout=30,
+        message=f"default ServiceAccount in {name}",
+    )
     yield name
     # Deleting the namespace first stops controllers from re-creating pods (the apiserver
     # refuses new objects in a terminating namespace); deleting the pods ourselves saves

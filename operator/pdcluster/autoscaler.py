@@ -26,7 +26,6 @@ from pdcluster.render import Owner
 log = logging.getLogger(__name__)
 
 
-
 def _unschedulable(pods: list[dict]) -> int:
     count = 0
     for pod in pods:

@@ -50,7 +50,9 @@ class Worker:
         backoff = 1.0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wakeup.wait(), timeout=wake_after(self.body, self.controller.resync))
+                await asyncio.wait_for(
+                    self.wakeup.wait(), timeout=wake_after(self.body, self.controller.resync)
+                )
             await asyncio.sleep(DEBOUNCE_SECONDS)
             self.wakeup.clear()
             if self.controller.elector is not None:

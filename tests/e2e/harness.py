@@ -241,8 +241,13 @@ async def stream_completion(
     `max_tokens` tokens and carries no error event. Tokens are counted by the usage the
     stream ends with: a real engine's detokenizer may hold a token back (an incomplete
     UTF-8 character) and send it with the next, so events are not tokens."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.monotonic()
     try:
         async with http.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}) as r:

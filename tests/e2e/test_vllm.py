@@ -54,15 +54,24 @@ def plain_engine(namespace: str, doc: dict[str, Any]) -> dict[str, Any]:
         "metadata": {"name": "plain", "namespace": namespace, "labels": {"app": "plain-vllm"}},
         "spec": {
             "terminationGracePeriodSeconds": 5,
-            "containers": [{
-                "name": "engine",
-                "image": doc["spec"]["engine"].get("image", "vllm/vllm-openai:v0.32.0"),
-                "command": ["vllm", "serve"],
-                "args": [model["name"], "--port", "8000", "--served-model-name", model["servedModelName"],
-                         "--max-model-len", str(model["maxModelLen"])],
-                "ports": [{"name": "http", "containerPort": 8000}],
-                "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 1},
-            }],
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": doc["spec"]["engine"].get("image", "vllm/vllm-openai:v0.32.0"),
+                    "command": ["vllm", "serve"],
+                    "args": [
+                        model["name"],
+                        "--port",
+                        "8000",
+                        "--served-model-name",
+                        model["servedModelName"],
+                        "--max-model-len",
+                        str(model["maxModelLen"]),
+                    ],
+                    "ports": [{"name": "http", "containerPort": 8000}],
+                    "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 1},
+                }
+            ],
         },
     }
 
@@ -79,8 +88,9 @@ class Env:
     max_model_len: int
 
     async def pods(self, role: str) -> list[dict[str, Any]]:
-        return await self.kube.list("v1", "Pod", self.namespace,
-                                    label_selector=f"{C.LABEL_CLUSTER}={NAME},{C.LABEL_ROLE}={role}")
+        return await self.kube.list(
+            "v1", "Pod", self.namespace, label_selector=f"{C.LABEL_CLUSTER}={NAME},{C.LABEL_ROLE}={role}"
+        )
 
     async def engine_url(self, role: str) -> str:
         pods = sorted(await self.pods(role), key=lambda p: p["metadata"]["name"])
@@ -110,13 +120,17 @@ async def env(vllm_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> As
     async with Kube(KubeConfig.from_file(vllm_cluster.kubeconfig)) as kube:
         await install_crd(kube)
         await kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
-        await poll(lambda: kube.get("v1", "ServiceAccount", "default", namespace), 30, "default ServiceAccount")
+        await poll(
+            lambda: kube.get("v1", "ServiceAccount", "default", namespace), 30, "default ServiceAccount"
+        )
         log = tmp_path_factory.mktemp("vllm") / "operator.log"
-        operator = start_operator(vllm_cluster.kubeconfig, namespace, log,
-                                  f"--prometheus-url={vllm_cluster.prometheus_url}")
+        operator = start_operator(
+            vllm_cluster.kubeconfig, namespace, log, f"--prometheus-url={vllm_cluster.prometheus_url}"
+        )
         try:
-            await kube.apply({**doc, "metadata": {**doc["metadata"], "namespace": namespace}},
-                             field_manager="kubectl-test")
+            await kube.apply(
+                {**doc, "metadata": {**doc["metadata"], "namespace": namespace}}, field_manager="kubectl-test"
+            )
             await kube.create(plain_engine(namespace, doc))
 
             async def up() -> bool:
@@ -132,9 +146,13 @@ async def env(vllm_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> As
             svc = await kube.get("v1", "Service", f"{NAME}-router", namespace)
             plain = await kube.get("v1", "Pod", "plain", namespace)
             yield Env(
-                kube=kube, namespace=namespace, operator=operator,
-                router=f"http://{svc['spec']['clusterIP']}:8000", plain=f"http://{plain['status']['podIP']}:8000",
-                prometheus=vllm_cluster.prometheus_url, model=doc["spec"]["model"]["servedModelName"],
+                kube=kube,
+                namespace=namespace,
+                operator=operator,
+                router=f"http://{svc['spec']['clusterIP']}:8000",
+                plain=f"http://{plain['status']['podIP']}:8000",
+                prometheus=vllm_cluster.prometheus_url,
+                model=doc["spec"]["model"]["servedModelName"],
                 max_model_len=doc["spec"]["model"]["maxModelLen"],
             )
         finally:
@@ -182,17 +200,24 @@ async def prompt_of_length(http: aiohttp.ClientSession, env: Env, tokens: int) -
 
 def requests_to_compare(long_prompt: str, model: str) -> list[tuple[str, dict[str, Any]]]:
     greedy = {"model": model, "temperature": 0}
-    chat = [{"role": "system", "content": "You answer in Python."},
-            {"role": "user", "content": "Write a function that merges two sorted lists."}]
+    chat = [
+        {"role": "system", "content": "You answer in Python."},
+        {"role": "user", "content": "Write a function that merges two sorted lists."},
+    ]
     return [
         ("/v1/completions", {**greedy, "prompt": "def fibonacci(n):", "max_tokens": 32}),
-        ("/v1/completions", {**greedy, "prompt": "import os\nimport sys\n\n", "max_tokens": 32, "stream": True}),
+        (
+            "/v1/completions",
+            {**greedy, "prompt": "import os\nimport sys\n\n", "max_tokens": 32, "stream": True},
+        ),
         ("/v1/completions", {**greedy, "prompt": "class Foo:\n    def __init__(self", "max_tokens": 1}),
         ("/v1/chat/completions", {**greedy, "messages": chat, "max_tokens": 32}),
         ("/v1/chat/completions", {**greedy, "messages": chat[1:], "max_tokens": 24, "stream": True}),
         ("/v1/completions", {**greedy, "prompt": long_prompt, "max_tokens": 16}),
-        ("/v1/completions", {**greedy, "prompt": long_prompt[: len(long_prompt) // 2], "max_tokens": 16,
-                             "stream": True}),
+        (
+            "/v1/completions",
+            {**greedy, "prompt": long_prompt[: len(long_prompt) // 2], "max_tokens": 16, "stream": True},
+        ),
     ]
 
 
@@ -237,8 +262,12 @@ async def test_the_kv_cache_moved(env: Env) -> None:
         before = {"prefill": await by_source(http, prefill), "decode": await by_source(http, decode)}
         # A prompt no engine has seen, so no prefix cache can serve any of it.
         prompt = f"# {uuid.uuid4().hex}\n" + "def merge(a, b):\n    out = []\n"
-        status, answer = await call(http, env.router, "/v1/completions",
-                                    {"model": env.model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        status, answer = await call(
+            http,
+            env.router,
+            "/v1/completions",
+            {"model": env.model, "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        )
         assert status == 200, answer
         after = {"prefill": await by_source(http, prefill), "decode": await by_source(http, decode)}
     tokens = answer["usage"]["prompt_tokens"]
@@ -256,9 +285,18 @@ async def test_operator_promql_reads_the_real_engines(env: Env) -> None:
     router), and the control law decides from them."""
     async with aiohttp.ClientSession() as http:
         for i in range(12):
-            status, _ = await call(http, env.router, "/v1/completions",
-                                   {"model": env.model, "prompt": f"def f{i}(x):", "max_tokens": 16,
-                                    "ignore_eos": True, "stream": i % 2 == 1})
+            status, _ = await call(
+                http,
+                env.router,
+                "/v1/completions",
+                {
+                    "model": env.model,
+                    "prompt": f"def f{i}(x):",
+                    "max_tokens": 16,
+                    "ignore_eos": True,
+                    "stream": i % 2 == 1,
+                },
+            )
             assert status == 200
         window = example()["spec"]["autoscaling"]["windowSeconds"]
         exprs = queries(env.namespace, NAME, window, 0.9)
@@ -314,8 +352,12 @@ async def test_decode_scales_up_and_down_under_traffic(env: Env) -> None:
         await set_decode_replicas(env, 2)
 
         async def second_engine_ready() -> bool:
-            return is_ready(next((p for p in await env.pods(C.ROLE_DECODE)
-                                  if p["metadata"]["name"] == f"{NAME}-decode-1"), None))
+            return is_ready(
+                next(
+                    (p for p in await env.pods(C.ROLE_DECODE) if p["metadata"]["name"] == f"{NAME}-decode-1"),
+                    None,
+                )
+            )
 
         await poll(second_engine_ready, STARTUP_S, "the new decode engine Ready", interval=2)
         # Two streams at a time: the router spreads them over both engines.
@@ -329,8 +371,16 @@ async def test_decode_scales_up_and_down_under_traffic(env: Env) -> None:
     assert not failures, failures[:5]
 
 
-@pytest.mark.parametrize("case", ["prompt_over_max_model_len", "unknown_model", "negative_max_tokens",
-                                  "max_tokens_not_a_number", "max_tokens_over_context"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "prompt_over_max_model_len",
+        "unknown_model",
+        "negative_max_tokens",
+        "max_tokens_not_a_number",
+        "max_tokens_over_context",
+    ],
+)
 async def test_bad_input_is_the_engines_4xx(env: Env, case: str) -> None:
     """Bad requests reach a real engine (or the router's check of the same thing) and come
     back as a 4xx with vLLM's error shape, as the plain engine answers: never a 5xx or a hang."""
@@ -341,7 +391,11 @@ async def test_bad_input_is_the_engines_4xx(env: Env, case: str) -> None:
             "unknown_model": {"model": "no-such-model", "prompt": "hi", "max_tokens": 8},
             "negative_max_tokens": {"model": env.model, "prompt": "hi", "max_tokens": -1},
             "max_tokens_not_a_number": {"model": env.model, "prompt": "hi", "max_tokens": "many"},
-            "max_tokens_over_context": {"model": env.model, "prompt": "hi", "max_tokens": env.max_model_len * 4},
+            "max_tokens_over_context": {
+                "model": env.model,
+                "prompt": "hi",
+                "max_tokens": env.max_model_len * 4,
+            },
         }[case]
         plain_status, plain = await call(http, env.plain, "/v1/completions", body)
         status, answer = await call(http, env.router, "/v1/completions", body)
@@ -377,9 +431,21 @@ async def sim(env: Env) -> AsyncIterator[Sim]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    config = parse([example()["spec"]["model"]["name"], "--host", "127.0.0.1", "--port", str(ports[0]),
-                    "--served-model-name", env.model, "--max-model-len", str(env.max_model_len),
-                    "--kv-transfer-config", PRODUCER])
+    config = parse(
+        [
+            example()["spec"]["model"]["name"],
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports[0]),
+            "--served-model-name",
+            env.model,
+            "--max-model-len",
+            str(env.max_model_len),
+            "--kv-transfer-config",
+            PRODUCER,
+        ]
+    )
     config.bootstrap_port = ports[1]
     simulator = Simulator(config)
     await simulator.start()
@@ -391,8 +457,15 @@ async def sim(env: Env) -> AsyncIterator[Sim]:
 
 def shape(value: Any, path: str = "$") -> dict[str, str]:
     """JSON path -> type, over every element of every list."""
-    kind = {dict: "object", list: "array", str: "string", bool: "bool", int: "int", float: "float",
-            type(None): "null"}[type(value)]
+    kind = {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "bool",
+        int: "int",
+        float: "float",
+        type(None): "null",
+    }[type(value)]
     out = {path: kind}
     if isinstance(value, dict):
         for k, v in value.items():
@@ -430,11 +503,15 @@ def shapes_of(path: str, answer: Any) -> dict[str, str]:
 CONFORMANCE_REQUESTS = {
     "completion": ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 4}),
     "completion stream": ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 4, "stream": True}),
-    "completion stream with usage": ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 4, "stream": True,
-                                                         "stream_options": {"include_usage": True}}),
+    "completion stream with usage": (
+        "/v1/completions",
+        {"prompt": "def f(x):", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+    ),
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
-    "chat stream": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                                             "stream": True}),
+    "chat stream": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True},
+    ),
     "unknown model": ("/v1/completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}),
     "bad max_tokens": ("/v1/completions", {"prompt": "hi", "max_tokens": -1}),
 }
@@ -485,7 +562,9 @@ async def test_simulator_exports_the_metrics_vllm_does(env: Env, sim: Sim) -> No
     async with aiohttp.ClientSession() as http:
         prefill = await env.engine_url(C.ROLE_PREFILL)
         for url in (prefill, sim.url):  # one request each, so every counter has its labels
-            status, _ = await call(http, url, "/v1/completions", {"model": env.model, "prompt": "hi", "max_tokens": 2})
+            status, _ = await call(
+                http, url, "/v1/completions", {"model": env.model, "prompt": "hi", "max_tokens": 2}
+            )
             assert status == 200
         real = families(await (await http.get(f"{prefill}/metrics")).text())
         simulated = families(await (await http.get(f"{sim.url}/metrics")).text())

@@ -105,6 +105,7 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
     assert sts == {"prefill": 2, "decode": 1}
     spec = (await pdc.get("slo"))["spec"]
     assert (spec["prefill"]["replicas"], spec["decode"]["replicas"]) == (1, 2)
+
     # Events follow the status write that they describe.
     async def scaled_event() -> bool:
         events = await kube.list("v1", "Event", namespace)

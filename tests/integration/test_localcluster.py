@@ -193,7 +193,9 @@ async def test_statefulset_scales_onto_gpu_nodes_with_real_processes(
         node = await kube.get("v1", "Node", name)
         assert node is not None and node["metadata"]["labels"]["nvidia.com/gpu.present"] == "true"
     ips = {p["status"]["podIP"] for p in pods}
-    assert len(ips) == 3 and all(ip.startswith(node_networks.pod_network(local_cluster.slot) + ".") for ip in ips)
+    assert len(ips) == 3 and all(
+        ip.startswith(node_networks.pod_network(local_cluster.slot) + ".") for ip in ips
+    )
     for pod in pods:
         assert pod["status"]["phase"] == "Running"
         limits = pod["spec"]["containers"][0]["resources"]["limits"]

@@ -189,6 +189,7 @@ async def test_missing_secret_is_degraded_not_a_crash(
     # Engines are not rolled onto a config that cannot start; the rest is there.
     assert await kube.get("apps/v1", "StatefulSet", "gated-prefill", namespace) is None
     assert await kube.get("apps/v1", "Deployment", "gated-router", namespace) is not None
+
     # Events follow the status write that they describe.
     async def warned() -> bool:
         events = await kube.list("v1", "Event", namespace)

@@ -158,8 +158,13 @@ def bucket_counts(bounds: tuple[float, ...], values: list[float]) -> list[int]:
     return counts
 
 
-def traffic(exporters: Exporters, ttfts: list[float], itls: list[float], prefill_ttfts: list[float],
-            queue: list[float]) -> None:
+def traffic(
+    exporters: Exporters,
+    ttfts: list[float],
+    itls: list[float],
+    prefill_ttfts: list[float],
+    queue: list[float],
+) -> None:
     """200 requests' worth of every series."""
     for v in ttfts:
         exporters.ttft.observe(v)

@@ -255,8 +255,12 @@ async def test_router_follows_pods(
 ) -> None:
     # Addresses outside the pod ranges the local cluster hands out.
     async with (
-        simulator("--sim-profile", "zero", "--kv-transfer-config", PRODUCER, model="m", host="127.1.254.1") as p,
-        simulator("--sim-profile", "zero", "--kv-transfer-config", CONSUMER, model="m", host="127.1.254.2") as d,
+        simulator(
+            "--sim-profile", "zero", "--kv-transfer-config", PRODUCER, model="m", host="127.1.254.1"
+        ) as p,
+        simulator(
+            "--sim-profile", "zero", "--kv-transfer-config", CONSUMER, model="m", host="127.1.254.2"
+        ) as d,
         aiohttp.ClientSession() as http,
         router(namespace, local_cluster.kubeconfig, "--discovery", "pods") as (service, url),
     ):

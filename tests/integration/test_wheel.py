@@ -38,15 +38,23 @@ print(json.dumps({"file": pdcluster.__file__, "profiles": profiles, "action": de
 
 
 def test_the_wheel_autoscales_with_nothing_outside_it(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "-w", str(tmp_path / "dist"), str(REPO)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(REPO)],
+        check=True,
+    )
     (wheel,) = (tmp_path / "dist").glob("pdcluster_operator-*.whl")
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
     # The unpacked wheel first on the path, run from a folder with no traces near it.
-    out = subprocess.run([sys.executable, "-c", CHECK], cwd=tmp_path, capture_output=True, text=True,
-                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        check=True,
+    )
     got = json.loads(out.stdout)
     assert Path(got["file"]).is_relative_to(site), got["file"]
     assert got["traces"] == "absent"

@@ -19,12 +19,29 @@ def runtime(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_vllm_serve_becomes_the_api_server_on_the_tiny_model() -> None:
-    rendered = ["vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--port", "8000",
-                "--served-model-name", "llama", "--kv-transfer-config", '{"kv_role":"kv_producer"}']
+    rendered = [
+        "vllm",
+        "serve",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "--port",
+        "8000",
+        "--served-model-name",
+        "llama",
+        "--kv-transfer-config",
+        '{"kv_role":"kv_producer"}',
+    ]
     assert vllm.command(rendered) == [
-        str(RUNTIME / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(RUNTIME / "model"),
-        "--port", "8000", "--served-model-name", "llama", "--kv-transfer-config", '{"kv_role":"kv_producer"}',
+        str(RUNTIME / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(RUNTIME / "model"),
+        "--port",
+        "8000",
+        "--served-model-name",
+        "llama",
+        "--kv-transfer-config",
+        '{"kv_role":"kv_producer"}',
         "--enforce-eager",
     ]
 
@@ -42,8 +59,11 @@ def test_other_commands_of_the_image_run_as_rendered() -> None:
 
 
 def test_environment_pod_values_win_but_nothing_goes_online() -> None:
-    env = vllm.environment({"PATH": "/venv/bin:/usr/bin", "VLLM_HOST_IP": "127.1.0.9", "HF_HUB_OFFLINE": "0"},
-                           pod_ip="127.1.0.5", cache_dir=Path("/pods/p/vllm-cache"))
+    env = vllm.environment(
+        {"PATH": "/venv/bin:/usr/bin", "VLLM_HOST_IP": "127.1.0.9", "HF_HUB_OFFLINE": "0"},
+        pod_ip="127.1.0.5",
+        cache_dir=Path("/pods/p/vllm-cache"),
+    )
     assert env["VLLM_HOST_IP"] == "127.1.0.9"  # the manifest's $(POD_IP), kept
     assert env["VLLM_DP_MASTER_IP"] == "127.1.0.5"  # where the bootstrap server listens here
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"

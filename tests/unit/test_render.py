@@ -177,7 +177,10 @@ def test_mooncake_sizes_are_bytes() -> None:
     from pdcluster.render import mooncake
 
     spec = PDClusterSpec.model_validate(
-        {"model": {"name": "m"}, "mooncake": {"store": {"globalSegmentSize": "1.5Gi", "localBufferSize": "512Mi"}}}
+        {
+            "model": {"name": "m"},
+            "mooncake": {"store": {"globalSegmentSize": "1.5Gi", "localBufferSize": "512Mi"}},
+        }
     )
     data = mooncake.config_map(spec, Owner("c", "ns", "uid"))["data"]
     assert data["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == str(3 * 2**29)
@@ -186,7 +189,9 @@ def test_mooncake_sizes_are_bytes() -> None:
 
 @pytest.mark.parametrize(("grace", "drain"), [(120, 113), (30, 23), (8, 1), (3, 0), (0, 0)])
 def test_engines_drain_in_the_grace_period_the_prestop_sleep_leaves(grace: int, drain: int) -> None:
-    spec = PDClusterSpec.model_validate({"model": {"name": "m"}, "engine": {"terminationGracePeriodSeconds": grace}})
+    spec = PDClusterSpec.model_validate(
+        {"model": {"name": "m"}, "engine": {"terminationGracePeriodSeconds": grace}}
+    )
     for role in C.ENGINE_ROLES:
         args = engine_args(spec, role)
         assert args[args.index("--shutdown-timeout") + 1] == str(drain)

@@ -246,7 +246,8 @@ async def test_close_cancels_what_runs_and_stops_listening(server: tuple[HttpSer
 
 
 @pytest.mark.parametrize(
-    "header", [("X-Id", "a\r\nSet-Cookie: x=1"), ("X-Id", "a\nb"), ("X Id", "a"), ("X-Id:", "a"), ("X-Id", "a\x00")]
+    "header",
+    [("X-Id", "a\r\nSet-Cookie: x=1"), ("X-Id", "a\nb"), ("X Id", "a"), ("X-Id:", "a"), ("X-Id", "a\x00")],
 )
 def test_a_response_header_cannot_split_the_response(header: tuple[str, str]) -> None:
     from pdcluster.router.http import _head

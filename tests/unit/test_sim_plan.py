@@ -111,3 +111,137 @@ def test_a_per_prompt_ttft_target_adds_the_isolated_prefill() -> None:
 def test_parallel_runs_take_an_empty_or_single_list() -> None:
     """The rate search can ask for no splits at all (`--jobs` above 1 crashed on it)."""
     assert plan.run_many(None, [], jobs=4) == []  # type: ignore[arg-type]
+
+
+def _generated(rng: random.Random, kind: str) -> list[dict]:
+    """Well-formed traces of shapes the public ones do not have."""
+    n = {"tiny": 2, "burst": 60, "flat": 80, "huge": 12, "mixed": 150}[kind]
+    rows, t = [], 0.0
+    for i in range(n):
+        if kind == "burst":
+            t = 0.0 if i < n // 2 else 30.0  # everything arrives at two instants
+        else:
+            t += rng.expovariate(2.0)
+        length = {
+            "tiny": 1,
+            "burst": 300,
+            "flat": 2000,
+            "huge": rng.randint(60_000, 130_000),
+            "mixed": rng.choice([0, 1, 50, 4000, 32_000]),
+        }[kind]
+        rows.append(
+            {
+                "timestamp": round(t * 1000),
+                "input_length": length,
+                "output_length": rng.choice([0, 1, 40, 900]),
+            }
+        )
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["tiny", "burst", "flat", "huge", "mixed"])
+def test_plan_runs_on_generated_traces(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every well-formed trace gives a report: the rate search, every policy, the text."""
+    rng = random.Random(kind)
+    path = tmp_path / f"{kind}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _generated(rng, kind)))
+    report = plan_json(
+        capsys, "--trace", str(path), "--gpus", "4", "--slo-ttft-ms", "800", "--slo-itl-ms", "40"
+    )
+    assert report["requests"] == len(_generated(random.Random(kind), kind))
+    assert set(report["policies"]) >= {"pdcluster", "dynamo"}
+    for score in report["policies"].values():
+        assert 0.0 <= score["attainment"] <= 1.0
+    assert report["recommendation"]
+
+
+def test_plan_runs_on_a_generated_azure_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "azure.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    rows += [
+        f"2023-11-16 18:{m:02d}:{s:02d}.1234567,{300 + 7 * s},{20 + s}"
+        for m in range(2)
+        for s in range(0, 60, 3)
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    report = plan_json(
+        capsys, "--trace", str(path), "--gpus", "3", "--slo-ttft-ms", "500", "--slo-itl-ms", "30"
+    )
+    assert report["requests"] == 40
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        (
+            "a.jsonl",
+            '{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1\n',
+            "a.jsonl:2: not JSON",
+        ),
+        (
+            "b.jsonl",
+            '{"timestamp": 0, "input_length": 5, "output_length": 1}\n\n{"timestamp": 9, "input_length": 5}\n',
+            "b.jsonl:3: missing output_length",
+        ),
+        (
+            "c.jsonl",
+            '{"timestamp": 0, "input_length": -5, "output_length": 1}\n',
+            "c.jsonl:1: input_length -5 is not a whole number >= 0",
+        ),
+        (
+            "d.jsonl",
+            '{"timestamp": "soon", "input_length": 5, "output_length": 1}\n',
+            "d.jsonl:1: timestamp 'soon' is not a number",
+        ),
+        ("e.jsonl", "[1, 2]\n", "e.jsonl:1: a JSON object is expected"),
+        (
+            "f.jsonl",
+            '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "x"}\n',
+            "f.jsonl:1: hash_ids must be a list",
+        ),
+        ("g.jsonl", "", "g.jsonl: no requests"),
+        (
+            "h.jsonl",
+            '{"timestamp": 7, "input_length": 5, "output_length": 1}\n' * 3,
+            "h.jsonl: requests at two different times",
+        ),
+        (
+            "i.csv",
+            "TIMESTAMP,ContextTokens\n2023-11-16 18:00:00,5\n",
+            "i.csv:1: header lacks GeneratedTokens",
+        ),
+        (
+            "j.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,5,1\nyesterday,5,1\n",
+            "j.csv:3: TIMESTAMP 'yesterday' is not an ISO time",
+        ),
+        (
+            "k.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,5,1\n2023-11-16 18:00:01,5.5,1\n",
+            "k.csv:3: ContextTokens 5.5 is not a whole number",
+        ),
+        (
+            "l.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,5\n",
+            "l.csv:2: 3 columns expected",
+        ),
+    ],
+)
+def test_plan_rejects_a_bad_trace_naming_the_line(
+    name: str, text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    code = plan.main(["--trace", str(path), "--gpus", "4", "--slo-ttft-ms", "500", "--slo-itl-ms", "30"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_plan_rejects_a_budget_of_one_engine(small_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = plan.main(
+        ["--trace", str(small_trace), "--gpus", "1", "--slo-ttft-ms", "500", "--slo-itl-ms", "30"]
+    )
+    assert code == 2
+    assert "prefill and decode need one each" in capsys.readouterr().err

@@ -486,8 +486,9 @@ class LoadSample(Model):
     time: str
     prefill: int = Field(ge=0, description="Prompt tokens arriving per second.")
     decode: int = Field(
-        ge=0, description="KV tokens the arriving requests hold, per second of decoding x 1000 "
-        "(requests/s x output tokens x mean context / 1000)."
+        ge=0,
+        description="KV tokens the arriving requests hold, per second of decoding x 1000 "
+        "(requests/s x output tokens x mean context / 1000).",
     )
 
 

@@ -97,15 +97,14 @@ def assemble(
     prompt tokens arriving / mean prompt, the mean prompt taken from what the prefill
     engines finished (vllm:prompt_tokens / vllm:request_success on prefill).
     """
-    if prefilled_rate > 0:
-        isl = prefilled_tokens_rate / prefilled_rate
-    elif finished_rate > 0:
+    isl = prefilled_tokens_rate / prefilled_rate if prefilled_rate > 0 else 0.0
+    if isl <= 0 and finished_rate > 0:  # prefill counted requests but no tokens in the window
         isl = prompt_tokens_rate / finished_rate
-    else:
+    if isl <= 0:
         return MetricsSnapshot(window_s, 0.0)
     return MetricsSnapshot(
         window_s=window_s,
-        request_rate=prompt_tokens_rate / isl if isl > 0 else 0.0,
+        request_rate=prompt_tokens_rate / isl,
         request_rate_before=None if prompt_tokens_rate_before is None else prompt_tokens_rate_before / isl,
         ttft_ms=ttft_ms,
         itl_ms=itl_ms,

@@ -292,9 +292,7 @@ class OpenAIServer:
             tail = b',"logprobs":null,"finish_reason":%s%s}]%s}\n\n'
         else:
             open_, close = b"data: " + head + b',"choices":[{"index":0,"text":', b""
-            tail = (
-                b',"logprobs":null,"finish_reason":%s%s,"prompt_token_ids":null,"token_ids":null}]%s}\n\n'
-            )
+            tail = b',"logprobs":null,"finish_reason":%s%s,"prompt_token_ids":null,"token_ids":null}]%s}\n\n'
         # vLLM names itself in the last event before [DONE].
         fingerprint = b',"system_fingerprint":' + orjson.dumps(self.fingerprint)
         not_final = b',"stop_reason":null' if not req.chat else b""
@@ -319,7 +317,11 @@ class OpenAIServer:
                 last = finished and i == len(words) - 1
                 if last:
                     reason = orjson.dumps(seq.finish_reason)
-                    end = tail % (reason, b',"stop_reason":null', stamp + (b"" if req.include_usage else fingerprint))
+                    end = tail % (
+                        reason,
+                        b',"stop_reason":null',
+                        stamp + (b"" if req.include_usage else fingerprint),
+                    )
                 else:
                     end = running
                 out.append(open_ + _WORDS_JSON[word] + close + end)
@@ -342,11 +344,16 @@ def system_fingerprint(config: SimConfig) -> str:
     """As vLLM's default ("full") mode writes it (entrypoints/serve/utils/fingerprint.py):
     version, parallel sizes above 1, and a hash of the engine's configuration."""
     parts = [f"vllm-{VLLM_VERSION}"]
-    for prefix, size in (("tp", config.tensor_parallel_size), ("pp", config.pipeline_parallel_size),
-                         ("dp", config.data_parallel_size)):
+    for prefix, size in (
+        ("tp", config.tensor_parallel_size),
+        ("pp", config.pipeline_parallel_size),
+        ("dp", config.data_parallel_size),
+    ):
         if size > 1:
             parts.append(f"{prefix}{size}")
-    described = f"{config.model}|{config.max_model_len}|{config.tensor_parallel_size}|{config.pipeline_parallel_size}"
+    described = (
+        f"{config.model}|{config.max_model_len}|{config.tensor_parallel_size}|{config.pipeline_parallel_size}"
+    )
     parts.append(f"{zlib.crc32(described.encode()):08x}")
     return "-".join(parts)
 

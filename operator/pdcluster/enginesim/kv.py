@@ -196,7 +196,9 @@ class MooncakeStore:
             await asyncio.sleep(self.CHECK_SECONDS)
             # 0: the master answered and has no marker; < 0: no answer (Mooncake retries).
             if self._marked and await self._call("is_exist", self.marker) == 0:
-                log.warning("Mooncake master %s does not know this engine (restarted): setting up again", self.master)
+                log.warning(
+                    "Mooncake master %s does not know this engine (restarted): setting up again", self.master
+                )
                 await self._drop()
                 connected = await self._setup()
 

@@ -75,11 +75,16 @@ class MetricFamilies:
             obs.VLLM_GENERATION_TOKENS, "Number of generation tokens processed.", labels, registry=r
         )
         self.prefix_queries = Counter(
-            obs.VLLM_PREFIX_QUERIES, "Prefix cache queries, in terms of number of queried tokens.", labels,
+            obs.VLLM_PREFIX_QUERIES,
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels,
             registry=r,
         )
         self.prefix_hits = Counter(
-            obs.VLLM_PREFIX_HITS, "Prefix cache hits, in terms of number of cached tokens.", labels, registry=r
+            obs.VLLM_PREFIX_HITS,
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels,
+            registry=r,
         )
         self.success = Counter(
             obs.VLLM_REQUEST_SUCCESS,

@@ -29,7 +29,7 @@ from pdcluster.control import models
 from pdcluster.sim.dynamo import Dynamo
 from pdcluster.sim.fleet import FleetConfig, Result, simulate
 from pdcluster.sim.policies import PDCluster, Static
-from pdcluster.sim.trace import Trace, load_trace
+from pdcluster.sim.trace import Trace, TraceError, load_trace
 
 BAND = (0.85, 0.95)  # static-best attainment the automatic rate scale aims for
 DEFAULT_POLICIES = ("static-best", "dynamo", "pdcluster")
@@ -345,6 +345,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dict[str, Result], Setup]:
     """Simulate every requested policy; the report, the raw results and the setup."""
     profile = perf.load(args.profile)
+    if args.gpus // profile.gpus < 2:
+        raise TraceError(
+            f"--gpus {args.gpus} holds {args.gpus // profile.gpus} engine(s) of {profile.gpus} GPU(s); "
+            "prefill and decode need one each"
+        )
     base = load_trace(args.trace, args.format, seed=args.seed)
     slo = SLO(args.slo_ttft_ms, args.slo_itl_ms, args.ttft_plus_prefill)
     fleet = FleetConfig(
@@ -384,7 +389,11 @@ def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dic
 
 def run(args: argparse.Namespace) -> int:
     say = (lambda _msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
-    report, results, setup = evaluate(args, say)
+    try:
+        report, results, setup = evaluate(args, say)
+    except (TraceError, OSError) as e:
+        print(f"pdctl plan: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import random
+import re
 import statistics
 from dataclasses import dataclass
 from datetime import datetime
@@ -92,14 +93,37 @@ def detect_format(path: Path) -> str:
     return "azure" if path.suffix == ".csv" else "mooncake"
 
 
+class TraceError(ValueError):
+    """A trace that cannot be replayed; the message names the file and line."""
+
+
 def load_trace(path: str | Path, fmt: str | None = None, *, seed: int = 0) -> Trace:
     path = Path(path)
     fmt = fmt or detect_format(path)
     if fmt == "mooncake":
-        return _mooncake(path, seed)
-    if fmt == "azure":
-        return _azure(path)
-    raise ValueError(f"unknown trace format {fmt!r} (mooncake or azure)")
+        trace = _mooncake(path, seed)
+    elif fmt == "azure":
+        trace = _azure(path)
+    else:
+        raise TraceError(f"unknown trace format {fmt!r} (mooncake or azure)")
+    if trace.span_s <= 0:
+        raise TraceError(f"{path}: requests at two different times at least are needed (a rate)")
+    return trace
+
+
+def _count(value: object, where: str, field: str, *, low: int) -> int:
+    """A whole number >= low from JSON or CSV (bool is not one, a float with a fraction neither)."""
+    if isinstance(value, str):
+        value = value.strip()
+        try:
+            value = int(value) if re.fullmatch(r"[+-]?\d+", value) else float(value)
+        except ValueError:
+            raise TraceError(f"{where}: {field} {value!r} is not a number") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TraceError(f"{where}: {field} {value!r} is not a number")
+    if value != int(value) or value < low:
+        raise TraceError(f"{where}: {field} {value!r} is not a whole number >= {low}")
+    return int(value)
 
 
 def _quantum_ms(stamps: list[int]) -> float:
@@ -111,8 +135,36 @@ def _quantum_ms(stamps: list[int]) -> float:
 
 
 def _mooncake(path: Path, seed: int) -> Trace:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    stamps = [int(r["timestamp"]) for r in rows]
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise TraceError(f"{where}: a JSON object is expected")
+        missing = [k for k in ("timestamp", "input_length", "output_length") if k not in row]
+        if missing:
+            raise TraceError(f"{where}: missing {', '.join(missing)}")
+        hashes = row.get("hash_ids") or []
+        if not isinstance(hashes, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) for h in hashes
+        ):
+            raise TraceError(f"{where}: hash_ids must be a list of integers")
+        rows.append(
+            (
+                _count(row["timestamp"], where, "timestamp", low=0),
+                _count(row["input_length"], where, "input_length", low=0),
+                _count(row["output_length"], where, "output_length", low=0),
+                tuple(hashes),
+            )
+        )
+    if not rows:
+        raise TraceError(f"{path}: no requests")
+    stamps = [r[0] for r in rows]
     quantum = _quantum_ms(stamps)
     rng = random.Random(seed)
     arrival = [(t + (rng.uniform(0.0, quantum) if quantum else 0.0)) / 1000.0 for t in stamps]
@@ -120,23 +172,46 @@ def _mooncake(path: Path, seed: int) -> Trace:
     return Trace(
         path.stem,
         [arrival[i] for i in order],
-        [max(int(rows[i]["input_length"]), 1) for i in order],
-        [max(int(rows[i]["output_length"]), 1) for i in order],
-        [tuple(rows[i].get("hash_ids") or ()) for i in order],
+        [max(rows[i][1], 1) for i in order],
+        [max(rows[i][2], 1) for i in order],
+        [rows[i][3] for i in order],
     )
 
 
 def _azure(path: Path) -> Trace:
     with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    stamps = [datetime.fromisoformat(r["TIMESTAMP"].strip()[:26]) for r in rows]
-    start = min(stamps)
-    arrival = [(t - start).total_seconds() for t in stamps]
+        reader = csv.DictReader(f)
+        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+        if missing:
+            raise TraceError(f"{path}:1: header lacks {', '.join(sorted(missing))}")
+        rows = []
+        for number, r in enumerate(reader, 2):
+            where = f"{path}:{number}"
+            if None in r.values() or None in r:
+                raise TraceError(f"{where}: {len(reader.fieldnames or ())} columns expected")
+            try:
+                # Seven fractional digits, which datetime does not parse: the 7th is cut.
+                stamp = datetime.fromisoformat(r["TIMESTAMP"].strip()[:26])
+            except ValueError:
+                raise TraceError(f"{where}: TIMESTAMP {r['TIMESTAMP']!r} is not an ISO time") from None
+            rows.append(
+                (
+                    stamp,
+                    _count(r["ContextTokens"], where, "ContextTokens", low=0),
+                    _count(r["GeneratedTokens"], where, "GeneratedTokens", low=0),
+                )
+            )
+    if not rows:
+        raise TraceError(f"{path}: no requests")
+    if len({s.tzinfo is None for s, _, _ in rows}) > 1:
+        raise TraceError(f"{path}: TIMESTAMPs mix times with and without a time zone")
+    start = min(s for s, _, _ in rows)
+    arrival = [(s - start).total_seconds() for s, _, _ in rows]
     order = sorted(range(len(rows)), key=arrival.__getitem__)
     return Trace(
         path.stem,
         [arrival[i] for i in order],
-        [max(int(rows[i]["ContextTokens"]), 1) for i in order],
-        [max(int(rows[i]["GeneratedTokens"]), 1) for i in order],
+        [max(rows[i][1], 1) for i in order],
+        [max(rows[i][2], 1) for i in order],
         [() for _ in order],
     )
