@@ -24,6 +24,7 @@ VLLM_REQUEST_SUCCESS: Final = "vllm:request_success"  # counter{finished_reason}
 VLLM_ITERATION_TOKENS: Final = "vllm:iteration_tokens_total"  # histogram
 VLLM_PREFIX_QUERIES: Final = "vllm:prefix_cache_queries"  # counter, tokens
 VLLM_PREFIX_HITS: Final = "vllm:prefix_cache_hits"  # counter, tokens
+VLLM_REQUEST_PROMPT_TOKENS: Final = "vllm:request_prompt_tokens"  # histogram, per finished request
 VLLM_LABELS: Final = ("model_name", "engine")
 
 VLLM_TTFT_BUCKETS: Final = (

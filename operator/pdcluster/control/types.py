@@ -19,6 +19,7 @@ class RoleMetrics:
     queue_time_q_ms: float | None = None  # the same at the SLO quantile
     tokens_per_s: float | None = None  # prefill: prompt tokens prefilled; decode: tokens generated
     ready: float | None = None  # engines reporting, mean over the window
+    running: float | None = None  # requests RUNNING, summed over the engines (window mean)
     # Prompt lengths the engines finished in the window (vllm:request_prompt_tokens):
     # (bucket upper bound, requests in that bucket), the last bound +Inf.
     prompt_tokens: tuple[tuple[float, float], ...] = ()
@@ -69,11 +70,15 @@ class Observed:
 def assemble(
     *,
     window_s: int,
-    prompt_tokens_rate: float,
-    prefilled_tokens_rate: float,
-    prefilled_rate: float,
-    finished_rate: float,
-    generated_tokens_rate: float,
+    prompt_tokens_rate: float | None = None,
+    prompt_tokens_rate_before: float | None = None,
+    finished_rate: float | None = None,
+    generated_tokens_rate: float | None = None,
+    prefilled_tokens_rate: float | None = None,
+    prefilled_rate: float | None = None,
+    decode_tokens_rate: float | None = None,
+    prefix_queries_rate: float | None = None,
+    prefix_hits_rate: float | None = None,
     ttft_ms: float | None = None,
     itl_ms: float | None = None,
     prefill_ttft_ms: float | None = None,
@@ -81,14 +86,11 @@ def assemble(
     queue_time_ms: float | None = None,
     queue_time_q_ms: float | None = None,
     prefill_queue: float | None = None,
+    decode_running: float | None = None,
     decode_kv_usage: float | None = None,
-    prefix_queries_rate: float = 0.0,
-    prefix_hits_rate: float = 0.0,
-    decode_tokens_rate: float | None = None,
     prefill_ready: float | None = None,
     decode_ready: float | None = None,
     prompt_tokens: tuple[tuple[float, float], ...] = (),
-    prompt_tokens_rate_before: float | None = None,
 ) -> MetricsSnapshot:
     """A snapshot from per-second rates of the router's and the engines' counters.
 
@@ -97,6 +99,9 @@ def assemble(
     prompt tokens arriving / mean prompt, the mean prompt taken from what the prefill
     engines finished (vllm:prompt_tokens / vllm:request_success on prefill).
     """
+    prompt_tokens_rate = prompt_tokens_rate or 0.0
+    prefilled_tokens_rate, prefilled_rate = prefilled_tokens_rate or 0.0, prefilled_rate or 0.0
+    finished_rate, generated_tokens_rate = finished_rate or 0.0, generated_tokens_rate or 0.0
     isl = prefilled_tokens_rate / prefilled_rate if prefilled_rate > 0 else 0.0
     if isl <= 0 and finished_rate > 0:  # prefill counted requests but no tokens in the window
         isl = prompt_tokens_rate / finished_rate
@@ -112,7 +117,7 @@ def assemble(
         mean_output_tokens=generated_tokens_rate / finished_rate if finished_rate > 0 else None,
         prefill_queue=prefill_queue,
         decode_kv_usage=decode_kv_usage,
-        prefix_hit_ratio=prefix_hits_rate / prefix_queries_rate if prefix_queries_rate > 0 else None,
+        prefix_hit_ratio=(prefix_hits_rate or 0.0) / prefix_queries_rate if prefix_queries_rate else None,
         prefill=RoleMetrics(
             ttft_ms=prefill_ttft_ms,
             queue_time_ms=queue_time_ms,
@@ -121,5 +126,7 @@ def assemble(
             ready=prefill_ready,
             prompt_tokens=prompt_tokens,
         ),
-        decode=RoleMetrics(itl_ms=decode_itl_ms, tokens_per_s=decode_tokens_rate, ready=decode_ready),
+        decode=RoleMetrics(
+            itl_ms=decode_itl_ms, tokens_per_s=decode_tokens_rate, ready=decode_ready, running=decode_running
+        ),
     )

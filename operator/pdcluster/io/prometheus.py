@@ -30,6 +30,9 @@ import aiohttp
 
 from pdcluster import observability as obs
 from pdcluster.control.types import MetricsSnapshot, assemble
+from pdcluster.series import BY_FIELD, PRESENCE, SERIES, Kind, Series
+
+PRESENT = "present"  # the query that tells an unknown cluster from one without traffic
 
 
 class PrometheusUnavailable(Exception):
@@ -48,51 +51,56 @@ def _series(name: str, labels: str) -> str:
     return f'{{__name__=~"{"|".join(spellings)}",{labels}}}'
 
 
-def queries(namespace: str, cluster: str, window_s: int, quantile: float) -> dict[str, str]:
-    """Name -> PromQL for one cluster's snapshot."""
-    base = f'{obs.PROM_LABEL_CLUSTER}="{_label_value(cluster)}",namespace="{_label_value(namespace)}"'
-    prefill = f'{base},{obs.PROM_LABEL_ROLE}="prefill"'
-    decode = f'{base},{obs.PROM_LABEL_ROLE}="decode"'
+def _promql(s: Series, labels: str, window_s: int, quantile: float) -> str:
     w = f"[{window_s}s]"
+    if s.kind == Kind.rate:
+        return f"sum(rate({_series(s.metric + '_total', labels)}{w}))"
+    if s.kind == Kind.rate_before:
+        return f"sum(rate({_series(s.metric + '_total', labels)}{w} offset {window_s}s))"
+    if s.kind == Kind.quantile:
+        return (
+            f"histogram_quantile({quantile}, sum by (le) (rate({_series(s.metric + '_bucket', labels)}{w})))"
+        )
+    if s.kind == Kind.mean:
+        total, count = _series(s.metric + "_sum", labels), _series(s.metric + "_count", labels)
+        return f"sum(rate({total}{w})) / sum(rate({count}{w}))"
+    if s.kind == Kind.buckets:
+        return f"sum by (le) (rate({_series(s.metric + '_bucket', labels)}{w}))"
+    if s.kind == Kind.gauge_sum:
+        return f"sum(avg_over_time({_series(s.metric, labels)}{w}))"
+    if s.kind == Kind.gauge_avg:
+        return f"avg(avg_over_time({_series(s.metric, labels)}{w}))"
+    # engines: a subquery needs its own step (its default, the evaluation interval, may exceed the window)
+    step = max(window_s // 8, 1)
+    return f"avg_over_time(count({_series(s.metric, labels)})[{window_s}s:{step}s])"
 
-    def quantile_of(metric: str, labels: str) -> str:
-        return f"histogram_quantile({quantile}, sum by (le) (rate({_series(metric + '_bucket', labels)}{w})))"
 
-    def rate(metric: str, labels: str) -> str:
-        return f"sum(rate({_series(metric, labels)}{w}))"
+def queries(namespace: str, cluster: str, window_s: int, quantile: float) -> dict[str, str]:
+    """Field of the snapshot (pdcluster.series) -> PromQL, for one cluster."""
+    base = f'{obs.PROM_LABEL_CLUSTER}="{_label_value(cluster)}",namespace="{_label_value(namespace)}"'
+    out = {}
+    for s in SERIES:
+        labels = base
+        if s.role:
+            labels += f',{obs.PROM_LABEL_ROLE}="{s.role}"'
+        if s.outcome:
+            labels += f',outcome="{s.outcome}"'
+        out[s.field] = _promql(s, labels, window_s, quantile)
+    out[PRESENT] = " or ".join(f"count({_series(m, base)})" for m in PRESENCE)
+    return out
 
-    def engines(labels: str) -> str:
-        # A subquery needs its own step (its default, the evaluation interval, may exceed the window).
-        step = max(window_s // 8, 1)
-        return f"avg_over_time(count({_series(obs.VLLM_WAITING, labels)})[{window_s}s:{step}s])"
 
-    queue_time = obs.VLLM_QUEUE_TIME
-    return {
-        "ttft": quantile_of(obs.ROUTER_TTFT, base),
-        "itl": quantile_of(obs.ROUTER_ITL, base),
-        "prefill_ttft": quantile_of(obs.VLLM_TTFT, prefill),
-        "decode_itl": quantile_of(obs.VLLM_ITL, decode),
-        "queue_time_q": quantile_of(queue_time, prefill),
-        "queue_time": f"{rate(queue_time + '_sum', prefill)} / {rate(queue_time + '_count', prefill)}",
-        "prompt_tokens": rate(obs.ROUTER_PROMPT_TOKENS + "_total", base),
-        "prompt_tokens_before": (
-            f"sum(rate({_series(obs.ROUTER_PROMPT_TOKENS + '_total', base)}{w} offset {window_s}s))"
-        ),
-        "finished": rate(obs.ROUTER_REQUESTS + "_total", f'{base},outcome="ok"'),
-        "generated_tokens": rate(obs.ROUTER_GENERATION_TOKENS + "_total", base),
-        "prefilled_tokens": rate(obs.VLLM_PROMPT_TOKENS + "_total", prefill),
-        "prefilled": rate(obs.VLLM_REQUEST_SUCCESS + "_total", prefill),
-        "decode_tokens": rate(obs.VLLM_GENERATION_TOKENS + "_total", decode),
-        "prefix_queries": rate(obs.VLLM_PREFIX_QUERIES + "_total", prefill),
-        "prefix_hits": rate(obs.VLLM_PREFIX_HITS + "_total", prefill),
-        "prefill_queue": f"sum(avg_over_time({_series(obs.VLLM_WAITING, prefill)}{w}))",
-        "kv_usage": f"avg(avg_over_time({_series(obs.VLLM_KV_USAGE, decode)}{w}))",
-        "prefill_ready": engines(prefill),
-        "decode_ready": engines(decode),
-        # Does Prometheus hold anything of this cluster at all?
-        "series": f"count({_series(obs.ROUTER_PROMPT_TOKENS + '_total', base)}) or "
-        f"count({_series(obs.VLLM_WAITING, base)})",
-    }
+def _buckets(result: list[dict]) -> tuple[tuple[float, float], ...]:
+    """Cumulative `le` series -> (upper bound, rate in that bucket alone), ascending."""
+    cumulative = sorted(
+        (float(r["metric"]["le"]), float(r["value"][1])) for r in result if "le" in r["metric"]
+    )
+    out, below = [], 0.0
+    for upper, value in cumulative:
+        value = value if math.isfinite(value) else below
+        out.append((upper, max(value - below, 0.0)))
+        below = max(value, below)
+    return tuple(out)
 
 
 class Prometheus:
@@ -103,9 +111,7 @@ class Prometheus:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def query(self, promql: str, at: float | None = None) -> float | None:
-        """The value of an expression that yields at most one series, evaluated at `at`
-        (Unix seconds; Prometheus' now when None); None when empty or NaN."""
+    async def _ask(self, promql: str, at: float | None) -> dict:
         params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
         try:
             async with self.session.get(self.url, params=params, timeout=self.timeout) as resp:
@@ -115,7 +121,12 @@ class Prometheus:
         if not isinstance(body, dict) or body.get("status") != "success":
             detail = body.get("error", body) if isinstance(body, dict) else body
             raise PrometheusUnavailable(f"{self.url}: query failed: {detail}")
-        data = body["data"]
+        return body["data"]
+
+    async def query(self, promql: str, at: float | None = None) -> float | None:
+        """The value of an expression that yields at most one series, evaluated at `at`
+        (Unix seconds; Prometheus' now when None); None when empty or NaN."""
+        data = await self._ask(promql, at)
         if data["resultType"] == "scalar":
             sample = data["result"]
         elif data["result"]:
@@ -125,50 +136,37 @@ class Prometheus:
         value = float(sample[1])
         return value if math.isfinite(value) else None
 
+    async def query_buckets(self, promql: str, at: float | None = None) -> tuple[tuple[float, float], ...]:
+        """A `sum by (le)` expression as (upper bound, rate in that bucket alone)."""
+        data = await self._ask(promql, at)
+        return _buckets(data["result"]) if data["resultType"] == "vector" else ()
+
     async def router_p99_ms(
         self, namespace: str, cluster: str, window_s: int
     ) -> tuple[int | None, int | None]:
         """The router's TTFT and ITL p99 in ms, for `kubectl get pdc`."""
         q = queries(namespace, cluster, window_s, 0.99)
         at = time.time()
-        ttft, itl = await asyncio.gather(self.query(q["ttft"], at), self.query(q["itl"], at))
+        ttft, itl = await asyncio.gather(self.query(q["ttft_ms"], at), self.query(q["itl_ms"], at))
         return (None if ttft is None else round(ttft * 1000), None if itl is None else round(itl * 1000))
 
     async def snapshot(
-        self, namespace: str, cluster: str, window_s: int, quantile: float
+        self, namespace: str, cluster: str, window_s: int, quantile: float, at: float | None = None
     ) -> MetricsSnapshot | None:
-        names, exprs = zip(*queries(namespace, cluster, window_s, quantile).items(), strict=True)
+        """The window ending at `at` (Unix seconds, now when None)."""
+        exprs = queries(namespace, cluster, window_s, quantile)
         # One instant for every query: evaluated as each request arrives, a scrape between
         # two of them gives their rates different windows, and ratios of them (the mean
         # prompt) drift by tenths of a percent.
-        at = time.time()
-        values = dict(zip(names, await asyncio.gather(*(self.query(e, at) for e in exprs)), strict=True))
-        if not values["series"]:
+        at = time.time() if at is None else at
+
+        async def value(name: str):
+            if name in BY_FIELD and BY_FIELD[name].kind == Kind.buckets:
+                return await self.query_buckets(exprs[name], at)
+            v = await self.query(exprs[name], at)
+            return v * 1000.0 if v is not None and name in BY_FIELD and BY_FIELD[name].in_ms else v
+
+        values = dict(zip(exprs, await asyncio.gather(*(value(n) for n in exprs)), strict=True))
+        if not values.pop(PRESENT):
             return None
-
-        def ms(name: str) -> float | None:
-            v = values[name]
-            return None if v is None else v * 1000.0
-
-        return assemble(
-            window_s=window_s,
-            prompt_tokens_rate=values["prompt_tokens"] or 0.0,
-            prompt_tokens_rate_before=values["prompt_tokens_before"],
-            prefilled_tokens_rate=values["prefilled_tokens"] or 0.0,
-            prefilled_rate=values["prefilled"] or 0.0,
-            finished_rate=values["finished"] or 0.0,
-            generated_tokens_rate=values["generated_tokens"] or 0.0,
-            ttft_ms=ms("ttft"),
-            itl_ms=ms("itl"),
-            prefill_ttft_ms=ms("prefill_ttft"),
-            decode_itl_ms=ms("decode_itl"),
-            queue_time_ms=ms("queue_time"),
-            queue_time_q_ms=ms("queue_time_q"),
-            prefill_queue=values["prefill_queue"],
-            decode_kv_usage=values["kv_usage"],
-            prefix_queries_rate=values["prefix_queries"] or 0.0,
-            prefix_hits_rate=values["prefix_hits"] or 0.0,
-            decode_tokens_rate=values["decode_tokens"],
-            prefill_ready=values["prefill_ready"],
-            decode_ready=values["decode_ready"],
-        )
+        return assemble(window_s=window_s, **values)

@@ -34,7 +34,6 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdcluster import observability as obs
 from pdcluster.control.models import MAX_BATCHED_TOKENS
 from pdcluster.perf import Profile
 from pdcluster.router.policy import Backend, LeastLoaded, make_policy
@@ -181,9 +180,9 @@ class Fleet:
         self.hist = {name: M.Histogram(bounds) for name, bounds in self.scrapes.bounds.items()}
         self.counters = dict.fromkeys(
             (
-                obs.ROUTER_REQUESTS,
-                obs.ROUTER_PROMPT_TOKENS,
-                obs.ROUTER_GENERATION_TOKENS,
+                M.ROUTER_FINISHED,
+                M.ROUTER_PROMPT_TOKENS,
+                M.ROUTER_GENERATION_TOKENS,
                 M.PREFIX_QUERIES,
                 M.PREFIX_HITS,
                 M.REQUESTS_ARRIVED,
@@ -351,7 +350,8 @@ class Fleet:
     def scrape(self) -> None:
         prefill, decode = self.ready["prefill"], self.ready["decode"]
         gauges = {
-            obs.VLLM_WAITING: float(sum(len(e.queue) for e in prefill)),  # type: ignore[attr-defined]
+            M.PREFILL_WAITING: float(sum(len(e.queue) for e in prefill)),  # type: ignore[attr-defined]
+            M.DECODE_RUNNING: float(sum(e.batch for e in decode)),  # type: ignore[attr-defined]
             M.PREFILL_READY: float(len(prefill)),
             M.DECODE_READY: float(len(decode)),
         }
@@ -360,7 +360,7 @@ class Fleet:
             used = 0.0
             for e in decode:
                 used += e.kv + e.batch * e.steps_done(self.now)  # type: ignore[attr-defined]
-            gauges[obs.VLLM_KV_USAGE] = used / cap / len(decode)
+            gauges[M.DECODE_KV_USAGE] = used / cap / len(decode)
         self.scrapes.record(
             M.Sample(
                 self.now,
@@ -374,7 +374,7 @@ class Fleet:
     def arrive(self, i: int, counted: bool = False) -> None:
         if not counted:
             self.counters[M.REQUESTS_ARRIVED] += 1
-            self.counters[obs.ROUTER_PROMPT_TOKENS] += self.trace.input_tokens[i]
+            self.counters[M.ROUTER_PROMPT_TOKENS] += self.trace.input_tokens[i]
         engines = self.ready["prefill"]
         if not engines:
             self.backlog["prefill"].append(i)
@@ -494,7 +494,7 @@ class Fleet:
             step = engine.step0 + engine.steps_done(self.now + 1e-9)
             n = step - engine.step0
             if n > 0:
-                for name in (M.DECODE_ITL, obs.ROUTER_ITL):
+                for name in (M.DECODE_ITL, M.ROUTER_ITL):
                     self.hist[name].observe_steps(
                         engine.step_ms / 1000.0, engine.growth / 1000.0, n, engine.batch, engine.fresh
                     )
@@ -525,7 +525,7 @@ class Fleet:
         engine.growth = d2 * engine.batch
         engine.fresh = len(joined)
         first = self.now + engine.step_ms / 1000.0
-        ttft_hist = self.hist[obs.ROUTER_TTFT]
+        ttft_hist = self.hist[M.ROUTER_TTFT]
         for i in joined:
             self.first_token[i] = first
             self.ttft[i] = first - tr.arrival_s[i]
@@ -540,8 +540,8 @@ class Fleet:
         tr = self.trace
         self.finish[i] = self.now
         self.done += 1
-        self.counters[obs.ROUTER_REQUESTS] += 1
-        self.counters[obs.ROUTER_GENERATION_TOKENS] += tr.output_tokens[i]
+        self.counters[M.ROUTER_FINISHED] += 1
+        self.counters[M.ROUTER_GENERATION_TOKENS] += tr.output_tokens[i]
         self.hist[M.REQUEST_DURATION].observe(self.now - tr.arrival_s[i])
         self.hist[M.INPUT_TOKENS].observe(tr.input_tokens[i])
         self.hist[M.OUTPUT_TOKENS].observe(tr.output_tokens[i])

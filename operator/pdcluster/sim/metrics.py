@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pdcluster import observability as obs
 from pdcluster.control.types import MetricsSnapshot, assemble
+from pdcluster.series import BY_FIELD, SERIES, Kind
 
 
 class Histogram:
@@ -99,30 +100,69 @@ class Scrapes:
         self.samples.append(sample)
         self.times.append(sample.t)
 
-    def window(self, t: float, window_s: float) -> tuple[Sample, Sample, list[Sample]] | None:
-        """First and last sample in [t - window, t] and all of them; None with fewer than two."""
+    def window(self, t: float, window_s: float) -> Window | None:
+        """The samples in [t - window, t]; None with fewer than two."""
         lo = bisect_left(self.times, t - window_s)
         hi = bisect_right(self.times, t)
         if hi - lo < 2:
             return None
-        inside = self.samples[lo:hi]
-        return inside[0], inside[-1], inside
+        return Window(self.samples[lo:hi], t - window_s, t)
 
 
-def _delta_counts(first: Sample, last: Sample, name: str) -> list[int]:
-    return [b - a for a, b in zip(first.histograms[name][0], last.histograms[name][0], strict=True)]
+@dataclass(frozen=True)
+class Window:
+    """A range selector's samples, evaluated as PromQL evaluates them."""
 
+    inside: list[Sample]
+    start: float
+    end: float
 
-def _delta_mean(first: Sample, last: Sample, name: str) -> float | None:
-    """increase(x_sum[w]) / increase(x_count[w])."""
-    _, s0, c0 = first.histograms[name]
-    _, s1, c1 = last.histograms[name]
-    return (s1 - s0) / (c1 - c0) if c1 > c0 else None
+    @property
+    def first(self) -> Sample:
+        return self.inside[0]
 
+    @property
+    def last(self) -> Sample:
+        return self.inside[-1]
 
-def _quantile_ms(scrapes: Scrapes, first: Sample, last: Sample, name: str, q: float) -> float | None:
-    value = histogram_quantile(q, scrapes.bounds[name], _delta_counts(first, last, name))
-    return None if value is None else value * 1000.0
+    def increase(self, a: float, b: float) -> float:
+        """increase() of a counter that went from a (first sample) to b (last sample):
+        the change extrapolated towards the range's ends as Prometheus does (by at most
+        half a scrape interval beyond the samples, and never below zero;
+        extrapolatedRate in promql/functions.go)."""
+        delta = b - a
+        sampled = self.last.t - self.first.t
+        average = sampled / (len(self.inside) - 1)
+        to_start, to_end = self.first.t - self.start, self.end - self.last.t
+        if delta > 0 and a >= 0:
+            to_start = min(to_start, sampled * a / delta)
+        threshold = 1.1 * average
+        span = sampled + (to_start if to_start < threshold else average / 2)
+        span += to_end if to_end < threshold else average / 2
+        return delta * span / sampled
+
+    def rate(self, a: float, b: float) -> float:
+        return self.increase(a, b) / (self.end - self.start)
+
+    def bucket_rates(self, name: str) -> list[float]:
+        """rate() of each bucket alone (the last +Inf), from its cumulative `le` series."""
+        rates, below, lo, hi = [], 0.0, 0, 0
+        for a, b in zip(self.first.histograms[name][0], self.last.histograms[name][0], strict=True):
+            lo, hi = lo + a, hi + b
+            cumulative = max(self.rate(lo, hi), below)  # histogram_quantile's ensureMonotonic
+            rates.append(cumulative - below)
+            below = cumulative
+        return rates
+
+    def mean(self, name: str) -> float | None:
+        """rate(x_sum[w]) / rate(x_count[w])."""
+        _, s0, c0 = self.first.histograms[name]
+        _, s1, c1 = self.last.histograms[name]
+        return self.increase(s0, s1) / self.increase(c0, c1) if c1 > c0 else None
+
+    def quantile_ms(self, name: str, bounds: tuple[float, ...], q: float) -> float | None:
+        value = histogram_quantile(q, bounds, self.bucket_rates(name))
+        return None if value is None else value * 1000.0
 
 
 def _gauge_mean(samples: list[Sample], name: str) -> float | None:
@@ -130,87 +170,75 @@ def _gauge_mean(samples: list[Sample], name: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-# Names of the simulated series (the real ones carry these names plus labels).
-PREFILL_TTFT = f"{obs.VLLM_TTFT}:prefill"
-DECODE_ITL = f"{obs.VLLM_ITL}:decode"
-PREFILL_QUEUE_TIME = f"{obs.VLLM_QUEUE_TIME}:prefill"
-PREFIX_QUERIES = "vllm:prefix_cache_queries"
-PREFIX_HITS = "vllm:prefix_cache_hits"
-PREFILL_PROMPT_TOKENS = f"{obs.VLLM_PROMPT_TOKENS}:prefill"
-PREFILL_SUCCESS = f"{obs.VLLM_REQUEST_SUCCESS}:prefill"
-DECODE_GENERATION_TOKENS = f"{obs.VLLM_GENERATION_TOKENS}:decode"
-PREFILL_REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens:prefill"
+# Names of the simulated series: the contract's keys (pdcluster.series), and the
+# frontend series only Dynamo's planner reads.
+ROUTER_TTFT = BY_FIELD["ttft_ms"].key
+ROUTER_ITL = BY_FIELD["itl_ms"].key
+ROUTER_PROMPT_TOKENS = BY_FIELD["prompt_tokens_rate"].key
+ROUTER_FINISHED = BY_FIELD["finished_rate"].key
+ROUTER_GENERATION_TOKENS = BY_FIELD["generated_tokens_rate"].key
+PREFILL_TTFT = BY_FIELD["prefill_ttft_ms"].key
+PREFILL_QUEUE_TIME = BY_FIELD["queue_time_ms"].key
+PREFILL_PROMPT_TOKENS = BY_FIELD["prefilled_tokens_rate"].key
+PREFILL_SUCCESS = BY_FIELD["prefilled_rate"].key
+PREFIX_QUERIES = BY_FIELD["prefix_queries_rate"].key
+PREFIX_HITS = BY_FIELD["prefix_hits_rate"].key
+PREFILL_REQUEST_PROMPT_TOKENS = BY_FIELD["prompt_tokens"].key
+PREFILL_WAITING = BY_FIELD["prefill_queue"].key
+PREFILL_READY = BY_FIELD["prefill_ready"].key
+DECODE_ITL = BY_FIELD["decode_itl_ms"].key
+DECODE_GENERATION_TOKENS = BY_FIELD["decode_tokens_rate"].key
+DECODE_RUNNING = BY_FIELD["decode_running"].key
+DECODE_KV_USAGE = BY_FIELD["decode_kv_usage"].key
+DECODE_READY = BY_FIELD["decode_ready"].key
 REQUESTS_ARRIVED = "requests_arrived"  # what a frontend counts on receipt (Dynamo's requests_total)
-PREFILL_READY = "ready:prefill"
-DECODE_READY = "ready:decode"
 REQUEST_DURATION = obs.ROUTER_E2E
 INPUT_TOKENS = "input_sequence_tokens"  # per finished request (Dynamo frontend's ISL histogram)
 OUTPUT_TOKENS = "output_sequence_tokens"
 
+# Buckets of each histogram the contract reads (metric -> bounds): those the real ones have.
+BUCKETS = {
+    obs.ROUTER_TTFT: obs.ROUTER_TTFT_BUCKETS,
+    obs.ROUTER_ITL: obs.ROUTER_ITL_BUCKETS,
+    obs.VLLM_TTFT: obs.VLLM_TTFT_BUCKETS,
+    obs.VLLM_ITL: obs.VLLM_ITL_BUCKETS,
+    obs.VLLM_QUEUE_TIME: obs.VLLM_REQUEST_LATENCY_BUCKETS,
+    obs.VLLM_REQUEST_PROMPT_TOKENS: obs.vllm_request_token_buckets(1 << 20),
+}
+
 
 def histogram_bounds() -> dict[str, tuple[float, ...]]:
     tokens = obs.vllm_request_token_buckets(1 << 20)
-    return {
-        obs.ROUTER_TTFT: obs.ROUTER_TTFT_BUCKETS,
-        obs.ROUTER_ITL: obs.ROUTER_ITL_BUCKETS,
-        PREFILL_TTFT: obs.VLLM_TTFT_BUCKETS,
-        DECODE_ITL: obs.VLLM_ITL_BUCKETS,
-        PREFILL_QUEUE_TIME: obs.VLLM_REQUEST_LATENCY_BUCKETS,
-        REQUEST_DURATION: obs.ROUTER_E2E_BUCKETS,
-        INPUT_TOKENS: tokens,
-        OUTPUT_TOKENS: tokens,
-        PREFILL_REQUEST_PROMPT_TOKENS: tokens,
-    }
+    out = {s.key: BUCKETS[s.metric] for s in SERIES if s.histogram}
+    return out | {REQUEST_DURATION: obs.ROUTER_E2E_BUCKETS, INPUT_TOKENS: tokens, OUTPUT_TOKENS: tokens}
 
 
 def snapshot(scrapes: Scrapes, t: float, window_s: int, quantile: float) -> MetricsSnapshot | None:
-    """The control law's view at time t, as the Prometheus adapter would build it."""
+    """The control law's view at time t: every field of pdcluster.series evaluated over
+    the scrapes as its PromQL evaluates over Prometheus' samples (the parity test checks)."""
     found = scrapes.window(t, window_s)
     if found is None:
         return None
-    first, last, inside = found
-    dt = last.t - first.t
-
-    def rate(name: str) -> float:
-        return (last.counters[name] - first.counters[name]) / dt
-
-    queue_time = _delta_mean(first, last, PREFILL_QUEUE_TIME)
     earlier = scrapes.window(t - window_s, window_s)
-    before = None
-    if earlier is not None:
-        e0, e1, _ = earlier
-        before = (e1.counters[obs.ROUTER_PROMPT_TOKENS] - e0.counters[obs.ROUTER_PROMPT_TOKENS]) / (
-            e1.t - e0.t
-        )
-    return assemble(
-        window_s=window_s,
-        prompt_tokens_rate=rate(obs.ROUTER_PROMPT_TOKENS),
-        prefilled_tokens_rate=rate(PREFILL_PROMPT_TOKENS),
-        prefilled_rate=rate(PREFILL_SUCCESS),
-        finished_rate=rate(obs.ROUTER_REQUESTS),
-        generated_tokens_rate=rate(obs.ROUTER_GENERATION_TOKENS),
-        ttft_ms=_quantile_ms(scrapes, first, last, obs.ROUTER_TTFT, quantile),
-        itl_ms=_quantile_ms(scrapes, first, last, obs.ROUTER_ITL, quantile),
-        prefill_ttft_ms=_quantile_ms(scrapes, first, last, PREFILL_TTFT, quantile),
-        decode_itl_ms=_quantile_ms(scrapes, first, last, DECODE_ITL, quantile),
-        queue_time_ms=None if queue_time is None else queue_time * 1000.0,
-        queue_time_q_ms=_quantile_ms(scrapes, first, last, PREFILL_QUEUE_TIME, quantile),
-        prefill_queue=_gauge_mean(inside, obs.VLLM_WAITING),
-        decode_kv_usage=_gauge_mean(inside, obs.VLLM_KV_USAGE),
-        prefix_queries_rate=rate(PREFIX_QUERIES),
-        prefix_hits_rate=rate(PREFIX_HITS),
-        decode_tokens_rate=rate(DECODE_GENERATION_TOKENS),
-        prefill_ready=_gauge_mean(inside, PREFILL_READY),
-        decode_ready=_gauge_mean(inside, DECODE_READY),
-        prompt_tokens_rate_before=before,
-        prompt_tokens=tuple(
-            zip(
-                (*scrapes.bounds[PREFILL_REQUEST_PROMPT_TOKENS], math.inf),
-                _delta_counts(first, last, PREFILL_REQUEST_PROMPT_TOKENS),
-                strict=True,
-            )
-        ),
-    )
+    values: dict = {}
+    for s in SERIES:
+        window = earlier if s.kind == Kind.rate_before else found
+        if window is None:
+            continue
+        first, last = window.first, window.last
+        if s.counter:
+            values[s.field] = window.rate(first.counters[s.key], last.counters[s.key])
+        elif s.kind == Kind.quantile:
+            values[s.field] = window.quantile_ms(s.key, scrapes.bounds[s.key], quantile)
+        elif s.kind == Kind.mean:
+            mean = window.mean(s.key)
+            values[s.field] = None if mean is None else mean * 1000.0
+        elif s.kind == Kind.buckets:
+            bounds = (*scrapes.bounds[s.key], math.inf)
+            values[s.field] = tuple(zip(bounds, window.bucket_rates(s.key), strict=True))
+        else:  # gauges and engines: the simulator keeps the role's aggregate per scrape
+            values[s.field] = _gauge_mean(window.inside, s.key)
+    return assemble(window_s=window_s, **values)
 
 
 @dataclass(frozen=True)
@@ -229,14 +257,12 @@ def frontend_averages(scrapes: Scrapes, t: float, window_s: float) -> FrontendAv
     found = scrapes.window(t, window_s)
     if found is None:
         return None
-    first, last, _ = found
-    ttft = _delta_mean(first, last, obs.ROUTER_TTFT)
-    itl = _delta_mean(first, last, obs.ROUTER_ITL)
+    ttft, itl = found.mean(ROUTER_TTFT), found.mean(ROUTER_ITL)
     return FrontendAverages(
-        num_req=last.counters[REQUESTS_ARRIVED] - first.counters[REQUESTS_ARRIVED],
+        num_req=found.increase(found.first.counters[REQUESTS_ARRIVED], found.last.counters[REQUESTS_ARRIVED]),
         ttft_ms=None if ttft is None else ttft * 1000.0,
         itl_ms=None if itl is None else itl * 1000.0,
-        request_duration_s=_delta_mean(first, last, REQUEST_DURATION),
-        isl=_delta_mean(first, last, INPUT_TOKENS),
-        osl=_delta_mean(first, last, OUTPUT_TOKENS),
+        request_duration_s=found.mean(REQUEST_DURATION),
+        isl=found.mean(INPUT_TOKENS),
+        osl=found.mean(OUTPUT_TOKENS),
     )

@@ -1,0 +1,95 @@
+"""The one table of what the control law reads, and how each field is taken from series.
+
+Both readers of metrics derive from `SERIES`: the operator's PromQL
+(pdcluster.io.prometheus) and the fleet simulator's evaluator over its own scrapes
+(pdcluster.sim.metrics). A field is a keyword of control.types.assemble; its series is
+a metric of the router (no role) or of one engine role; its kind says how the window
+turns the series into one number:
+
+- `rate`: per-second increase of a counter, summed over the role's engines;
+- `rate_before`: the same over the window before this one (the load's trend);
+- `quantile`: histogram_quantile of the SLO quantile over the summed buckets' rate;
+- `mean`: increase of the histogram's sum / increase of its count;
+- `buckets`: per-second rate of each bucket (not cumulative), the last one +Inf;
+- `gauge_sum` / `gauge_avg`: each engine's mean over the window, summed / averaged;
+- `engines`: engines reporting, the window's mean (counted on the role's waiting gauge).
+
+Latency fields are in milliseconds (the series are in seconds). The parity test
+(tests/integration/test_metrics_parity.py) exports one set of samples to a real
+Prometheus and to the simulator's evaluator and compares every field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from pdcluster import observability as obs
+
+
+class Kind(StrEnum):
+    rate = "rate"
+    rate_before = "rate_before"
+    quantile = "quantile"
+    mean = "mean"
+    buckets = "buckets"
+    gauge_sum = "gauge_sum"
+    gauge_avg = "gauge_avg"
+    engines = "engines"
+
+
+@dataclass(frozen=True)
+class Series:
+    field: str  # keyword of control.types.assemble
+    kind: Kind
+    metric: str  # as exported, counters without _total
+    role: str | None = None  # engine role; None: the router
+    outcome: str | None = None  # the router's outcome label
+
+    @property
+    def counter(self) -> bool:
+        return self.kind in (Kind.rate, Kind.rate_before)
+
+    @property
+    def histogram(self) -> bool:
+        return self.kind in (Kind.quantile, Kind.mean, Kind.buckets)
+
+    @property
+    def in_ms(self) -> bool:
+        return self.kind in (Kind.quantile, Kind.mean)
+
+    @property
+    def key(self) -> str:
+        """The simulator's name of the series: metric, role and label folded into one."""
+        parts = [self.metric, self.role, self.outcome]
+        return ":".join(p for p in parts if p) if self.kind != Kind.engines else f"engines:{self.role}"
+
+
+P, D = "prefill", "decode"
+SERIES: Final[tuple[Series, ...]] = (
+    Series("ttft_ms", Kind.quantile, obs.ROUTER_TTFT),
+    Series("itl_ms", Kind.quantile, obs.ROUTER_ITL),
+    Series("prompt_tokens_rate", Kind.rate, obs.ROUTER_PROMPT_TOKENS),
+    Series("prompt_tokens_rate_before", Kind.rate_before, obs.ROUTER_PROMPT_TOKENS),
+    Series("finished_rate", Kind.rate, obs.ROUTER_REQUESTS, outcome="ok"),
+    Series("generated_tokens_rate", Kind.rate, obs.ROUTER_GENERATION_TOKENS),
+    Series("prefill_ttft_ms", Kind.quantile, obs.VLLM_TTFT, P),
+    Series("queue_time_q_ms", Kind.quantile, obs.VLLM_QUEUE_TIME, P),
+    Series("queue_time_ms", Kind.mean, obs.VLLM_QUEUE_TIME, P),
+    Series("prefilled_tokens_rate", Kind.rate, obs.VLLM_PROMPT_TOKENS, P),
+    Series("prefilled_rate", Kind.rate, obs.VLLM_REQUEST_SUCCESS, P),
+    Series("prefix_queries_rate", Kind.rate, obs.VLLM_PREFIX_QUERIES, P),
+    Series("prefix_hits_rate", Kind.rate, obs.VLLM_PREFIX_HITS, P),
+    Series("prompt_tokens", Kind.buckets, obs.VLLM_REQUEST_PROMPT_TOKENS, P),
+    Series("prefill_queue", Kind.gauge_sum, obs.VLLM_WAITING, P),
+    Series("prefill_ready", Kind.engines, obs.VLLM_WAITING, P),
+    Series("decode_itl_ms", Kind.quantile, obs.VLLM_ITL, D),
+    Series("decode_tokens_rate", Kind.rate, obs.VLLM_GENERATION_TOKENS, D),
+    Series("decode_running", Kind.gauge_sum, obs.VLLM_RUNNING, D),
+    Series("decode_kv_usage", Kind.gauge_avg, obs.VLLM_KV_USAGE, D),
+    Series("decode_ready", Kind.engines, obs.VLLM_WAITING, D),
+)
+BY_FIELD: Final = {s.field: s for s in SERIES}
+# Does Prometheus hold anything of this cluster at all (the router's or any engine's)?
+PRESENCE: Final = (obs.ROUTER_PROMPT_TOKENS + "_total", obs.VLLM_WAITING)
