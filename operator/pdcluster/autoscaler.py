@@ -41,6 +41,10 @@ def _unschedulable(pods: list[dict]) -> int:
     return count
 
 
+class ProfileError(Exception):
+    """The spec names a profile that cannot be had; the message says which and why."""
+
+
 class PrometheusAutoscaler:
     def __init__(self, kube: Kube, default_url: str | None, *, timeout_s: float = 5.0):
         self.kube = kube
@@ -72,6 +76,28 @@ class PrometheusAutoscaler:
             )
         return Observed(**roles)
 
+    async def _prior(self, spec: PDClusterSpec, owner: Owner) -> perf.Profile | None:
+        """The latency profile the spec names, the capacity model's prior; None: none."""
+        a = spec.autoscaling
+        if a.profile_config_map:
+            where = f"autoscaling.profileConfigMap {owner.namespace}/{a.profile_config_map}"
+            cm = await self.kube.get("v1", "ConfigMap", a.profile_config_map, owner.namespace)
+            if cm is None:
+                raise ProfileError(f"{where} not found")
+            text = (cm.get("data") or {}).get(perf.PROFILE_KEY)
+            if text is None:
+                raise ProfileError(f"{where} has no {perf.PROFILE_KEY}")
+            try:
+                return perf.from_json(text)
+            except ValueError as e:
+                raise ProfileError(f"{where}: {e}") from None
+        if a.profile:
+            try:  # the schema cannot know the profile names: an unknown one holds
+                return perf.load(a.profile)
+            except (KeyError, OSError) as e:
+                raise ProfileError(f"autoscaling.profile: {e.args[0] if e.args else e}") from None
+        return None
+
     async def step(
         self, spec: PDClusterSpec, owner: Owner, status: PDClusterStatus, now: datetime
     ) -> AutoscaleResult:
@@ -83,11 +109,12 @@ class PrometheusAutoscaler:
         if not due and now - parse_time(state.last_run_time) < timedelta(seconds=a.interval_seconds):
             return AutoscaleResult(state, held, (status.ttft_p99_ms, status.itl_p99_ms))
         try:
-            perf.load(a.profile)  # the schema cannot know the profile names: an unknown one holds
-        except (KeyError, OSError) as e:
-            why = f"autoscaling.profile: {e.args[0] if e.args else e}; holding replicas"
+            prior = await self._prior(spec, owner)
+        except ProfileError as e:
             return AutoscaleResult(
-                state, (False, "UnknownProfile", why), (status.ttft_p99_ms, status.itl_p99_ms)
+                state,
+                (False, "UnknownProfile", f"{e}; holding replicas"),
+                (status.ttft_p99_ms, status.itl_p99_ms),
             )
         url = a.prometheus_url or self.default_url
         events: list[tuple[str, str, str]] = []
@@ -122,7 +149,7 @@ class PrometheusAutoscaler:
                 else:
                     condition = None
         observed = await self._observed(owner, status)
-        new_state, decision = decide(spec, snapshot, state, observed, now)
+        new_state, decision = decide(spec, snapshot, state, observed, now, profile=prior)
         if condition is None:
             mode = "Recommending" if a.mode == AutoscalingMode.recommend else "Active"
             condition = (True, mode, decision.reason)

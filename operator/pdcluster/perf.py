@@ -89,6 +89,64 @@ class Profile:
         return tokens * self.kv_bytes_per_token * 8 / (gbit_per_s * 1e9) * 1000.0
 
 
+PROFILE_KEY = "profile.json"  # the key of a profile ConfigMap's data
+
+
+def to_json(profile: Profile) -> str:
+    return json.dumps(
+        {
+            "name": profile.name,
+            "prefillCoefficientsMs": list(profile.prefill_coef),
+            "decodeCoefficientsMs": list(profile.decode_coef),
+            "maxKvTokens": profile.max_kv_tokens,
+            "kvBytesPerToken": profile.kv_bytes_per_token,
+            "gpus": profile.gpus,
+        },
+        indent=2,
+    )
+
+
+def from_json(text: str) -> Profile:
+    """A profile as to_json wrote it; ValueError saying what is wrong otherwise."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(doc, dict):
+        raise ValueError("a JSON object is expected")
+
+    def coefficients(key: str) -> tuple[float, float, float]:
+        value = doc.get(key)
+        if (
+            not isinstance(value, list)
+            or len(value) != 3
+            or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+                for x in value
+            )
+        ):
+            raise ValueError(
+                f"{key} must be three numbers >= 0 (ms: fixed, per token or sequence, quadratic or per KV token)"
+            )
+        return (float(value[0]), float(value[1]), float(value[2]))
+
+    def count(key: str, default: int | None = None, low: int = 1) -> int:
+        value = doc.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{key} must be a whole number >= {low}")
+        return value
+
+    prefill, decode = coefficients("prefillCoefficientsMs"), coefficients("decodeCoefficientsMs")
+    if prefill[1] <= 0 and prefill[2] <= 0:
+        raise ValueError("prefillCoefficientsMs: a prefill must take time per token")
+    if decode[0] <= 0 and decode[1] <= 0:
+        raise ValueError("decodeCoefficientsMs: a decode step must take time")
+    name = doc.get("name", "configmap")
+    return Profile(
+        str(name), prefill, decode, count("maxKvTokens"), count("kvBytesPerToken", 0, 0), count("gpus", 1)
+    )
+
+
 def _lstsq(rows: list[list[float]], y: list[float]) -> tuple[float, float, float]:
     coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=float), np.asarray(y, dtype=float), rcond=None)
     return (float(coef[0]), float(coef[1]), float(coef[2]))

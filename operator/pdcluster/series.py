@@ -10,6 +10,7 @@ turns the series into one number:
 - `rate_before`: the same over the window before this one (the load's trend);
 - `quantile`: histogram_quantile of the SLO quantile over the summed buckets' rate;
 - `mean`: increase of the histogram's sum / increase of its count;
+- `count_rate`: per-second increase of the histogram's count (observations);
 - `buckets`: per-second rate of each bucket (not cumulative), the last one +Inf;
 - `gauge_sum` / `gauge_avg`: each engine's mean over the window, summed / averaged;
 - `engines`: engines reporting, the window's mean (counted on the role's waiting gauge).
@@ -33,6 +34,7 @@ class Kind(StrEnum):
     rate_before = "rate_before"
     quantile = "quantile"
     mean = "mean"
+    count_rate = "count_rate"
     buckets = "buckets"
     gauge_sum = "gauge_sum"
     gauge_avg = "gauge_avg"
@@ -53,7 +55,7 @@ class Series:
 
     @property
     def histogram(self) -> bool:
-        return self.kind in (Kind.quantile, Kind.mean, Kind.buckets)
+        return self.kind in (Kind.quantile, Kind.mean, Kind.count_rate, Kind.buckets)
 
     @property
     def in_ms(self) -> bool:
@@ -77,6 +79,8 @@ SERIES: Final[tuple[Series, ...]] = (
     Series("prefill_ttft_ms", Kind.quantile, obs.VLLM_TTFT, P),
     Series("queue_time_q_ms", Kind.quantile, obs.VLLM_QUEUE_TIME, P),
     Series("queue_time_ms", Kind.mean, obs.VLLM_QUEUE_TIME, P),
+    Series("prefill_time_ms", Kind.mean, obs.VLLM_PREFILL_TIME, P),
+    Series("prefill_steps_rate", Kind.count_rate, obs.VLLM_ITERATION_TOKENS, P),
     Series("prefilled_tokens_rate", Kind.rate, obs.VLLM_PROMPT_TOKENS, P),
     Series("prefilled_rate", Kind.rate, obs.VLLM_REQUEST_SUCCESS, P),
     Series("prefix_queries_rate", Kind.rate, obs.VLLM_PREFIX_QUERIES, P),

@@ -305,11 +305,11 @@ async def test_operator_promql_reads_the_real_engines(env: Env) -> None:
         async def all_present() -> dict[str, float] | None:
             values = {name: await prom.query(expr) for name, expr in exprs.items()}
             # A rate of a window before any traffic is the one series allowed to be empty.
-            missing = [n for n, v in values.items() if v is None and n != "prompt_tokens_before"]
+            missing = [n for n, v in values.items() if v is None and n != "prompt_tokens_rate_before"]
             return None if missing else values
 
         values = await poll(all_present, 120, f"PromQL answers for {sorted(exprs)}", interval=2)
-    assert values["prefilled_tokens"] > 0 and values["decode_tokens"] > 0, values
+    assert values["prefilled_tokens_rate"] > 0 and values["decode_tokens_rate"] > 0, values
     assert values["prefill_ready"] == 1 and values["decode_ready"] >= 1, values
 
     async def decided() -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 CHECK = """
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 import pdcluster
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
@@ -23,17 +23,22 @@ from pdcluster.control.types import assemble
 
 profiles = {name: perf.load(name).max_kv_tokens for name in perf.profile_names()}
 spec = PDClusterSpec.model_validate({"model": {"name": "m"}, "autoscaling": {"enabled": True, "gpuBudget": 8}})
-snapshot = assemble(window_s=30, prompt_tokens_rate=40000.0, prefilled_tokens_rate=40000.0, prefilled_rate=10.0,
-                    finished_rate=10.0, generated_tokens_rate=2000.0, ttft_ms=900.0, itl_ms=20.0)
 roles = {r: RoleObserved(desired=1, replicas=1, ready=1, unschedulable=0) for r in ("prefill", "decode")}
-state, decision = decide(spec, snapshot, None, Observed(**roles), datetime(2026, 12, 1, tzinfo=UTC))
+state, reasons = None, []
+for run in range(4):  # the spec names no profile: feedback alone, then the learned model
+    snapshot = assemble(window_s=30, prompt_tokens_rate=40000.0, prefilled_tokens_rate=40000.0, prefilled_rate=10.0,
+                        finished_rate=10.0, generated_tokens_rate=2000.0, ttft_ms=900.0, itl_ms=20.0,
+                        prefill_time_ms=60.0, prefill_steps_rate=10.0, prefill_ready=1.0,
+                        decode_running=20.0 + run, decode_tokens_rate=1000.0, decode_kv_usage=0.3, decode_ready=1.0)
+    state, decision = decide(spec, snapshot, state, Observed(**roles), datetime(2026, 12, 1, tzinfo=UTC) + timedelta(seconds=30 * run))
+    reasons.append(decision.reason)
 try:
     perf.traces_dir()
     traces = "found"
 except FileNotFoundError:
     traces = "absent"
 print(json.dumps({"file": pdcluster.__file__, "profiles": profiles, "action": decision.action,
-                  "reason": decision.reason, "traces": traces}))
+                  "reasons": reasons, "capacity": state.capacity.model_dump(), "traces": traces}))
 """
 
 
@@ -60,4 +65,7 @@ def test_the_wheel_autoscales_with_nothing_outside_it(tmp_path: Path) -> None:
     assert got["traces"] == "absent"
     assert len(got["profiles"]) == 21 and all(v > 0 for v in got["profiles"].values())
     assert got["action"] in ("scale", "hold"), got
-    assert "UnknownProfile" not in got["reason"]
+    assert "feedback only" in got["reasons"][0] and "feedback only" not in got["reasons"][-1], got["reasons"]
+    # 60 ms of prefill for 4000 tokens, one request per step; 20+ sequences per 1000 tokens/s.
+    assert got["capacity"]["prefill_ns_per_token"] == 15000, got["capacity"]
+    assert got["capacity"]["decode_windows"] == 4 and got["capacity"]["kv_capacity_tokens"] > 0

@@ -355,10 +355,18 @@ class AutoscalingSpec(Model):
     prometheus_url: str | None = Field(
         None, description="Prometheus base URL; defaults to the operator's setting."
     )
-    profile: str = Field(
-        "h200-llama3.1-8b",
+    profile: str | None = Field(
+        None,
         min_length=1,
-        description="Latency profile of one engine that the capacity model uses (`pdctl plan --help` lists them).",
+        description="A latency profile shipped with the operator (`pdctl plan --help` lists them), the prior of "
+        "the capacity model. Unset: the model is learned from the engines' own metrics alone.",
+    )
+    profile_config_map: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="A ConfigMap in the cluster's namespace whose `profile.json` holds a latency profile, as "
+        "`pdctl profile` writes it; used as the prior instead of `profile`.",
     )
     ttft_includes_prefill: bool = Field(
         True,
@@ -492,6 +500,37 @@ class LoadSample(Model):
     )
 
 
+class DecodeSample(Model):
+    """One window's mean decode step on one engine, with the load it ran at."""
+
+    sequences_milli: int = Field(ge=0, description="Running sequences per engine x 1000.")
+    kv_usage_ppm: int = Field(ge=0, description="KV-cache usage in millionths.")
+    step_us: int = Field(
+        ge=0, description="Mean step time (running sequences / tokens per second), microseconds."
+    )
+
+
+class LearnedCapacity(Model):
+    """What the control law has learned of one engine of each role from the engines' metrics.
+
+    Kept in status so that a restarted operator does not start learning again.
+    """
+
+    prefill_ns_per_token: int | None = Field(
+        None,
+        ge=0,
+        description="Engine-nanoseconds per prompt token computed (not served from the prefix cache).",
+    )
+    prefill_windows: int = Field(0, ge=0, description="Metrics windows the prefill estimate is made of.")
+    decode_samples: list[DecodeSample] | None = Field(
+        None, description="The last windows' decode steps, oldest first (the step-time fit's input)."
+    )
+    decode_windows: int = Field(0, ge=0, description="Metrics windows the decode fit has seen.")
+    kv_capacity_tokens: int | None = Field(
+        None, ge=1, description="KV tokens one decode engine holds (running sequences x context / KV usage)."
+    )
+
+
 class AutoscalingState(Model):
     """Control-law memory, kept in status so a restarted operator continues where it stopped."""
 
@@ -518,6 +557,7 @@ class AutoscalingState(Model):
     history: list[LoadSample] | None = Field(
         None, description="Demand seen by the runs of the last metrics window, oldest first."
     )
+    capacity: LearnedCapacity | None = None
     last_decision: Decision | None = None
     decisions: int = Field(0, description="Decisions that changed replicas so far.")
 

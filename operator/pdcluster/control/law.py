@@ -40,7 +40,7 @@ from pdcluster.api.v1alpha1 import (
     ObservedMetrics,
     PDClusterSpec,
 )
-from pdcluster.control import models
+from pdcluster.control import learn, models
 from pdcluster.control.types import MetricsSnapshot, Observed
 
 ROLES = ("prefill", "decode")
@@ -93,7 +93,11 @@ class _Run:
         self.observed: Observed = observed
         self.now = now if now.tzinfo else now.replace(tzinfo=UTC)
         self.now_s = timestamp(self.now)
-        self.profile = profile or perf.load(self.auto.profile)
+        # The prior: the caller's (a ConfigMap's), else the named shipped one, else none.
+        self.prior = profile or (perf.load(self.auto.profile) if self.auto.profile else None)
+        self.capacity = self.prev.capacity
+        self.profile: perf.Profile | None = self.prior
+        self.known = dict.fromkeys(ROLES, self.prior is not None)
         self.recommend = self.auto.mode == AutoscalingMode.recommend
         self.tol = self.auto.tolerance_percent / 100.0
         self.notes: list[str] = []
@@ -177,7 +181,15 @@ class _Run:
             )
             return self._finish(dict(self.current), self._with_notes(f"{why}: {hold}"))
         self._record(m)
-        needs = {"prefill": self._prefill_need(m), "decode": self._decode_need(m)}
+        self.capacity = learn.update(self.capacity, m)
+        known = learn.knowledge(self.capacity, self.prior, m)
+        self.profile, self.known = known.profile, {"prefill": known.prefill, "decode": known.decode}
+        needs = {
+            role: (self._prefill_need(m) if role == "prefill" else self._decode_need(m))
+            if self.known[role]
+            else self._feedback_need(role, m)
+            for role in ROLES
+        }
         wants = {r: self._want(r, needs[r]) for r in ROLES}
         wants, donor = self._fit_budget(wants, needs)
         target = self._stabilise(wants, donor)
@@ -388,6 +400,31 @@ class _Run:
             need.violated = itl > target * (1.0 + self.tol) or kv_full
             need.headroom = itl < target * (1.0 - self.tol) and not (kv is not None and kv > kv_down)
             need.reactive = need.violated and need.up <= self.current["decode"]
+        return need
+
+    def _feedback_need(self, role: str, m: MetricsSnapshot) -> _Need:
+        """A role whose capacity is not learned yet: one more engine while its SLO is
+        missed, never fewer."""
+        cur = self.current[role]
+        if role == "prefill":
+            target, seen = float(self.auto.slo.ttft_ms), self._prefill_latency(m)
+            full = False
+            windows = self.capacity.prefill_windows if self.capacity else 0
+        else:
+            target = float(self.auto.slo.itl_ms)
+            seen = m.itl_ms if m.itl_ms is not None else m.decode.itl_ms
+            full = m.decode_kv_usage is not None and m.decode_kv_usage > models.KV_LIMIT
+            windows = self.capacity.decode_windows if self.capacity else 0
+        need = _Need(cur, cur)
+        need.notes.append(
+            f"{role} capacity learned from {windows}/{learn.MIN_WINDOWS} windows: feedback only"
+        )
+        if seen is not None:
+            need.pressure = seen / target
+            need.violated = seen > target * (1.0 + self.tol) or full
+            need.headroom = seen < target * (1.0 - self.tol)
+        if need.violated:
+            need.up = need.down = cur + 1
         return need
 
     def _want(self, role: str, need: _Need) -> int:
@@ -609,6 +646,7 @@ class _Run:
             up_wanted_since=self.up_since or None,
             down_wanted_since=self.down_since or None,
             history=self.history or None,
+            capacity=self.capacity,
             last_decision=decision,
             decisions=self.prev.decisions + (1 if applied else 0),
         )

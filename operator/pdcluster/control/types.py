@@ -17,6 +17,10 @@ class RoleMetrics:
     itl_ms: float | None = None  # vllm:inter_token_latency_seconds
     queue_time_ms: float | None = None  # mean of vllm:request_queue_time_seconds (time WAITING)
     queue_time_q_ms: float | None = None  # the same at the SLO quantile
+    prefill_time_ms: float | None = (
+        None  # mean of vllm:request_prefill_time_seconds (scheduled to first token)
+    )
+    steps_per_s: float | None = None  # engine steps (vllm:iteration_tokens_total observations), summed
     tokens_per_s: float | None = None  # prefill: prompt tokens prefilled; decode: tokens generated
     ready: float | None = None  # engines reporting, mean over the window
     running: float | None = None  # requests RUNNING, summed over the engines (window mean)
@@ -85,6 +89,8 @@ def assemble(
     decode_itl_ms: float | None = None,
     queue_time_ms: float | None = None,
     queue_time_q_ms: float | None = None,
+    prefill_time_ms: float | None = None,
+    prefill_steps_rate: float | None = None,
     prefill_queue: float | None = None,
     decode_running: float | None = None,
     decode_kv_usage: float | None = None,
@@ -122,6 +128,8 @@ def assemble(
             ttft_ms=prefill_ttft_ms,
             queue_time_ms=queue_time_ms,
             queue_time_q_ms=queue_time_q_ms,
+            prefill_time_ms=prefill_time_ms,
+            steps_per_s=prefill_steps_rate,
             tokens_per_s=prefilled_tokens_rate,
             ready=prefill_ready,
             prompt_tokens=prompt_tokens,

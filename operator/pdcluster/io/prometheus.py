@@ -64,6 +64,8 @@ def _promql(s: Series, labels: str, window_s: int, quantile: float) -> str:
     if s.kind == Kind.mean:
         total, count = _series(s.metric + "_sum", labels), _series(s.metric + "_count", labels)
         return f"sum(rate({total}{w})) / sum(rate({count}{w}))"
+    if s.kind == Kind.count_rate:
+        return f"sum(rate({_series(s.metric + '_count', labels)}{w}))"
     if s.kind == Kind.buckets:
         return f"sum by (le) (rate({_series(s.metric + '_bucket', labels)}{w}))"
     if s.kind == Kind.gauge_sum:

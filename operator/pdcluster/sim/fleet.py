@@ -411,7 +411,8 @@ class Fleet:
             self.counters[M.PREFIX_QUERIES] += length
             self.counters[M.PREFIX_HITS] += cached
         engine.busy = True
-        self.push(self.now + ms / 1000.0, PREFILL_DONE, (engine, batch))
+        self.hist[M.PREFILL_STEPS].observe(used)  # one engine step (a batch within the token budget)
+        self.push(self.now + ms / 1000.0, PREFILL_DONE, (engine, batch, ms / 1000.0))
 
     def cached_blocks(self, engine: PrefillEngine, blocks: tuple[int, ...]) -> int:
         cache = engine.cache
@@ -422,11 +423,12 @@ class Fleet:
             n += 1
         return n
 
-    def prefill_done(self, payload: tuple[PrefillEngine, list[tuple[int, int]]]) -> None:
-        engine, batch = payload
+    def prefill_done(self, payload: tuple[PrefillEngine, list[tuple[int, int]], float]) -> None:
+        engine, batch, took_s = payload
         tr = self.trace
         cache = engine.cache
         ttft_hist = self.hist[M.PREFILL_TTFT]
+        prefill_hist = self.hist[M.PREFILL_TIME]
         prompt_hist = self.hist[M.PREFILL_REQUEST_PROMPT_TOKENS]
         for i, _ in batch:
             for h in tr.blocks[i]:
@@ -437,6 +439,7 @@ class Fleet:
             while len(cache) > engine.cache_blocks:
                 cache.popitem(last=False)
             ttft_hist.observe(self.now - tr.arrival_s[i])
+            prefill_hist.observe(took_s)  # each request of a batch is in PREFILL the whole batch
             self.counters[M.PREFILL_PROMPT_TOKENS] += tr.input_tokens[i]
             self.counters[M.PREFILL_SUCCESS] += 1
             prompt_hist.observe(tr.input_tokens[i])

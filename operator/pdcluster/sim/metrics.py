@@ -179,6 +179,8 @@ ROUTER_FINISHED = BY_FIELD["finished_rate"].key
 ROUTER_GENERATION_TOKENS = BY_FIELD["generated_tokens_rate"].key
 PREFILL_TTFT = BY_FIELD["prefill_ttft_ms"].key
 PREFILL_QUEUE_TIME = BY_FIELD["queue_time_ms"].key
+PREFILL_TIME = BY_FIELD["prefill_time_ms"].key
+PREFILL_STEPS = BY_FIELD["prefill_steps_rate"].key
 PREFILL_PROMPT_TOKENS = BY_FIELD["prefilled_tokens_rate"].key
 PREFILL_SUCCESS = BY_FIELD["prefilled_rate"].key
 PREFIX_QUERIES = BY_FIELD["prefix_queries_rate"].key
@@ -203,6 +205,8 @@ BUCKETS = {
     obs.VLLM_TTFT: obs.VLLM_TTFT_BUCKETS,
     obs.VLLM_ITL: obs.VLLM_ITL_BUCKETS,
     obs.VLLM_QUEUE_TIME: obs.VLLM_REQUEST_LATENCY_BUCKETS,
+    obs.VLLM_PREFILL_TIME: obs.VLLM_REQUEST_LATENCY_BUCKETS,
+    obs.VLLM_ITERATION_TOKENS: obs.VLLM_ITERATION_TOKEN_BUCKETS,
     obs.VLLM_REQUEST_PROMPT_TOKENS: obs.vllm_request_token_buckets(1 << 20),
 }
 
@@ -233,6 +237,8 @@ def snapshot(scrapes: Scrapes, t: float, window_s: int, quantile: float) -> Metr
         elif s.kind == Kind.mean:
             mean = window.mean(s.key)
             values[s.field] = None if mean is None else mean * 1000.0
+        elif s.kind == Kind.count_rate:
+            values[s.field] = window.rate(first.histograms[s.key][2], last.histograms[s.key][2])
         elif s.kind == Kind.buckets:
             bounds = (*scrapes.bounds[s.key], math.inf)
             values[s.field] = tuple(zip(bounds, window.bucket_rates(s.key), strict=True))

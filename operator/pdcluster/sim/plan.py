@@ -122,7 +122,7 @@ class Setup:
         return self.fleet.gpus // self.fleet.gpus_per_engine
 
 
-def spec_for(setup: Setup, start: tuple[int, int]) -> PDClusterSpec:
+def spec_for(setup: Setup, start: tuple[int, int], prior: bool = False) -> PDClusterSpec:
     a = setup.args
     n, gpus = setup.engines, setup.fleet.gpus_per_engine
     return PDClusterSpec.model_validate(
@@ -133,7 +133,7 @@ def spec_for(setup: Setup, start: tuple[int, int]) -> PDClusterSpec:
             "autoscaling": {
                 "enabled": True,
                 "gpuBudget": n,
-                "profile": setup.profile.name,
+                **({"profile": setup.profile.name} if prior else {}),
                 "slo": {
                     "ttftMs": round(setup.slo.ttft_ms),
                     "itlMs": round(setup.slo.itl_ms),
@@ -190,8 +190,10 @@ def make_policy(name: str, setup: Setup, start: tuple[int, int] | None = None):
         _, p, d = name.split(":")
         return Static(int(p), int(d))
     start = start or model_split(setup)
-    if name == "pdcluster":
-        return PDCluster(spec_for(setup, start), setup.profile)
+    if name == "pdcluster":  # as deployed by default: no profile, capacity learned online
+        return PDCluster(spec_for(setup, start), None)
+    if name == "pdcluster-prior":  # given the simulated engines' own profile as the prior
+        return PDCluster(spec_for(setup, start, prior=True), setup.profile, name)
     if name in ("dynamo", "dynamo-constant"):
         return Dynamo(
             setup.profile,
@@ -318,7 +320,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         action="append",
-        help="static:P:D, static-best, dynamo, dynamo-constant or pdcluster (repeatable; default: "
+        help="static:P:D, static-best, dynamo, dynamo-constant, pdcluster (no profile: learned online) or "
+        "pdcluster-prior (the engines' profile as its prior) (repeatable; default: "
         + ", ".join(DEFAULT_POLICIES)
         + ")",
     )

@@ -45,11 +45,10 @@ def observed(fleet: Fleet) -> Observed:
 class PDCluster:
     """pdcluster.control.decide, fed with what Prometheus would show of the fleet."""
 
-    name = "pdcluster"
-
-    def __init__(self, spec: PDClusterSpec, profile: Profile) -> None:
+    def __init__(self, spec: PDClusterSpec, profile: Profile | None, name: str = "pdcluster") -> None:
         self.spec = spec
-        self.profile = profile
+        self.profile = profile  # the prior; None: learned from the metrics alone
+        self.name = name
         self.interval_s = float(spec.autoscaling.interval_seconds)
         self.state: AutoscalingState | None = None
         self.last_reason = ""

@@ -1,0 +1,180 @@
+"""One engine's capacity, learned from the engines' own metrics (pure).
+
+The control law's capacity models (models.py) ask a latency profile how long a prefill
+and a decode step take. A profile measured beforehand (pdcluster/data, or a ConfigMap
+that `pdctl profile` wrote) is only a prior: every run of the law adds what the last
+window showed, and the profile the models get is made from both. Without a prior the
+law acts on TTFT/ITL feedback alone until each role has MIN_WINDOWS observations.
+
+Prefill: engine-milliseconds per computed prompt token. vLLM's prefill time
+(vllm:request_prefill_time_seconds, scheduled to first token) counts a whole batch for
+every request in it, so the busy time is the requests' prefill time divided by the
+requests per engine step (vllm:iteration_tokens_total counts steps). Engines cannot be
+busier than always, which bounds the estimate when they queue.
+
+Decode: each running sequence gets one token per step, so the window's mean step is
+running sequences / tokens generated per second (vllm:num_requests_running,
+vllm:generation_tokens). Step = d0 + d1 x sequences per engine + d2 x KV usage is fitted
+by least squares over the last windows, older ones weighted down, pulled towards the
+prior; the KV capacity in tokens is the sequences' context over the KV usage. Status
+keeps it all in integers (the API has no floating-point fields).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdcluster.api.v1alpha1 import DecodeSample, LearnedCapacity
+from pdcluster.control import models
+from pdcluster.control.types import MetricsSnapshot
+from pdcluster.perf import Profile
+
+FORGET = 0.9  # weight of everything before, per run: about ten runs of memory
+DECODE_SAMPLES = 20  # decode windows kept (the oldest weighs 0.9^19 = 0.13)
+MIN_WINDOWS = 3  # runs with observations before a role's learned model is used without a prior
+PRIOR_WEIGHT = 2.0  # a prior counts as this many windows of observations
+NO_PRIOR_WEIGHT = 0.01  # without one, "half the step is fixed" only picks among fits the data cannot tell apart
+MAX_HIT = 0.95
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    sequences: float  # running sequences per engine
+    kv_usage: float  # 0..1
+    step_ms: float
+
+
+def prefill_ms_per_token(m: MetricsSnapshot) -> float | None:
+    """This window's engine-ms per computed prompt token; None when it cannot be told."""
+    p = m.prefill
+    if not p.tokens_per_s or not p.ready or not m.mean_input_tokens or p.prefill_time_ms is None:
+        return None
+    computed = p.tokens_per_s * (1.0 - min(max(m.prefix_hit_ratio or 0.0, 0.0), MAX_HIT))
+    requests = p.tokens_per_s / m.mean_input_tokens
+    per_step = requests / p.steps_per_s if p.steps_per_s else 1.0
+    busy_s = requests * p.prefill_time_ms / 1000.0 / max(per_step, 1.0)
+    return min(busy_s, p.ready) * 1000.0 / computed
+
+
+def decode_point(m: MetricsSnapshot) -> DecodePoint | None:
+    d = m.decode
+    if not d.running or d.running < 0.5 or not d.tokens_per_s or not d.ready or m.decode_kv_usage is None:
+        return None
+    return DecodePoint(d.running / d.ready, m.decode_kv_usage, 1000.0 * d.running / d.tokens_per_s)
+
+
+def _mean(old: float | None, new: float, windows: int) -> float:
+    """A running mean over the first windows, an exponential one after."""
+    if old is None or windows == 0:
+        return new
+    return old + (new - old) * max(1.0 - FORGET, 1.0 / (windows + 1))
+
+
+def update(capacity: LearnedCapacity | None, m: MetricsSnapshot) -> LearnedCapacity:
+    """What is known after this window."""
+    c = capacity or LearnedCapacity()
+    out = c.model_copy()
+    per_token = prefill_ms_per_token(m)
+    if per_token is not None and per_token > 0:
+        old = None if c.prefill_ns_per_token is None else c.prefill_ns_per_token / 1e6
+        out.prefill_ns_per_token = round(_mean(old, per_token, c.prefill_windows) * 1e6)
+        out.prefill_windows = c.prefill_windows + 1
+    point = decode_point(m)
+    if point is not None:
+        sample = DecodeSample(
+            sequences_milli=round(point.sequences * 1000),
+            kv_usage_ppm=round(point.kv_usage * 1e6),
+            step_us=round(point.step_ms * 1000),
+        )
+        out.decode_samples = [*(c.decode_samples or []), sample][-DECODE_SAMPLES:]
+        out.decode_windows = c.decode_windows + 1
+        if point.kv_usage > 0.02 and m.mean_input_tokens and m.mean_output_tokens:
+            tokens = point.sequences * (m.mean_input_tokens + m.mean_output_tokens / 2.0) / point.kv_usage
+            kv = _mean(c.kv_capacity_tokens, tokens, c.decode_windows)
+            out.kv_capacity_tokens = max(round(kv), 1)
+    return out
+
+
+def _fit_decode(
+    samples: list[DecodeSample], prior: tuple[float, float, float] | None
+) -> tuple[float, float, float]:
+    """(d0, d1 per sequence, d2 per unit of KV usage) by least squares over the samples,
+    the newest weighing most, pulled towards a prior; none of them negative."""
+    rows = np.array([[1.0, s.sequences_milli / 1000.0, s.kv_usage_ppm / 1e6] for s in samples])
+    y = np.array([s.step_us / 1000.0 for s in samples])
+    w = FORGET ** np.arange(len(samples) - 1, -1, -1, dtype=float)
+    xtx = rows.T @ (rows * w[:, None])
+    xty = rows.T @ (w * y)
+    n = w.sum()
+    mb, mu, my = xtx[0, 1] / n, xtx[0, 2] / n, xty[0] / n
+    if prior is None:  # half of the step fixed, half per sequence
+        prior, weight = (my / 2.0, my / 2.0 / max(mb, 1e-9), 0.0), NO_PRIOR_WEIGHT
+    else:
+        weight = PRIOR_WEIGHT
+    # One window's worth of pull on each coefficient, at the scale its column has.
+    scales = np.array([1.0, max(mb, 1e-3) ** 2, max(mu, 1e-3) ** 2]) * weight
+    free = [0, 1, 2]
+    while True:
+        a = xtx[np.ix_(free, free)] + np.diag(scales[free])
+        rhs = xty[free] + scales[free] * np.asarray(prior)[free]
+        theta = np.zeros(3)
+        theta[free] = np.linalg.solve(a, rhs)
+        negative = [j for j in free if theta[j] < 0]
+        if not negative:
+            return float(theta[0]), float(theta[1]), float(theta[2])
+        free = [j for j in free if j not in negative]
+        if not free:
+            return 0.0, 0.0, 0.0
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    """The profile the capacity models get, and which roles it really describes."""
+
+    profile: Profile
+    prefill: bool  # False: prefill acts on TTFT feedback alone
+    decode: bool
+
+
+def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: MetricsSnapshot) -> Knowledge:
+    c = capacity or LearnedCapacity()
+    input_tokens = m.mean_input_tokens or 1.0
+    hit = min(max(m.prefix_hit_ratio or 0.0, 0.0), MAX_HIT)
+    # Prefill: the prior's shape (per batch, per token, attention) scaled to what was
+    # measured at this window's prompts; without a prior, linear in the tokens (the
+    # measured cost per token is then that of this window's mix of lengths).
+    prefill = prior.prefill_coef if prior else (0.0, 0.0, 0.0)
+    per_token = None if c.prefill_ns_per_token is None else c.prefill_ns_per_token / 1e6
+    if per_token is not None and (prior or c.prefill_windows >= MIN_WINDOWS):
+        if prior:
+            # What the prior says a token cost over this window's prompt lengths (long
+            # prompts cost more per token), against what it did cost.
+            new = max(input_tokens * (1.0 - hit), 1.0)
+            service_s = models.mean_prefill_service_s(prior, input_tokens, hit, m.prefill.prompt_tokens)
+            modelled = service_s * 1000.0 / new
+            scale = per_token / modelled if modelled > 0 else 1.0
+            prefill = tuple(x * scale for x in prior.prefill_coef)
+        else:
+            prefill = (0.0, per_token, 0.0)
+    prefill_known = prior is not None or c.prefill_windows >= MIN_WINDOWS
+    kv_tokens = c.kv_capacity_tokens or (prior.max_kv_tokens if prior else None)
+    decode = prior.decode_coef if prior else (0.0, 0.0, 0.0)
+    if c.decode_samples and (prior or c.decode_windows >= MIN_WINDOWS):
+        prior_fit = None
+        if prior:
+            d0, d1, d2 = prior.decode_coef
+            prior_fit = (d0, d1, d2 * (kv_tokens or prior.max_kv_tokens))
+        d0, d1, d2u = _fit_decode(c.decode_samples, prior_fit)
+        decode = (d0, d1, d2u / kv_tokens if kv_tokens else 0.0)
+    decode_known = prior is not None or c.decode_windows >= MIN_WINDOWS
+    profile = Profile(
+        name=f"learned from {prior.name}" if prior else "learned",
+        prefill_coef=prefill,
+        decode_coef=decode,
+        max_kv_tokens=kv_tokens or 1 << 40,
+        kv_bytes_per_token=prior.kv_bytes_per_token if prior else 0,
+        gpus=prior.gpus if prior else 1,
+    )
+    return Knowledge(profile, prefill_known, decode_known)

@@ -1,0 +1,198 @@
+"""Online capacity learning: estimators against plants whose answer is known, the fit,
+what is known when, and a simulated plant the law is given no profile for."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+
+from pdcluster import perf
+from pdcluster.api.v1alpha1 import DecodeSample, LearnedCapacity
+from pdcluster.control import learn
+from pdcluster.control.types import MetricsSnapshot, assemble
+from pdcluster.sim import plan
+from pdcluster.sim.fleet import FleetConfig, simulate
+from pdcluster.sim.trace import Trace
+
+PRIOR = perf.load()
+
+
+def window(
+    *,
+    tokens: float = 40_000.0,
+    isl: float = 4000.0,
+    prefill_ms: float = 80.0,
+    steps: float | None = 10.0,
+    engines: float = 2.0,
+    hit: float = 0.0,
+    running: float = 24.0,
+    decode_tokens: float = 2000.0,
+    kv: float = 0.25,
+    osl: float = 200.0,
+) -> MetricsSnapshot:
+    requests = tokens / isl
+    return assemble(
+        window_s=120,
+        prompt_tokens_rate=tokens,
+        prefilled_tokens_rate=tokens,
+        prefilled_rate=requests,
+        finished_rate=requests,
+        generated_tokens_rate=requests * osl,
+        prefill_time_ms=prefill_ms,
+        prefill_steps_rate=steps,
+        prefill_ready=engines,
+        prefix_queries_rate=tokens,
+        prefix_hits_rate=tokens * hit,
+        decode_running=running,
+        decode_tokens_rate=decode_tokens,
+        decode_kv_usage=kv,
+        decode_ready=2.0,
+    )
+
+
+def test_prefill_cost_per_token_is_the_busy_time_over_the_tokens_computed() -> None:
+    # 10 requests/s of 4000 tokens, each alone in its step of 80 ms: 0.8 engine-s per s.
+    assert learn.prefill_ms_per_token(window()) == pytest.approx(800.0 / 40_000)
+    # Five requests per step: each request's 80 ms is the whole batch's, counted once.
+    assert learn.prefill_ms_per_token(window(steps=2.0)) == pytest.approx(160.0 / 40_000)
+    # A quarter served from the prefix cache: the cost falls on the other three quarters.
+    assert learn.prefill_ms_per_token(window(hit=0.25)) == pytest.approx(800.0 / 30_000)
+    # Engines cannot be busier than always (two engines: at most 2 s per s).
+    assert learn.prefill_ms_per_token(window(prefill_ms=900.0)) == pytest.approx(2000.0 / 40_000)
+
+
+@pytest.mark.parametrize(
+    "snapshot",
+    [
+        window(tokens=0.0),
+        assemble(window_s=120, prompt_tokens_rate=100.0, prefilled_tokens_rate=100.0, prefilled_rate=1.0),
+    ],
+    ids=["no tokens", "no prefill time series"],
+)
+def test_prefill_cost_unknown_without_its_series(snapshot: MetricsSnapshot) -> None:
+    assert learn.prefill_ms_per_token(snapshot) is None
+
+
+def test_decode_step_is_running_sequences_over_tokens_per_second() -> None:
+    point = learn.decode_point(window(running=24.0, decode_tokens=2000.0))
+    assert point == learn.DecodePoint(sequences=12.0, kv_usage=0.25, step_ms=12.0)
+    assert learn.decode_point(window(running=0.0)) is None
+
+
+def samples(coef: tuple[float, float, float], points: list[tuple[float, float]]) -> list[DecodeSample]:
+    d0, d1, d2u = coef
+    return [
+        DecodeSample(
+            sequences_milli=round(b * 1000),
+            kv_usage_ppm=round(u * 1e6),
+            step_us=round((d0 + d1 * b + d2u * u) * 1000),
+        )
+        for b, u in points
+    ]
+
+
+def test_the_decode_fit_recovers_a_plant_seen_at_several_loads() -> None:
+    plant = (6.0, 0.2, 8.0)
+    seen = samples(plant, [(4, 0.05), (10, 0.3), (16, 0.2), (30, 0.6), (8, 0.4), (20, 0.15)] * 3)
+    d0, d1, d2u = learn._fit_decode(seen, None)
+    for learned, true in zip((d0, d1, d2u), plant, strict=True):
+        assert learned == pytest.approx(true, rel=0.05)
+
+
+def test_one_operating_point_keeps_the_priors_split() -> None:
+    """At one load the fixed and per-sequence parts cannot be told apart: the prior's
+    split is kept and the step the point showed is reproduced."""
+    prior = (6.0, 0.2, 0.0)
+    seen = samples((3.0, 0.5, 0.0), [(10, 0.2)] * 10)  # 8 ms at 10 sequences
+    d0, d1, d2u = learn._fit_decode(seen, prior)
+    assert d0 + 10 * d1 + 0.2 * d2u == pytest.approx(8.0, rel=0.05)
+    assert d0 > 3.0  # pulled towards the prior's 6 ms, not the plant's 3 ms it cannot see
+    assert min(d0, d1, d2u) >= 0.0
+
+
+def test_no_coefficient_is_negative() -> None:
+    seen = samples((10.0, 0.0, 0.0), [(4, 0.1), (20, 0.5)])
+    seen[1] = seen[1].model_copy(update={"step_us": 9000})  # a noisy window: longer batch, shorter step
+    assert min(learn._fit_decode(seen, None)) >= 0.0
+
+
+def test_what_is_known_when() -> None:
+    learned = None
+    for n in range(learn.MIN_WINDOWS):
+        k = learn.knowledge(learned, None, window())
+        assert not k.prefill and not k.decode, n
+        learned = learn.update(learned, window(running=20.0 + 4 * n))
+    k = learn.knowledge(learned, None, window())
+    assert k.prefill and k.decode
+    assert k.profile.prefill_coef == pytest.approx((0.0, 0.02, 0.0))
+    # With a prior both are known from the start.
+    k = learn.knowledge(None, PRIOR, window())
+    assert k.prefill and k.decode and k.profile.decode_coef == PRIOR.decode_coef
+
+
+def test_learned_capacity_is_whole_numbers_in_status() -> None:
+    learned = None
+    for n in range(learn.DECODE_SAMPLES + 5):
+        learned = learn.update(learned, window(running=20.0 + n))
+    body = json.loads(learned.model_dump_json())
+    assert len(body["decode_samples"]) == learn.DECODE_SAMPLES  # the oldest dropped
+    assert body["decode_windows"] == learn.DECODE_SAMPLES + 5
+    numbers = [body["prefill_ns_per_token"], body["kv_capacity_tokens"]]
+    numbers += [v for s in body["decode_samples"] for v in s.values()]
+    assert all(isinstance(v, int) for v in numbers)
+    assert LearnedCapacity.model_validate(body) == learned
+
+
+def test_a_prior_is_scaled_to_what_its_tokens_cost() -> None:
+    """Engines twice as slow as the prior says: the prefill model doubles, its shape kept."""
+    snapshot = window()
+    modelled = learn.models.mean_prefill_service_s(PRIOR, 4000.0, 0.0) * 1000.0 / 4000.0
+    learned = LearnedCapacity(prefill_ns_per_token=round(2 * modelled * 1e6), prefill_windows=1)
+    k = learn.knowledge(learned, PRIOR, snapshot)
+    for got, prior in zip(k.profile.prefill_coef, PRIOR.prefill_coef, strict=True):
+        assert got == pytest.approx(2 * prior, rel=1e-3)
+
+
+def test_a_plant_without_a_profile_is_learned_within_ten_minutes() -> None:
+    """Simulated engines of Llama-2-70B on four H100s (Splitwise's measurements), the law
+    given no profile: ten simulated minutes in, its prefill cost per token and its decode
+    step at the load it runs are within 20% of the plant's."""
+    plant = perf.load("splitwise-llama2-70b-h100-80gb-tp4")
+    trace = _steady_trace(minutes=10, rate=1.5)
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    args = parser.parse_args(["--trace", "-", "--gpus", "32", "--slo-ttft-ms", "2000", "--slo-itl-ms", "60"])
+    fleet = FleetConfig(gpus=32, startup_s=60.0, gpus_per_engine=plant.gpus)
+    setup = plan.Setup(trace, plant, plan.SLO(2000.0, 60.0, False), fleet, args)
+    policy = plan.make_policy("pdcluster", setup, (2, 2))
+    result = simulate(trace, plant, policy, fleet)
+    assert result.decisions, "the law never acted"
+    state = policy.state
+    assert state is not None and state.capacity is not None
+    capacity = state.capacity
+    assert capacity.prefill_windows >= learn.MIN_WINDOWS and capacity.decode_windows >= learn.MIN_WINDOWS
+    lengths = trace.input_tokens
+    _, b, c = plant.prefill_coef
+    true_per_token = sum(b * n + c * n * n for n in lengths) / sum(lengths)
+    assert capacity.prefill_ns_per_token / 1e6 == pytest.approx(true_per_token, rel=0.2)
+    last = capacity.decode_samples[-1]
+    sequences, usage = last.sequences_milli / 1000.0, last.kv_usage_ppm / 1e6
+    known = learn.knowledge(capacity, None, window())
+    d0, d1, d2 = known.profile.decode_coef
+    learned_step = d0 + d1 * sequences + d2 * usage * known.profile.max_kv_tokens
+    true_step = plant.decode_step_ms(round(sequences), round(usage * plant.max_kv_tokens))
+    assert learned_step == pytest.approx(true_step, rel=0.2)
+
+
+def _steady_trace(minutes: int, rate: float) -> Trace:
+    rng = random.Random(3)
+    t, arrival, inputs, outputs = 0.0, [], [], []
+    while t < minutes * 60:
+        t += rng.expovariate(rate)
+        arrival.append(t)
+        inputs.append(rng.choice([500, 1500, 3000, 6000]))
+        outputs.append(rng.randint(50, 400))
+    return Trace("steady", arrival, inputs, outputs, [() for _ in arrival])
