@@ -5,6 +5,7 @@ pdctl docs                    print the API reference (Markdown)
 pdctl render -f cluster.yaml  print the children a PDCluster becomes
 pdctl validate -f cluster.yaml
 pdctl plan --trace FILE ...   compare autoscaling policies on a real trace
+pdctl profile --url URL --name NAME   measure an engine's latency profile (a ConfigMap)
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return plan.run(args)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pdcluster import profiling
+
+    return profiling.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="pdctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -112,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
 
     plan.add_arguments(plan_parser)
     plan_parser.set_defaults(func=cmd_plan)
+    from pdcluster import profiling
+
+    profile_parser = sub.add_parser(
+        "profile", help="measure an engine's latency profile, print it as a ConfigMap"
+    )
+    profiling.add_arguments(profile_parser)
+    profile_parser.set_defaults(func=cmd_profile)
     args = p.parse_args(argv)
     return args.func(args)
 

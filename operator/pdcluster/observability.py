@@ -24,6 +24,7 @@ VLLM_REQUEST_SUCCESS: Final = "vllm:request_success"  # counter{finished_reason}
 VLLM_ITERATION_TOKENS: Final = "vllm:iteration_tokens_total"  # histogram
 VLLM_PREFIX_QUERIES: Final = "vllm:prefix_cache_queries"  # counter, tokens
 VLLM_PREFIX_HITS: Final = "vllm:prefix_cache_hits"  # counter, tokens
+VLLM_CACHE_CONFIG: Final = "vllm:cache_config_info"  # gauge 1{block_size, num_gpu_blocks, ...}
 VLLM_REQUEST_PROMPT_TOKENS: Final = "vllm:request_prompt_tokens"  # histogram, per finished request
 VLLM_LABELS: Final = ("model_name", "engine")
 

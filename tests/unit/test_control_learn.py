@@ -196,3 +196,33 @@ def _steady_trace(minutes: int, rate: float) -> Trace:
         inputs.append(rng.choice([500, 1500, 3000, 6000]))
         outputs.append(rng.randint(50, 400))
     return Trace("steady", arrival, inputs, outputs, [() for _ in arrival])
+
+
+def _law(prefill_ttft: float, itl: float, state=None):
+    from datetime import UTC, datetime
+
+    from pdcluster.api.v1alpha1 import PDClusterSpec
+    from pdcluster.control import Observed, RoleObserved, decide
+
+    spec = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "prefill": {"replicas": 3, "minReplicas": 1, "maxReplicas": 8},
+            "decode": {"replicas": 3, "minReplicas": 1, "maxReplicas": 8},
+            "autoscaling": {"enabled": True, "gpuBudget": 12, "scaleDownStabilizationSeconds": 0},
+        }
+    )
+    m = window()
+    m = MetricsSnapshot(**{**m.__dict__, "ttft_ms": prefill_ttft, "itl_ms": itl})
+    observed = Observed(RoleObserved(3, 3, 3), RoleObserved(3, 3, 3))
+    return decide(spec, m, state, observed, datetime(2026, 12, 1, tzinfo=UTC))
+
+
+def test_without_a_profile_the_law_first_follows_feedback_alone() -> None:
+    """Nothing learned yet: a missed SLO adds one engine, headroom removes none."""
+    state, decision = _law(prefill_ttft=5000.0, itl=5.0)
+    assert (decision.prefill, decision.decode) == (4, 3), decision.reason
+    assert "prefill capacity learned from 1/3 windows: feedback only" in decision.reason
+    assert state.capacity is not None and state.capacity.prefill_windows == 1
+    _, decision = _law(prefill_ttft=50.0, itl=5.0)
+    assert (decision.prefill, decision.decode) == (3, 3), decision.reason

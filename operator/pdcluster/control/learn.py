@@ -35,7 +35,9 @@ FORGET = 0.9  # weight of everything before, per run: about ten runs of memory
 DECODE_SAMPLES = 20  # decode windows kept (the oldest weighs 0.9^19 = 0.13)
 MIN_WINDOWS = 3  # runs with observations before a role's learned model is used without a prior
 PRIOR_WEIGHT = 2.0  # a prior counts as this many windows of observations
-NO_PRIOR_WEIGHT = 0.01  # without one, "half the step is fixed" only picks among fits the data cannot tell apart
+NO_PRIOR_WEIGHT = (
+    0.01  # without one, "half the step is fixed" only picks among fits the data cannot tell apart
+)
 MAX_HIT = 0.95
 
 

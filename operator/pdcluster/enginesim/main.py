@@ -36,7 +36,8 @@ class Simulator:
     def __init__(self, config: SimConfig):
         self.config = config
         self.profile = load_profile(config.profile)
-        self.families = MetricFamilies(config.max_model_len)
+        kv = self.profile.max_kv_tokens
+        self.families = MetricFamilies(config.max_model_len, kv_tokens=kv if kv < 1 << 40 else None)
         self.engine_ids = config.engine_ids
         self.table = TransferTable(
             config.abort_timeout_s, on_expired=lambda rank: self.cores[rank].metrics.expired.inc()
