@@ -14,6 +14,7 @@ integral of GPUs held (starting and draining engines count).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -23,15 +24,24 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
+from pdcluster import observability as obs
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.control import models
 from pdcluster.sim.dynamo import Dynamo
 from pdcluster.sim.fleet import FleetConfig, Result, simulate
+from pdcluster.sim.oracle import Oracle
 from pdcluster.sim.policies import PDCluster, Static
 from pdcluster.sim.trace import Trace, TraceError, load_trace
 
-BAND = (0.85, 0.95)  # static-best attainment the automatic rate scale aims for
+
+def band(target: float) -> tuple[float, float]:
+    """The static-best attainments the rate search accepts for a target: +-5 points at
+    90%, +-0.5 at 99% (half the distance to 100%)."""
+    half = (1.0 - target) / 2.0
+    return target - half, min(target + half, 1.0)
+
+
 DEFAULT_POLICIES = ("static-best", "dynamo", "pdcluster")
 
 
@@ -152,13 +162,18 @@ def spec_for(setup: Setup, start: tuple[int, int], prior: bool = False) -> PDClu
     )
 
 
-def model_split(setup: Setup) -> tuple[int, int]:
-    """The split the capacity models give for the trace's mean load (no observations)."""
-    tr, profile, n = setup.trace, setup.profile, setup.engines
-    rate = len(tr) / max(tr.span_s, 1e-9)
-    isl = sum(tr.input_tokens) / len(tr)
-    osl = sum(tr.output_tokens) / len(tr)
-    ttft = setup.slo.ttft_ms
+def size_for(
+    profile: perf.Profile, slo: SLO, rate: float, lengths: list[int], outputs: list[int], engines: int
+) -> tuple[int, int]:
+    """The split the capacity models give for a load (no observations), within `engines`."""
+    isl = sum(lengths) / len(lengths)
+    osl = sum(outputs) / len(outputs)
+    # The prompt-length histogram vLLM would export of this load (the convex prefill cost).
+    bounds = obs.vllm_request_token_buckets(1 << 20)
+    counts = [0] * (len(bounds) + 1)
+    for n in lengths:
+        counts[bisect.bisect_left(bounds, n)] += 1
+    histogram = tuple(zip((*map(float, bounds), math.inf), map(float, counts), strict=True))
     prefill = models.calibrate_prefill(
         profile,
         rate=rate,
@@ -168,21 +183,32 @@ def model_split(setup: Setup) -> tuple[int, int]:
         engines=0,
         observed_ttft_ms=None,
         observed_wait_ms=None,
-        own_prefill=not setup.slo.plus_prefill,
+        lengths=histogram,
+        own_prefill=not slo.plus_prefill,
     )
+    ttft = slo.ttft_ms
     bound = prefill.fixed_ms + max(ttft - prefill.fixed_ms, 0.2 * ttft)
-    p = models.fewest_engines(prefill.ttft_ms, bound, n - 1) or n - 1
+    limit = engines - 1
+    busy = models.PREFILL_MAX_BUSY
+    p = models.fewest_engines(prefill.ttft_ms, bound, limit, lambda k: prefill.load() <= busy * k) or limit
     decode = models.calibrate_decode(
         profile, rate=rate, input_tokens=isl, output_tokens=osl, engines=0, observed_itl_ms=None
     )
     d = models.fewest_engines(
-        decode.itl_ms, setup.slo.itl_ms, n - 1, lambda k: decode.kv_usage(k) <= models.KV_LIMIT
+        decode.itl_ms, slo.itl_ms, limit, lambda k: decode.kv_usage(k) <= models.KV_LIMIT
     )
-    d = d or n - 1
-    if p + d > n:
-        p = min(max(round(n * p / (p + d)), 1), n - 1)
-        d = n - p
+    d = d or limit
+    if p + d > engines:
+        p = min(max(round(engines * p / (p + d)), 1), engines - 1)
+        d = engines - p
     return p, d
+
+
+def model_split(setup: Setup) -> tuple[int, int]:
+    """The split the capacity models give for the trace's mean load (no observations)."""
+    tr = setup.trace
+    rate = len(tr) / max(tr.span_s, 1e-9)
+    return size_for(setup.profile, setup.slo, rate, tr.input_tokens, tr.output_tokens, setup.engines)
 
 
 def make_policy(name: str, setup: Setup, start: tuple[int, int] | None = None):
@@ -194,6 +220,16 @@ def make_policy(name: str, setup: Setup, start: tuple[int, int] | None = None):
         return PDCluster(spec_for(setup, start), None)
     if name == "pdcluster-prior":  # given the simulated engines' own profile as the prior
         return PDCluster(spec_for(setup, start, prior=True), setup.profile, name)
+    if name == "oracle":
+        return Oracle(
+            setup.trace,
+            lambda rate, lengths, outputs: size_for(
+                setup.profile, setup.slo, rate, lengths, outputs, setup.engines
+            ),
+            setup.engines,
+            setup.fleet.startup_s,
+            float(setup.args.interval),
+        )
     if name in ("dynamo", "dynamo-constant"):
         return Dynamo(
             setup.profile,
@@ -254,8 +290,48 @@ def static_best(setup: Setup, jobs: int, exhaustive: bool) -> tuple[Score, Resul
     return named, best_result, [r[0] for r in runs]
 
 
-def find_rate_scale(base: Trace, make_setup, jobs: int, log) -> float:
-    """A rate scale at which static-best attains BAND (geometric bisection)."""
+def smallest_static(
+    setup: Setup, attainment: float, jobs: int, cache: dict[tuple[int, int], Score]
+) -> Score | None:
+    """The smallest static fleet (fewest engines, the best split of them, in hindsight)
+    that attains at least `attainment`; None if the whole budget cannot. Attainment
+    grows with engines, so the size is bisected; each size's split is hill-climbed
+    from the capacity model's proportion. `cache` keeps every simulated split."""
+
+    def run(splits: list[tuple[int, int]]) -> None:
+        todo = [sp for sp in splits if sp not in cache]
+        for sp, (sc, _) in zip(
+            todo, run_many(setup, [f"static:{p}:{d}" for p, d in todo], jobs), strict=True
+        ):
+            cache[sp] = sc
+
+    mp, md = model_split(setup)
+
+    def best_of(total: int) -> Score:
+        p = min(max(round(total * mp / (mp + md)), 1), total - 1)
+        while True:
+            around = [(q, total - q) for q in (p - 1, p, p + 1) if 1 <= q < total]
+            run(around)
+            q = max((sp[0] for sp in around), key=lambda q: (cache[(q, total - q)].attainment, -abs(q - p)))
+            if q == p:
+                return cache[(p, total - p)]
+            p = q
+
+    low, high = 2, setup.engines
+    if best_of(high).attainment < attainment:
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        if best_of(middle).attainment >= attainment:
+            high = middle
+        else:
+            low = middle + 1
+    return best_of(low)
+
+
+def find_rate_scale(base: Trace, make_setup, jobs: int, log, target: float = 0.9) -> float:
+    """A rate scale at which static-best attains about `target` (geometric bisection)."""
+    low_band, high_band = band(target)
     setup = make_setup(1.0)
     tr, profile = setup.trace, setup.profile
     rate = len(tr) / max(tr.span_s, 1e-9)
@@ -270,9 +346,9 @@ def find_rate_scale(base: Trace, make_setup, jobs: int, log) -> float:
     for _ in range(12):
         attained = static_best(make_setup(scale), jobs, exhaustive=False)[0].attainment
         log(f"  rate scale {scale:.2f}: static-best attainment {attained:.3f}")
-        if BAND[0] <= attained <= BAND[1]:
+        if low_band <= attained <= high_band:
             return scale
-        if attained > BAND[1]:
+        if attained > high_band:
             low = scale
         else:
             high = scale
@@ -327,9 +403,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--start",
-        default="best",
-        help="split the dynamic policies start from: best (static-best's), model (the capacity model's "
-        "for the mean load) or P:D",
+        default="neutral",
+        help="split the dynamic policies start from: neutral (1:1, the minimum of each role), model (the "
+        "capacity model's for the mean load), best (static-best's, chosen in hindsight) or P:D",
+    )
+    parser.add_argument(
+        "--static-attains",
+        type=float,
+        default=0.9,
+        help="the searched rate scale is where the best full-budget static split attains about this share",
+    )
+    parser.add_argument(
+        "--equal-attainment",
+        action="store_true",
+        help="for each dynamic policy, find the smallest static fleet (any size, any split, in hindsight) "
+        "that attains as much (static_at_equal_attainment in --json)",
     )
     parser.add_argument("--interval", type=int, default=30, help="pdcluster: autoscaling.intervalSeconds")
     parser.add_argument("--window", type=int, default=120, help="pdcluster: autoscaling.windowSeconds")
@@ -369,8 +457,9 @@ def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dic
 
     searched = args.rate_scale is None
     if searched:
-        say(f"searching the rate scale at which static-best attains {BAND[0]:.0%}-{BAND[1]:.0%} ...")
-    scale = args.rate_scale or find_rate_scale(base, make_setup, args.jobs, say)
+        low, high = band(args.static_attains)
+        say(f"searching the rate scale at which static-best attains {low:.1%}-{high:.1%} ...")
+    scale = args.rate_scale or find_rate_scale(base, make_setup, args.jobs, say, args.static_attains)
     setup = make_setup(scale)
     names = args.policy or list(DEFAULT_POLICIES)
     scores: list[Score] = []
@@ -387,7 +476,18 @@ def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dic
     for sc, result in run_many(setup, simple, args.jobs, start):
         scores.append(sc)
         results[sc.policy] = result
-    return _report(setup, scale, searched, scores, results, start), results, setup
+    report = _report(setup, scale, searched, scores, results, start)
+    if args.equal_attainment:
+        cache: dict[tuple[int, int], Score] = {}
+        for sc in scores:
+            if sc.policy in dynamic:
+                match = smallest_static(setup, sc.attainment, args.jobs, cache)
+                report["policies"][sc.policy]["static_at_equal_attainment"] = (
+                    None
+                    if match is None
+                    else {"split": match.policy.removeprefix("static:"), **match.as_dict()}
+                )
+    return report, results, setup
 
 
 def run(args: argparse.Namespace) -> int:
@@ -407,6 +507,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start(spec: str, setup: Setup, best: Score | None) -> tuple[int, int]:
+    if spec == "neutral":  # what a cluster applied with minReplicas would start from
+        return 1, 1
     if spec == "best" and best is not None:
         p, d = best.policy[len("static-best (") : -1].split(":")
         return int(p), int(d)
