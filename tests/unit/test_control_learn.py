@@ -175,8 +175,7 @@ def test_a_plant_without_a_profile_is_learned_within_ten_minutes() -> None:
     capacity = state.capacity
     assert capacity.prefill_windows >= learn.MIN_WINDOWS and capacity.decode_windows >= learn.MIN_WINDOWS
     lengths = trace.input_tokens
-    _, b, c = plant.prefill_coef
-    true_per_token = sum(b * n + c * n * n for n in lengths) / sum(lengths)
+    true_per_token = sum(plant.prefill_one_ms(n) for n in lengths) / sum(lengths)  # each prompt alone
     assert capacity.prefill_ns_per_token / 1e6 == pytest.approx(true_per_token, rel=0.2)
     last = capacity.decode_samples[-1]
     sequences, usage = last.sequences_milli / 1000.0, last.kv_usage_ppm / 1e6

@@ -583,12 +583,27 @@ def print_table(report: dict) -> None:
         f"{report['gpus']} GPUs, {report['profile']}, SLO {ttft} and mean ITL <= {slo['itl_ms']:.0f} ms"
     )
     head = ("policy", "attain", "goodput/s", "GPU-h", "good/GPU-h", "TTFT p90", "ITL p90", "decisions")
-    print(f"{head[0]:<24}" + "".join(f"{h:>11}" for h in head[1:]))
+    equal = any("static_at_equal_attainment" in s for s in report["policies"].values())
+    print(
+        f"{head[0]:<24}"
+        + "".join(f"{h:>11}" for h in head[1:])
+        + ("  static at equal attainment" if equal else "")
+    )
     for name, s in report["policies"].items():
-        print(
+        line = (
             f"{name:<24}{s['attainment']:>11.1%}{s['goodput_rps']:>11.2f}{s['gpu_hours']:>11.2f}"
             f"{s['goodput_per_gpu_hour']:>11.0f}{s['ttft_p90_ms']:>9.0f}ms{s['itl_p90_ms']:>9.1f}ms{s['decisions']:>11}"
         )
+        if "static_at_equal_attainment" in s:
+            match = s["static_at_equal_attainment"]
+            line += (
+                "  none within the budget"
+                if match is None
+                else (
+                    f"  {match['split']}: {match['gpu_hours']:.2f} GPU-h ({s['gpu_hours'] / match['gpu_hours']:.0%})"
+                )
+            )
+        print(line)
     print(report["recommendation"])
 
 

@@ -88,6 +88,52 @@ class Trace:
             self.block_tokens,
         )
 
+    def window(self, start_s: float, end_s: float) -> Trace:
+        """The requests arriving in [start, end), their times kept."""
+        keep = [i for i, t in enumerate(self.arrival_s) if start_s <= t < end_s]
+        return self._take(keep, [self.arrival_s[i] for i in keep])
+
+    def _take(self, keep: list[int], arrival: list[float]) -> Trace:
+        return Trace(
+            self.name,
+            arrival,
+            [self.input_tokens[i] for i in keep],
+            [self.output_tokens[i] for i in keep],
+            [self.blocks[i] for i in keep],
+            self.block_tokens,
+        )
+
+    def burst(self, start_s: float, duration_s: float, factor: float, seed: int = 0) -> Trace:
+        """The same trace with `factor` times the load in [start, start + duration): the
+        window's requests replicated (other users, their own prefixes)."""
+        end_s = start_s + duration_s
+        inside = self.window(start_s, end_s).replicated(factor, seed=seed, jitter_s=min(30.0, duration_s / 4))
+        parts = (self.window(-math.inf, start_s), inside, self.window(end_s, math.inf))
+        return Trace(
+            f"{self.name}+burst",
+            [t for p in parts for t in p.arrival_s],
+            [n for p in parts for n in p.input_tokens],
+            [n for p in parts for n in p.output_tokens],
+            [b for p in parts for b in p.blocks],
+            self.block_tokens,
+        )
+
+
+def phases(parts: list[Trace], name: str) -> Trace:
+    """Traces played one after another, each from where the one before ended."""
+    arrival, inputs, outputs, blocks, offset = [], [], [], [], 0.0
+    for k, part in enumerate(parts):
+        start = part.arrival_s[0] if part.arrival_s else 0.0
+        for t, i, o, b in zip(
+            part.arrival_s, part.input_tokens, part.output_tokens, part.blocks, strict=True
+        ):
+            arrival.append(offset + t - start)
+            inputs.append(i)
+            outputs.append(o)
+            blocks.append(tuple(h + (k << 48) for h in b))  # phases share no prefixes
+        offset += part.span_s + 1.0
+    return Trace(name, arrival, inputs, outputs, blocks)
+
 
 def detect_format(path: Path) -> str:
     return "azure" if path.suffix == ".csv" else "mooncake"
