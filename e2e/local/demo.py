@@ -84,8 +84,13 @@ ENGINES = {
     # Real vLLM on two cores: one prefill and one decode engine of a 2048-token vocabulary
     # and a 512-token context, and a two-minute replay (the trace's prompts are 12k
     # tokens on average: divided by 64, they fit with their prefixes still shared).
-    "vllm": Engine(REPO / "examples" / "pdcluster-vllm-cpu.yaml", 2048, "40:1,40:2,40:1",
-                   length_divisor=64, max_output=32),
+    "vllm": Engine(
+        REPO / "examples" / "pdcluster-vllm-cpu.yaml",
+        2048,
+        "40:1,40:2,40:1",
+        length_divisor=64,
+        max_output=32,
+    ),
 }
 
 
@@ -163,8 +168,11 @@ def fit(requests: list[Request], engine: Engine, max_model_len: int | None) -> l
     for r in requests:
         output = min(r.output_tokens, engine.max_output or r.output_tokens)
         room = (max_model_len or 1 << 30) - output
-        out.append(Request(r.at_s, max(1, min(room, r.input_tokens // engine.length_divisor)), output,
-                           r.blocks, r.salt))
+        out.append(
+            Request(
+                r.at_s, max(1, min(room, r.input_tokens // engine.length_divisor)), output, r.blocks, r.salt
+            )
+        )
     return out
 
 
@@ -342,10 +350,14 @@ class Observer:
 
 
 def _split_decision(message: str) -> tuple[str, str, str]:
-    """'prefill 3, decode 1: <reason>' (the operator's Scaled event) -> parts."""
-    head, _, reason = message.partition(": ")
-    counts = dict(part.strip().split(" ", 1) for part in head.split(",") if " " in part.strip())
-    return counts.get("prefill", "?"), counts.get("decode", "?"), reason or message
+    """'prefill 2 -> 3, decode 4 -> 3: <why>' (the operator's Scaled event) -> the new
+    counts and why; a role the message does not name kept its count ("=")."""
+    head, _, why = message.partition(": ")
+    counts = {}
+    for part in head.split(","):
+        role, _, change = part.strip().partition(" ")
+        counts[role] = change.rpartition("->")[2].strip() or "?"
+    return counts.get("prefill", "="), counts.get("decode", "="), why or message
 
 
 # ------------------------------------------------------------------------------ view
@@ -549,7 +561,12 @@ async def run_and_watch(
             url = f"http://{svc['spec']['clusterIP']}:{C.ROUTER_PORT}"
         model = spec["model"].get("servedModelName") or spec["model"]["name"]
         observer = Observer(
-            kube, target.prometheus_url, target.namespace, target.name, Quantile(slo["quantile"]).fraction, window_s
+            kube,
+            target.prometheus_url,
+            target.namespace,
+            target.name,
+            Quantile(slo["quantile"]).fraction,
+            window_s,
         )
         described = ", ".join(f"{s:g} s at {v:g}x" for s, v in phases)
         title = (
@@ -721,7 +738,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{ENGINES['vllm'].phases} for vLLM: calm, surge, calm)",
     )
     replay_opts.add_argument(
-        "--engine", choices=sorted(ENGINES), default="sim",
+        "--engine",
+        choices=sorted(ENGINES),
+        default="sim",
         help="engine simulators (default) or real vLLM on CPU",
     )
     replay_opts.add_argument(

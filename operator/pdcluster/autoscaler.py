@@ -151,13 +151,11 @@ class PrometheusAutoscaler:
         observed = await self._observed(owner, status)
         new_state, decision = decide(spec, snapshot, state, observed, now, profile=prior)
         if condition is None:
-            mode = "Recommending" if a.mode == AutoscalingMode.recommend else "Active"
-            condition = (True, mode, decision.reason)
-        metrics.DECISIONS.labels(owner.namespace, owner.name, decision.action).inc()
+            recommend = "recommend: " if a.mode == AutoscalingMode.recommend else ""
+            condition = (True, decision.cause, recommend + decision.summary)
+        metrics.DECISIONS.labels(owner.namespace, owner.name, decision.action, decision.cause).inc()
         changed = state is None or (new_state.prefill, new_state.decode) != (state.prefill, state.decode)
         if decision.action in ("scale", "recommend") and changed:
             reason = "Scaled" if decision.action == "scale" else "Recommended"
-            events.append(
-                ("Normal", reason, f"prefill {decision.prefill}, decode {decision.decode}: {decision.reason}")
-            )
+            events.append(("Normal", reason, decision.summary))
         return AutoscaleResult(new_state, condition, latency, events)

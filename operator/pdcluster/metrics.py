@@ -8,6 +8,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pdcluster import constants as C
 from pdcluster import observability as O
+from pdcluster.control.cause import Cause
 
 RECONCILES = Counter(O.OPERATOR_RECONCILES, "Reconciles of PDClusters by result", ["result"])
 RECONCILE_SECONDS = Histogram(
@@ -17,7 +18,9 @@ RECONCILE_SECONDS = Histogram(
 )
 DECISION_ACTIONS = ("scale", "hold", "recommend")
 DECISIONS = Counter(
-    O.OPERATOR_DECISIONS, "Autoscaling decisions by action", ["pdcluster_namespace", "pdcluster", "action"]
+    O.OPERATOR_DECISIONS,
+    "Autoscaling decisions by action and cause",
+    ["pdcluster_namespace", "pdcluster", "action", "cause"],
 )
 DESIRED_REPLICAS = Gauge(
     O.OPERATOR_DESIRED_REPLICAS,
@@ -37,5 +40,6 @@ def forget(namespace: str, name: str) -> None:
         with contextlib.suppress(KeyError):
             DESIRED_REPLICAS.remove(namespace, name, role)
     for action in DECISION_ACTIONS:
-        with contextlib.suppress(KeyError):
-            DECISIONS.remove(namespace, name, action)
+        for cause in Cause:
+            with contextlib.suppress(KeyError):
+                DECISIONS.remove(namespace, name, action, cause.value)

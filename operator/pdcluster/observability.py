@@ -91,7 +91,7 @@ PROM_LABEL_ROLE: Final = "role"
 # ---------------------------------------------------------------------- operator side
 # Labelled pdcluster_namespace/pdcluster, not namespace: a scrape of the operator's own pod
 # would otherwise clash with the target's `namespace` label.
-OPERATOR_DECISIONS: Final = "pdcluster_scaling_decisions"  # counter{pdcluster_namespace, pdcluster, action}
+OPERATOR_DECISIONS: Final = "pdcluster_scaling_decisions"  # counter{pdcluster_namespace, pdcluster, action, cause}
 OPERATOR_DESIRED_REPLICAS: Final = "pdcluster_desired_replicas"  # gauge{pdcluster_namespace, pdcluster, role}
 OPERATOR_RECONCILES: Final = "pdcluster_reconciles"  # counter{result}
 OPERATOR_RECONCILE_SECONDS: Final = "pdcluster_reconcile_duration_seconds"  # histogram

@@ -29,6 +29,7 @@ from harness import OperatorProcess, StreamLoad, install_crd, settled, start_ope
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import constants as C
+from pdcluster.control.cause import Cause
 from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.io.prometheus import Prometheus, queries
 
@@ -315,9 +316,11 @@ async def test_operator_promql_reads_the_real_engines(env: Env) -> None:
     async def decided() -> dict[str, Any] | None:
         body = await env.kube.get(C.API_VERSION, C.KIND, NAME, env.namespace)
         cond = next((c for c in body["status"].get("conditions", []) if c["type"] == "Autoscaling"), None)
-        return cond if cond and cond["status"] == "True" and cond["reason"] == "Recommending" else None
+        ran = cond and cond["status"] == "True" and cond["message"].startswith("recommend: ")
+        return cond if ran and cond["reason"] not in (Cause.no_traffic, Cause.metrics_unavailable) else None
 
-    cond = await poll(decided, 120, "the control law decided from real metrics (Autoscaling Recommending)")
+    cond = await poll(decided, 120, "the control law decided from real metrics (Autoscaling True)")
+    assert cond["reason"] in {c.value for c in Cause}, cond
     assert cond["message"]
     state = (await env.kube.get(C.API_VERSION, C.KIND, NAME, env.namespace))["status"]["autoscaling"]
     assert state["prefill"] >= 1 and state["decode"] >= 1, state

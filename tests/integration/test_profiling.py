@@ -108,5 +108,5 @@ async def test_the_operator_reads_its_prior_from_the_configmap_the_spec_names(
     await autoscaling_condition("UnknownProfile", f"{where}: prefillCoefficientsMs must be three numbers")
     good = profiling.config_map(SIM_PROFILE, "llama-profile", namespace)
     await kube.apply(good, field_manager="kubectl-test")
-    cond = await autoscaling_condition("Recommending")
+    cond = await autoscaling_condition("NoTraffic", "recommend: hold 1:1: no traffic")  # the law runs
     assert cond["status"] == "True", cond

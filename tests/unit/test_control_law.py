@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
 from pdcluster.control import MetricsSnapshot, Observed, RoleMetrics, RoleObserved, decide
+from pdcluster.control.cause import Cause
 from pdcluster.control.law import parse_time
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -71,7 +72,7 @@ def run(s, m, state=None, observed=None, at=T0):
 def test_missing_metrics_hold_and_say_so() -> None:
     state, decision = run(spec(), None)
     assert (decision.action, decision.prefill, decision.decode) == ("hold", 4, 4)
-    assert "metrics unavailable" in decision.reason
+    assert decision.cause == Cause.metrics_unavailable
     assert (state.prefill, state.decode) == (4, 4)
     assert decision.metrics is None
 
@@ -79,7 +80,7 @@ def test_missing_metrics_hold_and_say_so() -> None:
 def test_no_traffic_holds_instead_of_scaling_to_the_minimum() -> None:
     _, decision = run(spec(), MetricsSnapshot(window_s=120, request_rate=0.0))
     assert decision.action == "hold"
-    assert "no traffic in the last 120 s" in decision.reason
+    assert decision.cause == Cause.no_traffic
 
 
 def test_missing_metrics_break_a_scale_down_wish() -> None:
@@ -94,12 +95,18 @@ def test_disabled_autoscaling_holds() -> None:
     s = spec()
     s.autoscaling.enabled = False
     _, decision = run(s, metrics(ttft=5000, wait=4000))
-    assert decision.action == "hold" and "disabled" in decision.reason
+    assert decision.action == "hold" and decision.cause == Cause.disabled
 
 
 def test_steady_load_within_the_band_holds() -> None:
     _, decision = run(spec(), metrics())
     assert decision.action == "hold", decision.reason
+    # 40% headroom on both: fewer engines are wanted, after the stabilization window.
+    assert decision.cause == Cause.stabilizing
+    assert decision.summary == "hold 4:4: prefill change waits out its stabilization window"
+    _, decision = run(spec(prefill=1, decode=1), metrics(engines=(1, 1), ttft=420, itl=21))
+    assert (decision.action, decision.cause) == ("hold", Cause.within_targets), decision.reason
+    assert decision.summary == "hold 1:1: TTFT p90 420 ms, ITL p90 21 ms: within targets"
 
 
 # ---------------------------------------------------------------- scaling up
@@ -107,14 +114,14 @@ def test_ttft_miss_with_prefill_queueing_adds_prefill() -> None:
     _, decision = run(spec(), metrics(rate=14.0, ttft=2400, wait=1800))
     assert decision.action == "scale"
     assert decision.prefill > 4 and decision.decode >= 4
-    assert "TTFT p90 2400 ms > 500 ms" in decision.reason
-    assert "+" in decision.reason and "prefill" in decision.reason
+    assert decision.cause == Cause.ttft_over_target
+    assert decision.summary.endswith(": TTFT p90 2400 ms over 500 ms")
 
 
 def test_itl_miss_adds_decode() -> None:
     _, decision = run(spec(), metrics(rate=20.0, itl=40.0, kv=0.8))
     assert decision.decode > 4, decision.reason
-    assert "ITL p90 40 ms > 25 ms" in decision.reason
+    assert decision.cause == Cause.itl_over_target
 
 
 def test_a_step_moves_at_most_max_step() -> None:
@@ -134,7 +141,7 @@ def test_scale_up_stabilization_delays_a_scale_up() -> None:
     s = spec(scaleUpStabilizationSeconds=60, scaleDownStabilizationSeconds=300)
     hot = metrics(rate=14.0, ttft=2400, wait=1800)
     state, decision = run(s, hot)
-    assert decision.action == "hold" and "scale-up wanted for 0 s" in decision.reason
+    assert decision.action == "hold" and decision.cause == Cause.stabilizing
     state, decision = run(s, hot, state, at=T0 + timedelta(seconds=30))
     assert decision.action == "hold"
     _, decision = run(s, hot, state, at=T0 + timedelta(seconds=60))
@@ -149,12 +156,13 @@ def idle_for_eight() -> tuple[PDClusterSpec, MetricsSnapshot, Observed]:
 def test_scale_down_waits_for_the_stabilization_window() -> None:
     s, quiet, seen = idle_for_eight()
     state, decision = run(s, quiet, observed=seen)
-    assert decision.action == "hold" and "scale-down" in decision.reason
+    assert decision.action == "hold" and decision.cause == Cause.stabilizing
     for seconds in range(30, 300, 30):
         state, decision = run(s, quiet, state, seen, T0 + timedelta(seconds=seconds))
         assert decision.action == "hold", seconds
     state, decision = run(s, quiet, state, seen, T0 + timedelta(seconds=300))
     assert decision.action == "scale"
+    assert decision.cause in (Cause.prefill_headroom, Cause.decode_headroom)
     assert decision.prefill == 6 and decision.decode == 6  # max_step 2 per role
     assert decision.prefill >= 1
 
@@ -185,7 +193,7 @@ def test_cooldown_holds_the_next_change() -> None:
     assert decision.action == "scale"
     grown = ready(state.prefill, state.decode)
     state, decision = run(s, hot, state, grown, T0 + timedelta(seconds=60))
-    assert decision.action == "hold" and "cooling down" in decision.reason
+    assert decision.action == "hold" and decision.cause == Cause.cooling_down
     _, decision = run(s, hot, state, grown, T0 + timedelta(seconds=120))
     assert decision.action == "scale"
 

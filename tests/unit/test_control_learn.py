@@ -12,6 +12,7 @@ import pytest
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import DecodeSample, LearnedCapacity
 from pdcluster.control import learn
+from pdcluster.control.cause import Cause
 from pdcluster.control.types import MetricsSnapshot, assemble
 from pdcluster.sim import plan
 from pdcluster.sim.fleet import FleetConfig, simulate
@@ -221,6 +222,7 @@ def test_without_a_profile_the_law_first_follows_feedback_alone() -> None:
     """Nothing learned yet: a missed SLO adds one engine, headroom removes none."""
     state, decision = _law(prefill_ttft=5000.0, itl=5.0)
     assert (decision.prefill, decision.decode) == (4, 3), decision.reason
+    assert decision.cause == Cause.ttft_over_target
     assert "prefill capacity learned from 1/3 windows: feedback only" in decision.reason
     assert state.capacity is not None and state.capacity.prefill_windows == 1
     _, decision = _law(prefill_ttft=50.0, itl=5.0)

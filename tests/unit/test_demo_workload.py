@@ -64,8 +64,13 @@ def test_parse_phases() -> None:
 
 
 def test_decision_events_are_split_for_the_table() -> None:
-    assert demo._split_decision("prefill 3, decode 2: TTFT p90 3955 ms > 2000 ms") == (
+    assert demo._split_decision("prefill 2 -> 3, decode 3 -> 2: TTFT p90 3955 ms over 2000 ms") == (
         "3",
         "2",
-        "TTFT p90 3955 ms > 2000 ms",
+        "TTFT p90 3955 ms over 2000 ms",
+    )
+    assert demo._split_decision("decode 1 -> 2: ITL p90 31 ms over 25 ms") == (
+        "=",
+        "2",
+        "ITL p90 31 ms over 25 ms",
     )

@@ -13,7 +13,8 @@ def test_forget_drops_every_series_of_a_cluster() -> None:
     metrics.DESIRED_REPLICAS.labels("ns", "gone", "prefill").set(2)
     metrics.DESIRED_REPLICAS.labels("ns", "gone", "decode").set(3)
     for action in metrics.DECISION_ACTIONS:
-        metrics.DECISIONS.labels("ns", "gone", action).inc()
+        metrics.DECISIONS.labels("ns", "gone", action, "WithinTargets").inc()
+    metrics.DECISIONS.labels("ns", "gone", "scale", "TTFTOverTarget").inc()
     metrics.DESIRED_REPLICAS.labels("ns", "kept", "prefill").set(1)
     assert _exposed("gone")
 

@@ -484,7 +484,11 @@ class Decision(Model):
     prefill: int
     decode: int
     action: str = Field(description="`scale`, `hold` or `recommend`.")
-    reason: str
+    cause: str = Field(
+        "", description="Why, as a code (the Autoscaling condition's reason), e.g. `TTFTOverTarget`."
+    )
+    summary: str = Field("", description="What changes or holds and why, in one line.")
+    reason: str = Field(description="The figures and every consideration behind the decision.")
     metrics: ObservedMetrics | None = None
 
 

@@ -41,6 +41,7 @@ from pdcluster.api.v1alpha1 import (
     PDClusterSpec,
 )
 from pdcluster.control import learn, models
+from pdcluster.control.cause import Cause, Figures, summary
 from pdcluster.control.types import MetricsSnapshot, Observed
 
 ROLES = ("prefill", "decode")
@@ -68,6 +69,8 @@ class _Need:
     violated: bool = False  # observed quantile above target x (1 + tol)
     headroom: bool = False  # observed quantile below target x (1 - tol)
     reactive: bool = False  # violated although the model was content: add one
+    cause_up: Cause = Cause.within_targets  # why more engines, if more
+    cause_down: Cause = Cause.within_targets  # why fewer, if fewer
     notes: list[str] = field(default_factory=list)
 
 
@@ -108,6 +111,7 @@ class _Run:
         self.pending = dict(self.prev.pending_since or {})
         self.blocked = {r: t for r, t in (self.prev.blocked_until or {}).items() if parse_time(t) > self.now}
         self.stored: dict[str, int] = {}
+        self.events: dict[Cause, str] = {}  # what happened on the way, and to which role
         self.current = self._current()
 
     # ------------------------------------------------------------------ helpers
@@ -165,10 +169,11 @@ class _Run:
         hold = f"hold {self.current['prefill']}:{self.current['decode']}"
         if not self.auto.enabled or self.spec.suspend:
             why = "autoscaling disabled" if not self.auto.enabled else "cluster suspended"
-            return self._finish(dict(self.current), self._with_notes(f"{why}: {hold}"))
+            cause = Cause.disabled if not self.auto.enabled else Cause.suspended
+            return self._finish(dict(self.current), self._with_notes(f"{why}: {hold}"), cause)
         fallback = self._time_out_scale_ups()
         if fallback:
-            return self._finish(fallback, "; ".join(self.notes))
+            return self._finish(fallback, "; ".join(self.notes), Cause.scale_up_timed_out)
         m = self.metrics
         if m is None or m.request_rate <= 0 or m.mean_input_tokens is None or m.mean_output_tokens is None:
             # Nothing to go on: no timer may keep running across the gap.
@@ -179,7 +184,8 @@ class _Run:
                 if m is None
                 else f"no traffic in the last {m.window_s} s"
             )
-            return self._finish(dict(self.current), self._with_notes(f"{why}: {hold}"))
+            cause = Cause.metrics_unavailable if m is None else Cause.no_traffic
+            return self._finish(dict(self.current), self._with_notes(f"{why}: {hold}"), cause)
         self._record(m)
         self.capacity = learn.update(self.capacity, m)
         known = learn.knowledge(self.capacity, self.prior, m)
@@ -193,7 +199,8 @@ class _Run:
         wants = {r: self._want(r, needs[r]) for r in ROLES}
         wants, donor = self._fit_budget(wants, needs)
         target = self._stabilise(wants, donor)
-        return self._finish(target, self._reason(m, needs, target))
+        cause, role = self._cause(needs, wants, target)
+        return self._finish(target, self._reason(m, needs, target), cause, role)
 
     def _with_notes(self, reason: str) -> str:
         return f"{reason} ({'; '.join(self.notes)})" if self.notes else reason
@@ -220,6 +227,7 @@ class _Run:
             self.pending.pop(role, None)
             self.up_since.pop(role, None)
             self.blocked[role] = timestamp(self.now + timedelta(seconds=timeout))
+            self.events.setdefault(Cause.scale_up_timed_out, role)
             stuck = f", {obs.unschedulable} unschedulable" if obs.unschedulable else ""
             self.notes.append(
                 f"{role} scale-up to {self.current[role]} not ready after {waited:.0f} s "
@@ -360,6 +368,8 @@ class _Run:
             need.headroom = ttft < bound_down and (measured or ttft < target * (1 - self.tol))
             queued = (wait or 0.0) > 0.1 * target
             need.reactive = need.violated and queued and need.up <= self.current["prefill"]
+        need.cause_up = Cause.ttft_over_target if need.violated else Cause.prefill_short
+        need.cause_down = Cause.prefill_headroom
         return need
 
     def _decode_need(self, m: MetricsSnapshot) -> _Need:
@@ -400,6 +410,8 @@ class _Run:
             need.violated = itl > target * (1.0 + self.tol) or kv_full
             need.headroom = itl < target * (1.0 - self.tol) and not (kv is not None and kv > kv_down)
             need.reactive = need.violated and need.up <= self.current["decode"]
+        need.cause_up = _decode_cause(kv_full, need.violated)
+        need.cause_down = Cause.decode_headroom
         return need
 
     def _feedback_need(self, role: str, m: MetricsSnapshot) -> _Need:
@@ -425,6 +437,10 @@ class _Run:
             need.headroom = seen < target * (1.0 - self.tol)
         if need.violated:
             need.up = need.down = cur + 1
+        if role == "prefill":
+            need.cause_up = Cause.ttft_over_target
+        else:
+            need.cause_up = _decode_cause(full, need.violated)
         return need
 
     def _want(self, role: str, need: _Need) -> int:
@@ -474,6 +490,7 @@ class _Run:
         donor = ROLES[1 - ROLES.index(taker)]
         if needs[donor].violated:
             self.notes.append(f"GPU budget {budget} full and {donor} misses its own target")
+            self.events[Cause.budget_full] = taker
             return {**out, taker: max(out[taker], self.current[taker])}, None
         low, _ = self._bounds(donor)
         floor = max(low, needs[donor].up)
@@ -483,6 +500,7 @@ class _Run:
         give = max(min(self.current[donor] - floor, -(-missing // gd)), 0)
         if not give:
             self.notes.append(f"GPU budget {budget} full and {donor} needs its {self.current[donor]} engines")
+            self.events[Cause.budget_full] = taker
             return {**out, taker: have}, None
         out[donor] = self.current[donor] - give
         spare += give * gd
@@ -530,6 +548,7 @@ class _Run:
             f"both roles miss their targets (model needs {needs['prefill'].up}:{needs['decode'].up}): "
             f"rebalancing towards {best['prefill']}:{best['decode']}"
         )
+        self.events[Cause.rebalanced] = next(r for r in ROLES if best[r] > self.current[r])
         return dict(best), next(r for r in ROLES if best[r] < self.current[r])
 
     def _stabilise(self, wants: dict[str, int], donor: str | None) -> dict[str, int]:
@@ -545,6 +564,7 @@ class _Run:
                 self.down_since.pop(role, None)
                 if role in self.blocked:
                     self.notes.append(f"{role} scale-up blocked until {self.blocked[role]} (earlier timeout)")
+                    self.events.setdefault(Cause.scale_up_blocked, role)
                     continue
                 since = parse_time(self.up_since.setdefault(role, self.now_s))
                 wanted = (now - since).total_seconds()
@@ -589,8 +609,33 @@ class _Run:
                     target[role] -= 1
         if cooling and target != self.current:
             self.notes.append(f"cooling down after the change at {self.prev.last_change_time}")
+            self.events[Cause.cooling_down] = ""
             return dict(self.current)
         return target
+
+    def _cause(
+        self, needs: dict[str, _Need], wants: dict[str, int], target: dict[str, int]
+    ) -> tuple[Cause, str | None]:
+        """The one reason that explains the decision best, and the role it concerns."""
+        cur = self.current
+        up = [r for r in ROLES if target[r] > cur[r]]
+        down = [r for r in ROLES if target[r] < cur[r]]
+        if Cause.rebalanced in self.events and up:
+            return Cause.rebalanced, self.events[Cause.rebalanced]
+        if up:
+            role = max(up, key=lambda r: needs[r].pressure)
+            return needs[role].cause_up, role
+        if down:
+            return needs[down[0]].cause_down, down[0]
+        for waiting in (Cause.cooling_down, Cause.scale_up_blocked):
+            if waiting in self.events:
+                return waiting, self.events[waiting] or None
+        wanted = [r for r in ROLES if wants[r] != cur[r]]
+        if wanted:
+            return Cause.stabilizing, wanted[0]
+        if Cause.budget_full in self.events:
+            return Cause.budget_full, self.events[Cause.budget_full]
+        return Cause.within_targets, None
 
     # ------------------------------------------------------------------ output
     def _reason(self, m: MetricsSnapshot, needs: dict[str, _Need], target: dict[str, int]) -> str:
@@ -620,7 +665,24 @@ class _Run:
         notes = [n for r in ROLES for n in needs[r].notes] + self.notes
         return f"{summary}; {model}: {action}" + (f" ({'; '.join(notes)})" if notes else "")
 
-    def _finish(self, target: dict[str, int], reason: str) -> tuple[AutoscalingState, Decision]:
+    def _figures(self) -> Figures:
+        m, slo = self.metrics, self.auto.slo
+        itl = None if m is None else (m.itl_ms if m.itl_ms is not None else m.decode.itl_ms)
+        return Figures(
+            quantile=slo.quantile.value,
+            ttft_ms=None if m is None or m.request_rate <= 0 else self._prefill_latency(m),
+            ttft_target_ms=slo.ttft_ms,
+            itl_ms=itl,
+            itl_target_ms=slo.itl_ms,
+            kv_usage=None if m is None else m.decode_kv_usage,
+            budget=self.auto.gpu_budget,
+        )
+
+    def _finish(
+        self, target: dict[str, int], reason: str, cause: Cause, role: str | None = None
+    ) -> tuple[AutoscalingState, Decision]:
+        if cause == Cause.scale_up_timed_out:
+            role = self.events.get(cause)
         changed = target != self.stored
         action = ("recommend" if self.recommend else "scale") if changed else "hold"
         applied = changed and not self.recommend
@@ -633,6 +695,8 @@ class _Run:
             prefill=target["prefill"],
             decode=target["decode"],
             action=action,
+            cause=cause.value,
+            summary=summary(cause, self._figures(), self.stored, target, role),
             reason=reason,
             metrics=_observed_metrics(self.metrics),
         )
@@ -651,6 +715,12 @@ class _Run:
             decisions=self.prev.decisions + (1 if applied else 0),
         )
         return state, decision
+
+
+def _decode_cause(kv_full: bool, violated: bool) -> Cause:
+    if kv_full:
+        return Cause.kv_cache_full
+    return Cause.itl_over_target if violated else Cause.decode_short
 
 
 def demand(m: MetricsSnapshot) -> tuple[float, float]:
