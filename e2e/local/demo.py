@@ -10,12 +10,13 @@
            (e2e/kind/run.sh uses it through port-forwards)
     down   stop the cluster
 
-Requests are the trace's: its arrival times (sped up per phase, --phases), prompt
-lengths, prefix blocks (token ids derived from the trace's 512-token block hashes, so
-shared prefixes stay shared) and output lengths (max_tokens with ignore_eos); for the
+Requests are the traces': their arrival times (sped up per phase, --phases, which may
+switch traces and stretch answers: the default shifts the mix), prompt lengths, prefix
+blocks (token ids derived from the trace's 512-token block hashes, so shared prefixes
+stay shared) and output lengths (max_tokens with ignore_eos); for the
 tiny model of real vLLM, lengths are scaled down to fit its 512-token context. Without a
 terminal (CI) the view is plain lines: a status line every 10 s with the latest
-decision's reason, and a line for each scaling decision.
+decision's one-line summary, and a line for each scaling decision.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -77,10 +78,12 @@ class Engine:
 
 
 ENGINES = {
-    # Calm, a surge the single prefill engine cannot serve, calm again: long enough for the
-    # autoscaler (10 s interval, 30 s window, 60 s scale-down stabilization in the example)
-    # to scale up and back down.
-    "sim": Engine(REPO / "examples" / "pdcluster-sim.yaml", VOCABULARY, "60:1,150:3,150:0.7"),
+    # A mix shift: long-context conversations (Mooncake), calm then twice as fast, which
+    # want prefill engines; then the Azure conversation trace's short prompts at six times
+    # its rate with answers three times as long (as a reasoning model gives), which want
+    # decode engines. Within the example's 8 GPUs the autoscaler (10 s interval, 30 s
+    # window) moves GPUs from prefill to decode; it is given no latency profile.
+    "sim": Engine(REPO / "examples" / "pdcluster-sim.yaml", VOCABULARY, "90:1,150:2,180:6:azure*3"),
     # Real vLLM on two cores: one prefill and one decode engine of a 2048-token vocabulary
     # and a 512-token context, and a two-minute replay (the trace's prompts are 12k
     # tokens on average: divided by 64, they fit with their prefixes still shared).
@@ -106,37 +109,68 @@ class Request:
     salt: int  # makes the tokens past the trace's known blocks private to this request
 
 
-def workload(trace: Trace, start_s: float, phases: list[tuple[float, float]]) -> list[Request]:
-    """The trace from `start_s` on, replayed in phases of (wall seconds, speed): a phase
-    at speed 3 plays three seconds of the trace each second."""
+class Phase(NamedTuple):
+    seconds: float  # of wall-clock time
+    speed: float  # seconds of trace played per second
+    trace: str | None = None  # a name of TRACES; None: --trace
+    output_scale: float = 1.0  # the trace's output lengths times this (answers of a reasoning model)
+
+
+# Traces a phase may name (files of the traces folder).
+TRACES = {
+    "conv": "mooncake_conversation_trace.jsonl",
+    "synthetic": "mooncake_synthetic_trace.jsonl",
+    "azure": "AzureLLMInferenceTrace_conv_2023.csv",
+}
+
+
+def workload(traces: Trace | dict[str | None, Trace], start_s: float, phases: list[Phase]) -> list[Request]:
+    """The traces from `start_s` on, replayed in phases: a phase at speed 3 plays three
+    seconds of its trace each second; each trace goes on where its last phase stopped."""
+    traces = traces if isinstance(traces, dict) else {None: traces}
+    cursors = {key: t.arrival_s[0] + start_s for key, t in traces.items()}  # trace time where a phase starts
+    salts = {key: k << 40 for k, key in enumerate(traces)}  # no two traces' requests share filler
     out = []
-    cursor = trace.arrival_s[0] + start_s  # trace time where the phase starts
     wall = 0.0
-    for seconds, speed in phases:
-        end = cursor + seconds * speed
+    for phase in map(lambda p: Phase(*p), phases):
+        trace, cursor = traces[phase.trace], cursors[phase.trace]
+        end = cursor + phase.seconds * phase.speed
         out += [
             Request(
-                wall + (at - cursor) / speed,
+                wall + (at - cursor) / phase.speed,
                 trace.input_tokens[i],
-                trace.output_tokens[i],
+                max(1, round(trace.output_tokens[i] * phase.output_scale)),
                 trace.blocks[i],
-                i,
+                salts[phase.trace] + i,
             )
             for i, at in enumerate(trace.arrival_s)
             if cursor <= at < end
         ]
-        cursor, wall = end, wall + seconds
+        cursors[phase.trace], wall = end, wall + phase.seconds
     return out
 
 
-def parse_phases(text: str) -> list[tuple[float, float]]:
-    """'60:1,150:3' -> [(60.0, 1.0), (150.0, 3.0)]."""
+def parse_phases(text: str) -> list[Phase]:
+    """'60:1,150:3,180:6:azure*4' -> phases: seconds, speed, and optionally a trace of
+    TRACES with its output lengths multiplied."""
     phases = []
     for part in text.split(","):
-        seconds, _, speed = part.partition(":")
-        phases.append((float(seconds), float(speed or 1)))
-    if not phases or any(s <= 0 or v <= 0 for s, v in phases):
-        raise argparse.ArgumentTypeError(f"phases must be SECONDS:SPEED,... with both positive, not {text!r}")
+        seconds, _, rest = part.partition(":")
+        speed, _, trace = rest.partition(":")
+        trace, _, scale = trace.partition("*")
+        try:
+            phase = Phase(float(seconds), float(speed or 1), trace or None, float(scale or 1))
+        except ValueError:
+            phase = None
+        if phase is None or phase.seconds <= 0 or phase.speed <= 0 or phase.output_scale <= 0:
+            raise argparse.ArgumentTypeError(
+                f"phases must be SECONDS:SPEED[:TRACE[*OUTPUT_SCALE]],... with positive numbers, not {text!r}"
+            )
+        if phase.trace is not None and phase.trace not in TRACES:
+            raise argparse.ArgumentTypeError(f"unknown trace {phase.trace!r} in phases (known: {', '.join(TRACES)})")
+        phases.append(phase)
+    if not phases:
+        raise argparse.ArgumentTypeError("no phases")
     return phases
 
 
@@ -418,7 +452,7 @@ class View:
             )
             if s.last_decision:
                 self.console.print(
-                    f"{' ' * 9}last decision ({s.last_decision['action']}): {s.last_decision['reason']}"
+                    f"{' ' * 9}last decision ({s.last_decision['action']}): {s.last_decision.get('summary') or s.last_decision['reason']}"
                 )
 
     def _render(self, out: Outcomes, observer: Observer, phase: str) -> Group:
@@ -449,13 +483,13 @@ class View:
         top.add_row(replicas, latency)
 
         decisions = Table(title="scaling decisions (Events)", expand=True)
-        for column in ("time", "prefill", "decode", "reason"):
+        for column in ("time", "prefill", "decode", "why"):
             decisions.add_column(column, overflow="fold")
         for d in observer.decisions[-8:]:
             decisions.add_row(d.at, d.prefill, d.decode, d.reason)
         last = s.last_decision or {}
         footer = (
-            f"last decision ({last.get('action', '-')}): {last.get('reason', 'none yet')}"
+            f"last decision ({last.get('action', '-')}): {last.get('summary') or last.get('reason', 'none yet')}"
             if last
             else "last decision: none yet (the autoscaler waits for a window of metrics)"
         )
@@ -549,7 +583,9 @@ async def run_and_watch(
     spec = doc["spec"]
     trace_path = Path(args.trace) if "/" in args.trace else perf.traces_dir() / args.trace
     phases = args.phases or parse_phases(engine.phases)
-    requests = workload(load_trace(trace_path), args.start_minute * 60, phases)
+    traces: dict[str | None, Trace] = {None: load_trace(trace_path)}
+    traces |= {p.trace: load_trace(perf.traces_dir() / TRACES[p.trace]) for p in phases if p.trace}
+    requests = workload(traces, args.start_minute * 60, phases)
     requests = fit(requests, engine, spec["model"].get("maxModelLen"))
     slo = {"quantile": "p90", "ttftMs": 2000, "itlMs": 25, **spec["autoscaling"].get("slo", {})}
     window_s = int(spec["autoscaling"].get("windowSeconds", 30))
@@ -568,7 +604,12 @@ async def run_and_watch(
             Quantile(slo["quantile"]).fraction,
             window_s,
         )
-        described = ", ".join(f"{s:g} s at {v:g}x" for s, v in phases)
+        described = ", ".join(
+            f"{p.seconds:g} s at {p.speed:g}x"
+            + (f" of {p.trace}" if p.trace else "")
+            + (f" (answers x{p.output_scale:g})" if p.output_scale != 1 else "")
+            for p in phases
+        )
         title = (
             f"PDCluster {target.namespace}/{target.name}: {trace_path.name} from minute {args.start_minute:g}, "
             f"{described}: {len(requests)} requests via {url}"
@@ -734,8 +775,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     replay_opts.add_argument(
         "--phases",
         type=parse_phases,
-        help=f"replay phases SECONDS:SPEED,... (default: {ENGINES['sim'].phases} for the simulator, "
-        f"{ENGINES['vllm'].phases} for vLLM: calm, surge, calm)",
+        help=f"replay phases SECONDS:SPEED[:TRACE[*OUTPUT_SCALE]],... (TRACE: {', '.join(TRACES)}; default: "
+        f"{ENGINES['sim'].phases} for the simulator, a mix shift; {ENGINES['vllm'].phases} for vLLM: calm, "
+        "surge, calm)",
     )
     replay_opts.add_argument(
         "--engine",

@@ -58,9 +58,25 @@ def test_prompts_longer_than_their_blocks_get_private_filler() -> None:
 
 
 def test_parse_phases() -> None:
-    assert demo.parse_phases("60:1,150:3,150:0.7") == [(60.0, 1.0), (150.0, 3.0), (150.0, 0.7)]
-    with pytest.raises(argparse.ArgumentTypeError):
-        demo.parse_phases("60:0")
+    assert demo.parse_phases("60:1,150:3,150:0.7") == [
+        demo.Phase(60.0, 1.0),
+        demo.Phase(150.0, 3.0),
+        demo.Phase(150.0, 0.7),
+    ]
+    assert demo.parse_phases("180:6:azure*3") == [demo.Phase(180.0, 6.0, "azure", 3.0)]
+    for bad in ("60:0", "60:1:nowhere", "60:1:azure*0", "x:1", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            demo.parse_phases(bad)
+
+
+def test_a_phase_switches_traces_and_each_resumes_where_it_stopped() -> None:
+    other = Trace("b", [float(t) for t in range(100)], [5] * 100, [10] * 100, [() for _ in range(100)])
+    phases = [demo.Phase(10, 1.0), demo.Phase(10, 1.0, "b", 3.0), demo.Phase(10, 1.0)]
+    requests = demo.workload({None: trace(), "b": other}, 0.0, phases)
+    assert [r.input_tokens for r in requests[:10]] == list(range(1000, 1010))
+    assert {(r.input_tokens, r.output_tokens) for r in requests[10:20]} == {(5, 30)}  # answers x3
+    assert [r.input_tokens for r in requests[20:30]] == list(range(1010, 1020))  # where it stopped
+    assert len({r.salt for r in requests}) == 30  # no two requests share filler tokens
 
 
 def test_decision_events_are_split_for_the_table() -> None:

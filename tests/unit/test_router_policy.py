@@ -111,6 +111,22 @@ def test_admission_decisions(
     assert decision.retry_after_s == retry_after
 
 
+@pytest.mark.parametrize(
+    ("queued", "prompt", "admitted"),
+    [
+        # The target comes on top of the prompt's own prefill: 2 x (500 + 1500) = 4000 ms.
+        (24000, 15000, True),  # 3900 ms predicted
+        (26000, 15000, False),  # 4100 ms
+        (0, 1000, True),
+        (9000, 1000, True),  # 1000 ms against 2 x (500 + 100) = 1200 ms
+        (12000, 1000, False),
+    ],
+)
+def test_admission_with_the_target_on_top_of_the_prefill(queued: int, prompt: int, admitted: bool) -> None:
+    admission = Admission(ttft_target_ms=500, factor=2.0, default_tokens_per_s=10000, plus_prefill=True)
+    assert admission.decide(Backend("p", "prefill", 1, queued), prompt).admitted is admitted
+
+
 def test_admission_learns_the_rate_from_batched_completions() -> None:
     admission = Admission(ttft_target_ms=500, factor=2.0, default_tokens_per_s=1000, prior_seconds=0.01)
     # Ten 1000-token prefills dispatched at t=0 to an idle backend, all done in one

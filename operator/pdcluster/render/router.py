@@ -41,6 +41,8 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
             f"--admission-ttft-ms={target}",
             f"--admission-reject-factor={r.admission.reject_factor_percent / 100:g}",
         ]
+        if not r.admission.ttft_target_ms and not spec.autoscaling.ttft_includes_prefill:
+            args.append("--admission-ttft-plus-prefill")  # the SLO's target, as the SLO means it
     else:
         args.append("--no-admission")
     if r.api_key_secret:

@@ -69,6 +69,11 @@ def parser() -> argparse.ArgumentParser:
     )
     slo.add_argument("--no-admission", action="store_true", help="admit everything")
     slo.add_argument(
+        "--admission-ttft-plus-prefill",
+        action="store_true",
+        help="the TTFT target comes on top of each prompt's own prefill time",
+    )
+    slo.add_argument(
         "--admission-prefill-rate",
         type=float,
         default=20000.0,
@@ -108,7 +113,10 @@ class RouterService:
         admission = None
         if not args.no_admission:
             admission = Admission(
-                args.admission_ttft_ms, args.admission_reject_factor, args.admission_prefill_rate
+                args.admission_ttft_ms,
+                args.admission_reject_factor,
+                args.admission_prefill_rate,
+                plus_prefill=args.admission_ttft_plus_prefill,
             )
         self.pool = Pool(self.session, on_forget=self._forget)
         self.router = Router(

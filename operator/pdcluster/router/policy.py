@@ -177,7 +177,8 @@ class Admission:
     with rate(B) B's observed prefill throughput. A request is rejected when the
     prediction exceeds `factor` times the larger of the target and the request's own
     unqueued prefill time (a prompt too long to meet the target even alone is still
-    served when the backend is idle).
+    served when the backend is idle); with `plus_prefill` (autoscaling.ttftIncludesPrefill
+    false), `factor` times the target plus that prefill time.
 
     Throughput is measured over busy time, which stays right when a backend prefills
     many requests in one batch: `started` marks when an idle backend becomes busy,
@@ -189,6 +190,7 @@ class Admission:
     ttft_target_ms: float
     factor: float
     default_tokens_per_s: float = 20000.0
+    plus_prefill: bool = False  # the target bounds TTFT on top of the prompt's own prefill
     decay: float = 0.9
     prior_seconds: float = 0.05
     _rates: dict[str, _Rate] = field(default_factory=dict)
@@ -207,7 +209,9 @@ class Admission:
         rate = self.tokens_per_s(backend.id)
         predicted = (backend.inflight_tokens + prompt_tokens) / rate * 1000.0
         alone = prompt_tokens / rate * 1000.0
-        limit = self.factor * max(self.ttft_target_ms, alone)
+        limit = self.factor * (
+            self.ttft_target_ms + alone if self.plus_prefill else max(self.ttft_target_ms, alone)
+        )
         if predicted <= limit:
             return Decision(True, predicted)
         # By then the queue ahead has drained to about the target.
