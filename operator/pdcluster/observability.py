@@ -24,6 +24,10 @@ VLLM_REQUEST_SUCCESS: Final = "vllm:request_success"  # counter{finished_reason}
 VLLM_ITERATION_TOKENS: Final = "vllm:iteration_tokens_total"  # histogram
 VLLM_PREFIX_QUERIES: Final = "vllm:prefix_cache_queries"  # counter, tokens
 VLLM_PREFIX_HITS: Final = "vllm:prefix_cache_hits"  # counter, tokens
+VLLM_MOONCAKE_XFER_TIME: Final = (
+    "vllm:mooncake_xfer_time_seconds"  # histogram, on the receiving (decode) side
+)
+VLLM_MOONCAKE_XFER_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 VLLM_CACHE_CONFIG: Final = "vllm:cache_config_info"  # gauge 1{block_size, num_gpu_blocks, ...}
 VLLM_REQUEST_PROMPT_TOKENS: Final = "vllm:request_prompt_tokens"  # histogram, per finished request
 VLLM_LABELS: Final = ("model_name", "engine")
@@ -60,6 +64,11 @@ def vllm_request_token_buckets(max_model_len: int) -> tuple[int, ...]:
 ROUTER_TTFT: Final = "pdcluster_router_time_to_first_token_seconds"
 ROUTER_ITL: Final = "pdcluster_router_inter_token_latency_seconds"
 ROUTER_E2E: Final = "pdcluster_router_e2e_request_latency_seconds"
+# Where a streamed request's time to first token went, as the router sees it: the
+# prefill exchange (its queue and compute), then the prefill's answer to the first token
+# (KV hand-off and the decode engine's wait).
+ROUTER_PREFILL: Final = "pdcluster_router_prefill_seconds"
+ROUTER_AFTER_PREFILL: Final = "pdcluster_router_first_token_after_prefill_seconds"
 ROUTER_REQUESTS: Final = "pdcluster_router_requests"  # counter{outcome}, exposed with _total
 ROUTER_REJECTIONS: Final = "pdcluster_router_rejections"  # counter{reason}
 ROUTER_UPSTREAM_ERRORS: Final = "pdcluster_router_upstream_errors"  # counter{role, backend}
@@ -91,7 +100,9 @@ PROM_LABEL_ROLE: Final = "role"
 # ---------------------------------------------------------------------- operator side
 # Labelled pdcluster_namespace/pdcluster, not namespace: a scrape of the operator's own pod
 # would otherwise clash with the target's `namespace` label.
-OPERATOR_DECISIONS: Final = "pdcluster_scaling_decisions"  # counter{pdcluster_namespace, pdcluster, action, cause}
+OPERATOR_DECISIONS: Final = (
+    "pdcluster_scaling_decisions"  # counter{pdcluster_namespace, pdcluster, action, cause}
+)
 OPERATOR_DESIRED_REPLICAS: Final = "pdcluster_desired_replicas"  # gauge{pdcluster_namespace, pdcluster, role}
 OPERATOR_RECONCILES: Final = "pdcluster_reconciles"  # counter{result}
 OPERATOR_RECONCILE_SECONDS: Final = "pdcluster_reconcile_duration_seconds"  # histogram

@@ -71,6 +71,9 @@ class Series:
 P, D = "prefill", "decode"
 SERIES: Final[tuple[Series, ...]] = (
     Series("ttft_ms", Kind.quantile, obs.ROUTER_TTFT),
+    Series("ttft_mean_ms", Kind.mean, obs.ROUTER_TTFT),
+    Series("router_prefill_ms", Kind.mean, obs.ROUTER_PREFILL),
+    Series("router_after_prefill_ms", Kind.mean, obs.ROUTER_AFTER_PREFILL),
     Series("itl_ms", Kind.quantile, obs.ROUTER_ITL),
     Series("prompt_tokens_rate", Kind.rate, obs.ROUTER_PROMPT_TOKENS),
     Series("prompt_tokens_rate_before", Kind.rate_before, obs.ROUTER_PROMPT_TOKENS),
@@ -89,6 +92,7 @@ SERIES: Final[tuple[Series, ...]] = (
     Series("prefill_queue", Kind.gauge_sum, obs.VLLM_WAITING, P),
     Series("prefill_ready", Kind.engines, obs.VLLM_WAITING, P),
     Series("decode_itl_ms", Kind.quantile, obs.VLLM_ITL, D),
+    Series("kv_handoff_ms", Kind.mean, obs.VLLM_MOONCAKE_XFER_TIME, D),
     Series("decode_tokens_rate", Kind.rate, obs.VLLM_GENERATION_TOKENS, D),
     Series("decode_running", Kind.gauge_sum, obs.VLLM_RUNNING, D),
     Series("decode_kv_usage", Kind.gauge_avg, obs.VLLM_KV_USAGE, D),

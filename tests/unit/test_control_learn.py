@@ -4,6 +4,7 @@ what is known when, and a simulated plant the law is given no profile for."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 
@@ -227,3 +228,58 @@ def test_without_a_profile_the_law_first_follows_feedback_alone() -> None:
     assert state.capacity is not None and state.capacity.prefill_windows == 1
     _, decision = _law(prefill_ttft=50.0, itl=5.0)
     assert (decision.prefill, decision.decode) == (3, 3), decision.reason
+
+
+def _staged(after_prefill_ms: float, handoff_ms: float, ttft_ms: float = 3000.0):
+    from datetime import UTC, datetime
+
+    from pdcluster.api.v1alpha1 import PDClusterSpec
+    from pdcluster.control import Observed, RoleObserved, decide
+
+    spec = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "prefill": {"replicas": 3, "minReplicas": 1, "maxReplicas": 8},
+            "decode": {"replicas": 3, "minReplicas": 1, "maxReplicas": 8},
+            "autoscaling": {"enabled": True, "gpuBudget": 12, "profile": "h200-llama3.1-8b"},
+        }
+    )
+    m = window()
+    m = MetricsSnapshot(
+        **{
+            **m.__dict__,
+            "ttft_ms": ttft_ms,
+            "itl_ms": 10.0,
+            "ttft_mean_ms": ttft_ms * 0.8,
+            "router_prefill_ms": ttft_ms * 0.8 - after_prefill_ms,
+            "router_after_prefill_ms": after_prefill_ms,
+            "kv_handoff_ms": handoff_ms,
+            "prefill": dataclasses.replace(
+                m.prefill, queue_time_ms=50.0, ttft_ms=ttft_ms * 0.8 - after_prefill_ms
+            ),
+        }
+    )
+    return decide(
+        spec,
+        m,
+        None,
+        Observed(RoleObserved(3, 3, 3), RoleObserved(3, 3, 3)),
+        datetime(2026, 12, 1, tzinfo=UTC),
+    )
+
+
+def test_ttft_lost_waiting_for_decode_asks_for_decode() -> None:
+    state, decision = _staged(after_prefill_ms=2000.0, handoff_ms=100.0)
+    assert decision.cause == Cause.decode_wait, decision.reason
+    assert decision.decode == 4 and decision.prefill <= 3
+    stages = state.ttft_stages
+    assert (stages.kv_handoff_ms, stages.decode_wait_ms) == (100, 1900)
+    assert stages.prefill_queue_ms == 50
+
+
+def test_ttft_lost_in_the_kv_handoff_asks_for_no_engine() -> None:
+    state, decision = _staged(after_prefill_ms=2000.0, handoff_ms=1900.0)
+    assert (decision.prefill, decision.decode) == (3, 3), decision.reason
+    assert decision.cause == Cause.kv_handoff_slow
+    assert "check the KV transfer network" in decision.summary
+    assert state.ttft_stages.kv_handoff_ms == 1900

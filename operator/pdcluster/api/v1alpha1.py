@@ -535,6 +535,16 @@ class LearnedCapacity(Model):
     )
 
 
+class TTFTStages(Model):
+    """Where the mean time to first token went in the last window (ms)."""
+
+    router_ms: int = Field(description="The router: parsing, admission, transport to the prefill engine.")
+    prefill_queue_ms: int = Field(description="Waiting in a prefill engine's queue.")
+    prefill_compute_ms: int = Field(description="The prefill itself.")
+    kv_handoff_ms: int = Field(description="Moving the KV cache to the decode engine.")
+    decode_wait_ms: int = Field(description="The decode engine's wait for its first step.")
+
+
 class AutoscalingState(Model):
     """Control-law memory, kept in status so a restarted operator continues where it stopped."""
 
@@ -562,6 +572,7 @@ class AutoscalingState(Model):
         None, description="Demand seen by the runs of the last metrics window, oldest first."
     )
     capacity: LearnedCapacity | None = None
+    ttft_stages: TTFTStages | None = None
     last_decision: Decision | None = None
     decisions: int = Field(0, description="Decisions that changed replicas so far.")
 

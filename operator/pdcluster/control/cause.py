@@ -24,6 +24,8 @@ class Cause(StrEnum):
     decode_short = "DecodeShort"
     prefill_headroom = "PrefillHeadroom"  # fewer prefill engines keep the target
     decode_headroom = "DecodeHeadroom"
+    decode_wait = "DecodeWaitInTTFT"  # TTFT missed waiting for a decode step: more decode
+    kv_handoff_slow = "KVHandoffSlow"  # TTFT missed in the KV hand-off: no engine count helps
     rebalanced = "Rebalanced"  # both roles miss their targets: engines moved to the worse one
     budget_full = "BudgetFull"  # a role is short and the GPU budget has nothing to give it
     stabilizing = "Stabilizing"  # a change is wanted; its stabilization window is not over
@@ -43,6 +45,8 @@ class Figures:
     itl_target_ms: int
     kv_usage: float | None
     budget: int | None
+    kv_handoff_ms: float | None = None
+    decode_wait_ms: float | None = None
 
 
 def _ms(value: float | None) -> str:
@@ -69,6 +73,10 @@ def summary(
         Cause.decode_short: f"decode load rising (ITL {q} {_ms(f.itl_ms)})",
         Cause.prefill_headroom: f"TTFT {q} {_ms(f.ttft_ms)} well under {f.ttft_target_ms} ms",
         Cause.decode_headroom: f"ITL {q} {_ms(f.itl_ms)} well under {f.itl_target_ms} ms",
+        Cause.decode_wait: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, "
+        f"{_ms(f.decode_wait_ms)} of it waiting for a decode step",
+        Cause.kv_handoff_slow: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, {_ms(f.kv_handoff_ms)} "
+        "of it in the KV hand-off: check the KV transfer network, more engines would not help",
         Cause.rebalanced: f"both roles miss their targets: GPUs moved to {role}",
         Cause.budget_full: f"{role} is short and the GPU budget {f.budget} is full",
         Cause.stabilizing: f"{role} change waits out its stabilization window",

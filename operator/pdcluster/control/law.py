@@ -39,10 +39,11 @@ from pdcluster.api.v1alpha1 import (
     LoadSample,
     ObservedMetrics,
     PDClusterSpec,
+    TTFTStages,
 )
 from pdcluster.control import learn, models
 from pdcluster.control.cause import Cause, Figures, summary
-from pdcluster.control.types import MetricsSnapshot, Observed
+from pdcluster.control.types import MetricsSnapshot, Observed, TTFTBreakdown, breakdown
 
 ROLES = ("prefill", "decode")
 # Without a reachable TTFT target (prompts whose own prefill exceeds it) prefill is
@@ -112,6 +113,7 @@ class _Run:
         self.blocked = {r: t for r, t in (self.prev.blocked_until or {}).items() if parse_time(t) > self.now}
         self.stored: dict[str, int] = {}
         self.events: dict[Cause, str] = {}  # what happened on the way, and to which role
+        self.stages: TTFTBreakdown | None = None
         self.current = self._current()
 
     # ------------------------------------------------------------------ helpers
@@ -187,6 +189,7 @@ class _Run:
             cause = Cause.metrics_unavailable if m is None else Cause.no_traffic
             return self._finish(dict(self.current), self._with_notes(f"{why}: {hold}"), cause)
         self._record(m)
+        self.stages = breakdown(m)
         self.capacity = learn.update(self.capacity, m)
         known = learn.knowledge(self.capacity, self.prior, m)
         self.profile, self.known = known.profile, {"prefill": known.prefill, "decode": known.decode}
@@ -370,7 +373,16 @@ class _Run:
             need.reactive = need.violated and queued and need.up <= self.current["prefill"]
         need.cause_up = Cause.ttft_over_target if need.violated else Cause.prefill_short
         need.cause_down = Cause.prefill_headroom
+        if need.violated and self._ttft_lost_after_prefill():
+            need.reactive = False  # the time went after prefill: prefill engines would not help
         return need
+
+    def _ttft_lost_after_prefill(self) -> bool:
+        return self.stages is not None and self.stages.largest in ("KV hand-off", "decode wait")
+
+    def _ttft_missed(self, m: MetricsSnapshot) -> bool:
+        ttft = self._prefill_latency(m)
+        return ttft is not None and ttft > self.auto.slo.ttft_ms * (1.0 + self.tol)
 
     def _decode_need(self, m: MetricsSnapshot) -> _Need:
         target = float(self.auto.slo.itl_ms)
@@ -412,6 +424,13 @@ class _Run:
             need.reactive = need.violated and need.up <= self.current["decode"]
         need.cause_up = _decode_cause(kv_full, need.violated)
         need.cause_down = Cause.decode_headroom
+        if self.stages and self.stages.largest == "decode wait" and self._ttft_missed(m):
+            # Requests wait for a decode step before their first token: decode is short.
+            need.up = need.down = max(need.up, self.current["decode"] + 1)
+            need.violated, need.headroom = True, False
+            need.pressure = max(need.pressure, (self._prefill_latency(m) or 0.0) / self.auto.slo.ttft_ms)
+            if not kv_full and not (itl is not None and itl > target * (1.0 + self.tol)):
+                need.cause_up = Cause.decode_wait
         return need
 
     def _feedback_need(self, role: str, m: MetricsSnapshot) -> _Need:
@@ -630,6 +649,9 @@ class _Run:
         for waiting in (Cause.cooling_down, Cause.scale_up_blocked):
             if waiting in self.events:
                 return waiting, self.events[waiting] or None
+        handoff = self.stages is not None and self.stages.largest == "KV hand-off"
+        if handoff and self.metrics is not None and self._ttft_missed(self.metrics):
+            return Cause.kv_handoff_slow, None
         wanted = [r for r in ROLES if wants[r] != cur[r]]
         if wanted:
             return Cause.stabilizing, wanted[0]
@@ -676,6 +698,8 @@ class _Run:
             itl_target_ms=slo.itl_ms,
             kv_usage=None if m is None else m.decode_kv_usage,
             budget=self.auto.gpu_budget,
+            kv_handoff_ms=None if self.stages is None else self.stages.kv_handoff_ms,
+            decode_wait_ms=None if self.stages is None else self.stages.decode_wait_ms,
         )
 
     def _finish(
@@ -711,10 +735,23 @@ class _Run:
             down_wanted_since=self.down_since or None,
             history=self.history or None,
             capacity=self.capacity,
+            ttft_stages=_stages(self.stages),
             last_decision=decision,
             decisions=self.prev.decisions + (1 if applied else 0),
         )
         return state, decision
+
+
+def _stages(b: TTFTBreakdown | None) -> TTFTStages | None:
+    if b is None:
+        return None
+    return TTFTStages(
+        router_ms=round(b.router_ms),
+        prefill_queue_ms=round(b.prefill_queue_ms),
+        prefill_compute_ms=round(b.prefill_compute_ms),
+        kv_handoff_ms=round(b.kv_handoff_ms),
+        decode_wait_ms=round(b.decode_wait_ms),
+    )
 
 
 def _decode_cause(kv_full: bool, violated: bool) -> Cause:

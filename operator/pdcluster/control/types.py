@@ -48,8 +48,48 @@ class MetricsSnapshot:
     prefill_queue: float | None = None  # requests WAITING, summed over prefill engines (window mean)
     decode_kv_usage: float | None = None  # 0..1, mean over decode engines (window mean)
     prefix_hit_ratio: float | None = None  # share of prompt tokens served from the prefix cache
+    ttft_mean_ms: float | None = None  # the router's, mean
+    router_prefill_ms: float | None = None  # arrival at the router to the prefill's answer, mean
+    router_after_prefill_ms: float | None = None  # the prefill's answer to the first token, mean
+    kv_handoff_ms: float | None = None  # vllm:mooncake_xfer_time_seconds on decode, mean
     prefill: RoleMetrics = field(default_factory=RoleMetrics)
     decode: RoleMetrics = field(default_factory=RoleMetrics)
+
+
+@dataclass(frozen=True)
+class TTFTBreakdown:
+    """Where the mean time to first token went (ms), from the router's and the engines'
+    histograms: the router's share (parsing, admission, transport), the prefill engine's
+    queue and compute, the KV hand-off, and the decode engine's wait for its first step."""
+
+    router_ms: float
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    kv_handoff_ms: float
+    decode_wait_ms: float
+
+    @property
+    def largest(self) -> str:
+        parts = {
+            "router": self.router_ms,
+            "prefill queue": self.prefill_queue_ms,
+            "prefill compute": self.prefill_compute_ms,
+            "KV hand-off": self.kv_handoff_ms,
+            "decode wait": self.decode_wait_ms,
+        }
+        return max(parts, key=parts.__getitem__)
+
+
+def breakdown(m: MetricsSnapshot) -> TTFTBreakdown | None:
+    """None without the router's stage histograms (no streamed requests in the window)."""
+    total, before, after = m.ttft_mean_ms, m.router_prefill_ms, m.router_after_prefill_ms
+    if total is None or before is None or after is None:
+        return None
+    queue = min(max(m.prefill.queue_time_ms or 0.0, 0.0), before)
+    compute = min(max(m.prefill.prefill_time_ms or 0.0, 0.0), before - queue)
+    handoff = min(max(m.kv_handoff_ms or 0.0, 0.0), after)
+    router = max(total - before - after, 0.0) + (before - queue - compute)
+    return TTFTBreakdown(router, queue, compute, handoff, after - handoff)
 
 
 @dataclass(frozen=True)
@@ -84,6 +124,10 @@ def assemble(
     prefix_queries_rate: float | None = None,
     prefix_hits_rate: float | None = None,
     ttft_ms: float | None = None,
+    ttft_mean_ms: float | None = None,
+    router_prefill_ms: float | None = None,
+    router_after_prefill_ms: float | None = None,
+    kv_handoff_ms: float | None = None,
     itl_ms: float | None = None,
     prefill_ttft_ms: float | None = None,
     decode_itl_ms: float | None = None,
@@ -124,6 +168,10 @@ def assemble(
         prefill_queue=prefill_queue,
         decode_kv_usage=decode_kv_usage,
         prefix_hit_ratio=(prefix_hits_rate or 0.0) / prefix_queries_rate if prefix_queries_rate else None,
+        ttft_mean_ms=ttft_mean_ms,
+        router_prefill_ms=router_prefill_ms,
+        router_after_prefill_ms=router_after_prefill_ms,
+        kv_handoff_ms=kv_handoff_ms,
         prefill=RoleMetrics(
             ttft_ms=prefill_ttft_ms,
             queue_time_ms=queue_time_ms,

@@ -10,7 +10,6 @@ from pdcluster import observability as obs
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-_MOONCAKE_XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 _MOONCAKE_BYTES_BUCKETS = tuple(2 ** (10 + i) for i in range(1, 25, 2))
 
 
@@ -158,10 +157,10 @@ class MetricFamilies:
             registry=r,
         )
         self.xfer_time = Histogram(
-            "vllm:mooncake_xfer_time_seconds",
+            obs.VLLM_MOONCAKE_XFER_TIME,
             "Histogram of transfer duration for Mooncake KV Cache transfers.",
             labels,
-            buckets=_MOONCAKE_XFER_BUCKETS,
+            buckets=obs.VLLM_MOONCAKE_XFER_BUCKETS,
             registry=r,
         )
         self.xfer_bytes = Histogram(

@@ -60,6 +60,18 @@ class RouterMetrics:
             buckets=obs.ROUTER_ITL_BUCKETS,
             registry=r,
         )
+        self.prefill = Histogram(
+            obs.ROUTER_PREFILL,
+            "Time from a streamed request's arrival to its prefill's answer.",
+            buckets=obs.ROUTER_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.after_prefill = Histogram(
+            obs.ROUTER_AFTER_PREFILL,
+            "Time from a streamed request's prefill answer to its first token (KV hand-off, decode wait).",
+            buckets=obs.ROUTER_TTFT_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
             obs.ROUTER_E2E, "Request latency seen by clients.", buckets=obs.ROUTER_E2E_BUCKETS, registry=r
         )

@@ -273,6 +273,7 @@ class _Flow:
         "decode",
         "path",
         "prefill",
+        "prefilled_at",
         "prompt_tokens",
         "request",
         "response",
@@ -300,6 +301,7 @@ class _Flow:
         self.prompt_tokens = prompt_tokens
         self.started = started
         self.response: Stream | None = None
+        self.prefilled_at: float | None = None
         self._prefill_open = True
 
     def prefill_done(self, ok: bool = False) -> None:
@@ -384,6 +386,7 @@ class _Flow:
             raise _UpstreamFailed("prefill", self.prefill, _error(502, f"prefill backend failed: {e}")) from e
         status = response.status
         if status == 200:
+            self.prefilled_at = time.monotonic()
             self.prefill_done(ok=True)
             return
         if status < 500:
@@ -448,6 +451,9 @@ class _Flow:
                 if n > 0:
                     if tokens == 0:
                         metrics.ttft.observe(now - self.started)
+                        if self.prefilled_at is not None:
+                            metrics.prefill.observe(self.prefilled_at - self.started)
+                            metrics.after_prefill.observe(now - self.prefilled_at)
                         gaps, gap = n - 1, 0.0
                     else:
                         gaps, gap = n, (now - last_token_at) / n

@@ -169,6 +169,7 @@ class Fleet:
         n = len(trace)
         self.ttft = [math.nan] * n
         self.first_token = [math.nan] * n
+        self.prefilled_at = [math.nan] * n  # when the router got the prefill's answer
         self.finish = [math.nan] * n
         self.done = 0
         self.cache_blocks = max(profile.max_kv_tokens // trace.block_tokens, 1)
@@ -446,6 +447,8 @@ class Fleet:
             engine.inflight_tokens -= tr.input_tokens[i]
             engine.inflight_requests -= 1
             transfer = tr.input_tokens[i] * self.profile.kv_bytes_per_token / self.bytes_per_s
+            self.prefilled_at[i] = self.now
+            self.hist[M.DECODE_KV_HANDOFF].observe(transfer)
             self.push(self.now + transfer, TRANSFER_DONE, None, i)
         engine.busy = False
         if engine.queue:
@@ -529,10 +532,13 @@ class Fleet:
         engine.fresh = len(joined)
         first = self.now + engine.step_ms / 1000.0
         ttft_hist = self.hist[M.ROUTER_TTFT]
+        prefill_hist, after_hist = self.hist[M.ROUTER_PREFILL], self.hist[M.ROUTER_AFTER_PREFILL]
         for i in joined:
             self.first_token[i] = first
             self.ttft[i] = first - tr.arrival_s[i]
             ttft_hist.observe(self.ttft[i])
+            prefill_hist.observe(self.prefilled_at[i] - tr.arrival_s[i])
+            after_hist.observe(first - self.prefilled_at[i])
         if engine.batch:
             self.schedule_wake(engine)
         else:

@@ -175,6 +175,9 @@ def _gauge_mean(samples: list[Sample], name: str) -> float | None:
 ROUTER_TTFT = BY_FIELD["ttft_ms"].key
 ROUTER_ITL = BY_FIELD["itl_ms"].key
 ROUTER_PROMPT_TOKENS = BY_FIELD["prompt_tokens_rate"].key
+ROUTER_PREFILL = BY_FIELD["router_prefill_ms"].key
+ROUTER_AFTER_PREFILL = BY_FIELD["router_after_prefill_ms"].key
+DECODE_KV_HANDOFF = BY_FIELD["kv_handoff_ms"].key
 ROUTER_FINISHED = BY_FIELD["finished_rate"].key
 ROUTER_GENERATION_TOKENS = BY_FIELD["generated_tokens_rate"].key
 PREFILL_TTFT = BY_FIELD["prefill_ttft_ms"].key
@@ -206,6 +209,9 @@ BUCKETS = {
     obs.VLLM_ITL: obs.VLLM_ITL_BUCKETS,
     obs.VLLM_QUEUE_TIME: obs.VLLM_REQUEST_LATENCY_BUCKETS,
     obs.VLLM_PREFILL_TIME: obs.VLLM_REQUEST_LATENCY_BUCKETS,
+    obs.ROUTER_PREFILL: obs.ROUTER_TTFT_BUCKETS,
+    obs.ROUTER_AFTER_PREFILL: obs.ROUTER_TTFT_BUCKETS,
+    obs.VLLM_MOONCAKE_XFER_TIME: obs.VLLM_MOONCAKE_XFER_BUCKETS,
     obs.VLLM_ITERATION_TOKENS: obs.VLLM_ITERATION_TOKEN_BUCKETS,
     obs.VLLM_REQUEST_PROMPT_TOKENS: obs.vllm_request_token_buckets(1 << 20),
 }
