@@ -29,6 +29,7 @@ from harness import OperatorProcess, StreamLoad, install_crd, settled, start_ope
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import constants as C
+from pdcluster import profiling
 from pdcluster.control.cause import Cause
 from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.io.prometheus import Prometheus, queries
@@ -324,6 +325,38 @@ async def test_operator_promql_reads_the_real_engines(env: Env) -> None:
     assert cond["message"]
     state = (await env.kube.get(C.API_VERSION, C.KIND, NAME, env.namespace))["status"]["autoscaling"]
     assert state["prefill"] >= 1 and state["decode"] >= 1, state
+
+
+async def test_pdctl_profile_measures_a_real_engine_and_the_operator_takes_it(env: Env) -> None:
+    """`pdctl profile` against the plain engine: vLLM reports its KV capacity, every fitted
+    coefficient is a time, and the ConfigMap it prints becomes the law's prior."""
+    measured = await profiling.measure(env.plain, repeats=1, max_concurrency=4, max_prompt=256)
+    assert measured.name == f"measured-{env.model}"
+    assert measured.max_kv_tokens > env.max_model_len  # num_gpu_blocks x block_size of a real cache
+    assert all(x >= 0 for x in (*measured.prefill_coef, *measured.decode_coef)), measured
+    doc = example()
+    doc["metadata"]["namespace"] = env.namespace
+    doc["spec"]["autoscaling"]["profileConfigMap"] = "tiny-profile"
+    await env.kube.apply(doc, field_manager="kubectl-test")
+
+    async def autoscaling(status: str) -> dict[str, Any] | None:
+        body = await env.kube.get(C.API_VERSION, C.KIND, NAME, env.namespace)
+        cond = next((c for c in body["status"].get("conditions", []) if c["type"] == "Autoscaling"), None)
+        return cond if cond and cond["status"] == status else None
+
+    async def held() -> dict[str, Any] | None:
+        return await autoscaling("False")
+
+    async def running() -> dict[str, Any] | None:
+        return await autoscaling("True")
+
+    cond = await poll(held, 60, "Autoscaling False while the named ConfigMap is missing")
+    assert cond["reason"] == "UnknownProfile" and "tiny-profile not found" in cond["message"], cond
+    cm = profiling.config_map(measured, "tiny-profile", env.namespace)
+    await env.kube.apply(cm, field_manager="kubectl-test")
+    await poll(running, 60, "Autoscaling True with the measured profile as the prior")
+    doc["spec"]["autoscaling"].pop("profileConfigMap")
+    await env.kube.apply(doc, field_manager="kubectl-test")
 
 
 async def set_decode_replicas(env: Env, replicas: int) -> None:
