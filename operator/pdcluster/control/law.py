@@ -424,7 +424,12 @@ class _Run:
             need.reactive = need.violated and need.up <= self.current["decode"]
         need.cause_up = _decode_cause(kv_full, need.violated)
         need.cause_down = Cause.decode_headroom
-        if self.stages and self.stages.largest == "decode wait" and self._ttft_missed(m):
+        # Without the transfer-time series (vLLM 0.32 exports none) a decode wait may be a
+        # slow hand-off: only a measured split asks for decode.
+        waited = (
+            self.stages is not None and self.stages.largest == "decode wait" and m.kv_handoff_ms is not None
+        )
+        if waited and self._ttft_missed(m):
             # Requests wait for a decode step before their first token: decode is short.
             need.up = need.down = max(need.up, self.current["decode"] + 1)
             need.violated, need.headroom = True, False

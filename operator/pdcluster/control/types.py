@@ -51,7 +51,7 @@ class MetricsSnapshot:
     ttft_mean_ms: float | None = None  # the router's, mean
     router_prefill_ms: float | None = None  # arrival at the router to the prefill's answer, mean
     router_after_prefill_ms: float | None = None  # the prefill's answer to the first token, mean
-    kv_handoff_ms: float | None = None  # vllm:mooncake_xfer_time_seconds on decode, mean
+    kv_handoff_ms: float | None = None  # vllm:mooncake_xfer_time_seconds (prefill pushes), mean
     prefill: RoleMetrics = field(default_factory=RoleMetrics)
     decode: RoleMetrics = field(default_factory=RoleMetrics)
 
@@ -81,7 +81,9 @@ class TTFTBreakdown:
 
 
 def breakdown(m: MetricsSnapshot) -> TTFTBreakdown | None:
-    """None without the router's stage histograms (no streamed requests in the window)."""
+    """None without the router's stage histograms (no streamed requests in the window).
+    Without the engines' transfer time (vLLM 0.32's MooncakeConnector exports none; 0.33's
+    exports vllm:mooncake_xfer_time_seconds) the hand-off counts as decode wait."""
     total, before, after = m.ttft_mean_ms, m.router_prefill_ms, m.router_after_prefill_ms
     if total is None or before is None or after is None:
         return None

@@ -448,7 +448,7 @@ class Fleet:
             engine.inflight_requests -= 1
             transfer = tr.input_tokens[i] * self.profile.kv_bytes_per_token / self.bytes_per_s
             self.prefilled_at[i] = self.now
-            self.hist[M.DECODE_KV_HANDOFF].observe(transfer)
+            self.hist[M.PREFILL_KV_HANDOFF].observe(transfer)
             self.push(self.now + transfer, TRANSFER_DONE, None, i)
         engine.busy = False
         if engine.queue:

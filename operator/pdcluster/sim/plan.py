@@ -28,8 +28,9 @@ from pdcluster import observability as obs
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.control import models
-from pdcluster.sim.dynamo import Dynamo
+from pdcluster.sim.dynamo import Dynamo, DynamoLoad
 from pdcluster.sim.fleet import FleetConfig, Result, simulate
+from pdcluster.sim.llmd import LLMD
 from pdcluster.sim.oracle import Oracle
 from pdcluster.sim.policies import PDCluster, Static
 from pdcluster.sim.trace import Trace, TraceError, load_trace
@@ -230,6 +231,24 @@ def make_policy(name: str, setup: Setup, start: tuple[int, int] | None = None):
             setup.fleet.startup_s,
             float(setup.args.interval),
         )
+    if name == "dynamo-load":  # throughput + load-based, Dynamo's advice for bursty traffic
+        return DynamoLoad(
+            setup.profile,
+            ttft_ms=setup.slo.ttft_ms,
+            itl_ms=setup.slo.itl_ms,
+            gpu_budget=setup.fleet.gpus,
+            start=start,
+            interval_s=setup.args.dynamo_interval,
+        )
+    if name == "llmd":
+        return LLMD(
+            setup.profile,
+            ttft_ms=setup.slo.ttft_ms,
+            itl_ms=setup.slo.itl_ms,
+            gpu_budget=setup.fleet.gpus,
+            start=start,
+            gpus_per_engine=setup.fleet.gpus_per_engine,
+        )
     if name in ("dynamo", "dynamo-constant"):
         return Dynamo(
             setup.profile,
@@ -396,7 +415,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         action="append",
-        help="static:P:D, static-best, dynamo, dynamo-constant, pdcluster (no profile: learned online) or "
+        help="static:P:D, static-best, dynamo, dynamo-constant, dynamo-load (throughput + load-based), llmd "
+        "(per-role HPA on queue and KV usage), oracle, pdcluster (no profile: learned online) or "
         "pdcluster-prior (the engines' profile as its prior) (repeatable; default: "
         + ", ".join(DEFAULT_POLICIES)
         + ")",
