@@ -583,6 +583,11 @@ async def test_simulator_bootstrap_query_as_vllm(env: Env, sim: Sim) -> None:
     assert not differences(shape(simulated), shape(real)), (simulated, real)
 
 
+# Series the project reads that the runtime's vLLM (0.32) does not export yet; the law
+# does without them. Mooncake transfer stats come with 0.33's MooncakeConnector.
+NEWER_THAN_THE_RUNTIME = {"vllm:mooncake_xfer_time_seconds"}
+
+
 def relied_metrics() -> set[str]:
     """vLLM metric families the operator's PromQL and the dashboard read."""
     text = " ".join(queries("ns", "c", 30, 0.9).values()) + DASHBOARD.read_text()
@@ -614,7 +619,10 @@ async def test_simulator_exports_the_metrics_vllm_does(env: Env, sim: Sim) -> No
     assert {"vllm:time_to_first_token_seconds", "vllm:num_requests_waiting"} <= relied, relied
     problems = []
     for name in sorted(relied):
-        if name not in real:
+        if name in NEWER_THAN_THE_RUNTIME:
+            if name in real:
+                problems.append(f"{name}: vLLM exports it now; compare it with the simulator's")
+        elif name not in real:
             problems.append(f"{name}: read by the project but not exported by vLLM")
         elif name not in simulated:
             problems.append(f"{name}: exported by vLLM, not by the simulator")
