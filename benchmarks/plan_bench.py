@@ -4,7 +4,7 @@ and an oracle, with no policy starting from the answer it is compared with.
     .venv/bin/python benchmarks/plan_bench.py [--scenarios conv,synthetic,azure,mix,burst]
         [--levels 0.99,0.9] [--jobs 2] [--json results.json]
 
-Each run is `pdctl plan` (pdcluster.sim.plan) on 16 simulated H200s (Llama-3.1-8B
+Each run is `pdctl plan` (pdcluster.sim.plan) on 16 (`--gpus`) simulated H200s (Llama-3.1-8B
 profile), 60 s engine start-up, prefix-aware router, replicate mode (the trace's hour
 kept, copies of its users added). For each scenario and load level the rate is searched
 at which the best full-budget static split attains the level (99% or 90%). Then:
@@ -92,10 +92,10 @@ def write_jsonl(trace: Trace, path: Path) -> None:
             f.write("\n")
 
 
-def plan_args(path: Path, plus_prefill: bool, level: float, jobs: int) -> argparse.Namespace:
+def plan_args(path: Path, plus_prefill: bool, level: float, jobs: int, gpus: int) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     plan.add_arguments(parser)
-    argv = ["--trace", str(path), "--gpus", "16", "--slo-ttft-ms", "500", "--slo-itl-ms", "25"]
+    argv = ["--trace", str(path), "--gpus", str(gpus), "--slo-ttft-ms", "500", "--slo-itl-ms", "25"]
     argv += ["--startup-s", "60", "--rate-mode", "replicate", "--static-attains", str(level)]
     argv += ["--start", "neutral", "--equal-attainment", "--jobs", str(jobs)]
     argv += [a for p in POLICIES for a in ("--policy", p)]
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default="conv,synthetic,azure,mix,burst")
     parser.add_argument("--levels", default="0.99,0.9")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--gpus", type=int, default=16, help="the GPU budget (fewer: a smaller rate, faster)")
     parser.add_argument("--json", help="also write the figures here")
     a = parser.parse_args(argv)
     out: dict = {"decision_cpu_ms": round(decision_cpu_ms(), 3), "learning": learning(), "runs": []}
