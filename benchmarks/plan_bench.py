@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             for level in map(float, a.levels.split(",")):
                 started = time.perf_counter()
                 report, _, _ = plan.evaluate(
-                    plan_args(path, plus_prefill, level, a.jobs), lambda m: print(m, file=sys.stderr)
+                    plan_args(path, plus_prefill, level, a.jobs, a.gpus), lambda m: print(m, file=sys.stderr)
                 )
                 report["scenario"], report["level"] = name, level
                 report["targets"] = targets(report)
