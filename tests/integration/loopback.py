@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
-from collections.abc import AsyncIterator, Callable
+import subprocess
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 from pdcluster.enginesim.cli import parse
 from pdcluster.enginesim.main import Simulator
@@ -68,3 +73,39 @@ async def router(
         yield service
     finally:
         await service.stop()
+
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+
+
+@contextlib.contextmanager
+def prometheus(root: Path, config: str) -> Iterator[str]:
+    """Debian's Prometheus on a free loopback port with `config`, its data in root/data;
+    its URL once it answers /-/ready."""
+    (root / "prometheus.yml").write_text(config)
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={root / 'prometheus.yml'}",
+            f"--storage.tsdb.path={root / 'data'}",
+            f"--web.listen-address={url.removeprefix('http://')}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/-/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError("Prometheus never became ready") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

@@ -21,13 +21,12 @@ import random
 import shutil
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from loopback import free_port
+from loopback import prometheus
 
 from pdcluster import observability as obs
 from pdcluster.control.types import MetricsSnapshot
@@ -35,7 +34,6 @@ from pdcluster.io.prometheus import Prometheus
 from pdcluster.series import SERIES, Kind
 from pdcluster.sim import metrics as M
 
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 pytestmark = [
     pytest.mark.slow,
@@ -167,33 +165,8 @@ def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
         check=True,
         capture_output=True,
     )
-    (root / "prometheus.yml").write_text("global:\n  scrape_interval: 1m\n")
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={root / 'prometheus.yml'}",
-            f"--storage.tsdb.path={root / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise AssertionError("Prometheus never became ready")
+    with prometheus(root, "global:\n  scrape_interval: 1m\n") as url:
         yield url, scrapes(data, t0), t0
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 def assert_same(a: object, b: object, where: str) -> None:

@@ -14,9 +14,6 @@ the simulator evaluates PromQL the way Prometheus does.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import loopback
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -32,19 +30,12 @@ from pdcluster.io.prometheus import Prometheus, PrometheusUnavailable
 from pdcluster.observability import VLLM_PREFIX_HITS, VLLM_PREFIX_QUERIES
 from pdcluster.sim.metrics import histogram_quantile
 
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason="Debian's prometheus is not installed"),
+    pytest.mark.skipif(not Path(loopback.PROMETHEUS).exists(), reason="Debian's prometheus is not installed"),
 ]
 
 WINDOW_S = 15
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Locked:
@@ -87,7 +78,7 @@ class Exporters:
         self.servers = []
         self.ports = {}
         for role, registry in (("router", r), ("prefill", p), ("decode", d)):
-            port = free_port()
+            port = loopback.free_port()
             served = CollectorRegistry()
             served.register(Locked(registry, self.lock))
             self.servers.append(start_http_server(port, addr="127.0.0.1", registry=served))
@@ -118,23 +109,8 @@ def prometheus(exporters: Exporters, tmp_path_factory: pytest.TempPathFactory) -
 """
         for role, port in exporters.ports.items()
     )
-    (root / "prometheus.yml").write_text(f"global:\n  scrape_interval: 1s\nscrape_configs:{jobs}")
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={root / 'prometheus.yml'}",
-            f"--storage.tsdb.path={root / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    with loopback.prometheus(root, f"global:\n  scrape_interval: 1s\nscrape_configs:{jobs}") as url:
+        yield url
 
 
 async def wait_for(url: str, promql: str, want: float, deadline_s: float = 30.0) -> None:
@@ -240,7 +216,7 @@ async def test_a_cluster_prometheus_has_never_seen_is_none(prometheus: str, expo
 
 async def test_an_unreachable_prometheus_is_unavailable() -> None:
     async with aiohttp.ClientSession() as session:
-        client = Prometheus(f"http://127.0.0.1:{free_port()}", session, timeout_s=1.0)
+        client = Prometheus(f"http://127.0.0.1:{loopback.free_port()}", session, timeout_s=1.0)
         with pytest.raises(PrometheusUnavailable, match=r"127\.0\.0\.1"):
             await client.snapshot("team-a", "demo", WINDOW_S, 0.9)
 

@@ -231,34 +231,21 @@ def make_policy(name: str, setup: Setup, start: tuple[int, int] | None = None):
             setup.fleet.startup_s,
             float(setup.args.interval),
         )
+    # The baselines get the engines' true profile where they need one, and the SLO.
+    given = {
+        "ttft_ms": setup.slo.ttft_ms,
+        "itl_ms": setup.slo.itl_ms,
+        "gpu_budget": setup.fleet.gpus,
+        "start": start,
+    }
+    dynamo_interval = setup.args.dynamo_interval
     if name == "dynamo-load":  # throughput + load-based, Dynamo's advice for bursty traffic
-        return DynamoLoad(
-            setup.profile,
-            ttft_ms=setup.slo.ttft_ms,
-            itl_ms=setup.slo.itl_ms,
-            gpu_budget=setup.fleet.gpus,
-            start=start,
-            interval_s=setup.args.dynamo_interval,
-        )
+        return DynamoLoad(setup.profile, **given, interval_s=dynamo_interval)
     if name == "llmd":
-        return LLMD(
-            setup.profile,
-            ttft_ms=setup.slo.ttft_ms,
-            itl_ms=setup.slo.itl_ms,
-            gpu_budget=setup.fleet.gpus,
-            start=start,
-            gpus_per_engine=setup.fleet.gpus_per_engine,
-        )
+        return LLMD(setup.profile, **given, gpus_per_engine=setup.fleet.gpus_per_engine)
     if name in ("dynamo", "dynamo-constant"):
-        return Dynamo(
-            setup.profile,
-            ttft_ms=setup.slo.ttft_ms,
-            itl_ms=setup.slo.itl_ms,
-            gpu_budget=setup.fleet.gpus,
-            start=start,
-            interval_s=setup.args.dynamo_interval,
-            predictor="constant" if name == "dynamo-constant" else "arima",
-        )
+        predictor = "constant" if name == "dynamo-constant" else "arima"
+        return Dynamo(setup.profile, **given, interval_s=dynamo_interval, predictor=predictor)
     raise ValueError(f"unknown policy {name!r}")
 
 
