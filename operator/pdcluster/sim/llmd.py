@@ -140,7 +140,7 @@ def clip_to_budget(prefill: int, decode: int, engines: int) -> tuple[int, int]:
 
 
 class LLMD:
-    name = "llm-d"
+    name = "llmd"
 
     def __init__(
         self,
