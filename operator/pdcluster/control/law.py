@@ -453,7 +453,7 @@ class _Run:
             windows = self.capacity.decode_windows if self.capacity else 0
         need = _Need(cur, cur)
         need.notes.append(
-            f"{role} capacity learned from {windows}/{learn.MIN_WINDOWS} windows: feedback only"
+            f"{role} capacity learned from {windows}/{learn.MIN_WINDOWS[role]} windows: feedback only"
         )
         if seen is not None:
             need.pressure = seen / target

@@ -4,7 +4,8 @@ The control law's capacity models (models.py) ask a latency profile how long a p
 and a decode step take. A profile measured beforehand (pdcluster/data, or a ConfigMap
 that `pdctl profile` wrote) is only a prior: every run of the law adds what the last
 window showed, and the profile the models get is made from both. Without a prior the
-law acts on TTFT/ITL feedback alone until each role has MIN_WINDOWS observations.
+law acts on TTFT/ITL feedback alone until a role has enough observations: one window for
+prefill (its cost is measured directly), three for decode (a fit needs several loads).
 
 Prefill: engine-milliseconds per computed prompt token. vLLM's prefill time
 (vllm:request_prefill_time_seconds, scheduled to first token) counts a whole batch for
@@ -33,7 +34,8 @@ from pdcluster.perf import Profile
 
 FORGET = 0.9  # weight of everything before, per run: about ten runs of memory
 DECODE_SAMPLES = 20  # decode windows kept (the oldest weighs 0.9^19 = 0.13)
-MIN_WINDOWS = 3  # runs with observations before a role's learned model is used without a prior
+# Runs with observations before a role's learned model is used without a prior.
+MIN_WINDOWS = {"prefill": 1, "decode": 3}
 PRIOR_WEIGHT = 2.0  # a prior counts as this many windows of observations
 NO_PRIOR_WEIGHT = (
     0.01  # without one, "half the step is fixed" only picks among fits the data cannot tell apart
@@ -149,7 +151,7 @@ def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: Metric
     # measured cost per token is then that of this window's mix of lengths).
     prefill = prior.prefill_coef if prior else (0.0, 0.0, 0.0)
     per_token = None if c.prefill_ns_per_token is None else c.prefill_ns_per_token / 1e6
-    if per_token is not None and (prior or c.prefill_windows >= MIN_WINDOWS):
+    if per_token is not None and (prior or c.prefill_windows >= MIN_WINDOWS["prefill"]):
         if prior:
             # What the prior says a token cost over this window's prompt lengths (long
             # prompts cost more per token), against what it did cost.
@@ -160,17 +162,17 @@ def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: Metric
             prefill = tuple(x * scale for x in prior.prefill_coef)
         else:
             prefill = (0.0, per_token, 0.0)
-    prefill_known = prior is not None or c.prefill_windows >= MIN_WINDOWS
+    prefill_known = prior is not None or c.prefill_windows >= MIN_WINDOWS["prefill"]
     kv_tokens = c.kv_capacity_tokens or (prior.max_kv_tokens if prior else None)
     decode = prior.decode_coef if prior else (0.0, 0.0, 0.0)
-    if c.decode_samples and (prior or c.decode_windows >= MIN_WINDOWS):
+    if c.decode_samples and (prior or c.decode_windows >= MIN_WINDOWS["decode"]):
         prior_fit = None
         if prior:
             d0, d1, d2 = prior.decode_coef
             prior_fit = (d0, d1, d2 * (kv_tokens or prior.max_kv_tokens))
         d0, d1, d2u = _fit_decode(c.decode_samples, prior_fit)
         decode = (d0, d1, d2u / kv_tokens if kv_tokens else 0.0)
-    decode_known = prior is not None or c.decode_windows >= MIN_WINDOWS
+    decode_known = prior is not None or c.decode_windows >= MIN_WINDOWS["decode"]
     profile = Profile(
         name=f"learned from {prior.name}" if prior else "learned",
         prefill_coef=prefill,
