@@ -440,7 +440,7 @@ class _Run:
 
     def _feedback_need(self, role: str, m: MetricsSnapshot) -> _Need:
         """A role whose capacity is not learned yet: one more engine while its SLO is
-        missed, never fewer."""
+        missed, never fewer unless another role needs the GPUs."""
         cur = self.current[role]
         if role == "prefill":
             target, seen = float(self.auto.slo.ttft_ms), self._prefill_latency(m)
@@ -461,6 +461,10 @@ class _Run:
             need.headroom = seen < target * (1.0 - self.tol)
         if need.violated:
             need.up = need.down = cur + 1
+        elif need.headroom:
+            # Never fewer of its own accord (need.down), but at a full GPU budget it may
+            # lend one engine to a role that misses its target (need.up is that floor).
+            need.up = max(cur - 1, 1)
         if role == "prefill":
             need.cause_up = Cause.ttft_over_target
         else:
