@@ -283,3 +283,32 @@ def test_ttft_lost_in_the_kv_handoff_asks_for_no_engine() -> None:
     assert decision.cause == Cause.kv_handoff_slow
     assert "check the KV transfer network" in decision.summary
     assert state.ttft_stages.kv_handoff_ms == 1900
+
+
+def test_a_role_still_learning_lends_an_engine_at_a_full_budget() -> None:
+    """Decode not learned yet (no running sequences to learn from) but with lasting
+    headroom: at a full GPU budget it gives prefill one engine after a window."""
+    from datetime import UTC, datetime, timedelta
+
+    from pdcluster.api.v1alpha1 import PDClusterSpec
+    from pdcluster.control import Observed, RoleObserved, decide
+
+    spec = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
+            "decode": {"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
+            "autoscaling": {"enabled": True, "gpuBudget": 3, "windowSeconds": 30, "cooldownSeconds": 0},
+        }
+    )
+    m = window(running=0.0, engines=1.0)  # decode's step cannot be measured
+    m = MetricsSnapshot(**{**m.__dict__, "ttft_ms": 3000.0, "itl_ms": 5.0})
+    observed = Observed(RoleObserved(1, 1, 1), RoleObserved(2, 2, 2))
+    state, decisions = None, []
+    for k in range(3):
+        state, decision = decide(
+            spec, m, state, observed, datetime(2026, 12, 1, tzinfo=UTC) + timedelta(seconds=15 * k)
+        )
+        decisions.append((decision.prefill, decision.decode))
+    assert state.capacity.decode_windows == 0
+    assert decisions[-1] == (2, 1), [d for d in decisions]
