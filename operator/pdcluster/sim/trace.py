@@ -91,12 +91,9 @@ class Trace:
     def window(self, start_s: float, end_s: float) -> Trace:
         """The requests arriving in [start, end), their times kept."""
         keep = [i for i, t in enumerate(self.arrival_s) if start_s <= t < end_s]
-        return self._take(keep, [self.arrival_s[i] for i in keep])
-
-    def _take(self, keep: list[int], arrival: list[float]) -> Trace:
         return Trace(
             self.name,
-            arrival,
+            [self.arrival_s[i] for i in keep],
             [self.input_tokens[i] for i in keep],
             [self.output_tokens[i] for i in keep],
             [self.blocks[i] for i in keep],
