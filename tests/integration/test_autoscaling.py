@@ -79,10 +79,14 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
     traffic = asyncio.create_task(load(router_ip, stop, outcomes))
     try:
 
-        async def rebalanced() -> dict | None:
+        async def rebalanced() -> dict:
             status = (await pdc.get("slo")).get("status", {})
             state = status.get("autoscaling") or {}
-            return state if (state.get("prefill"), state.get("decode")) == (2, 1) else None
+            # "Not yet" carries the last decision, so a timeout says what the law saw.
+            assert (state.get("prefill"), state.get("decode")) == (2, 1), (
+                state.get("lastDecision") or {}
+            ).get("reason")
+            return state
 
         started = time.monotonic()
         state = await wait_until(

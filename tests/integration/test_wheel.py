@@ -29,7 +29,7 @@ for run in range(4):  # the spec names no profile: feedback alone, then the lear
     snapshot = assemble(window_s=30, prompt_tokens_rate=40000.0, prefilled_tokens_rate=40000.0, prefilled_rate=10.0,
                         finished_rate=10.0, generated_tokens_rate=2000.0, ttft_ms=900.0, itl_ms=20.0,
                         prefill_time_ms=60.0, prefill_steps_rate=10.0, prefill_ready=1.0,
-                        decode_running=20.0 + run, decode_tokens_rate=1000.0, decode_kv_usage=0.3, decode_ready=1.0)
+                        decode_running=20.0 + 10 * run, decode_tokens_rate=1000.0, decode_kv_usage=0.3, decode_ready=1.0)
     state, decision = decide(spec, snapshot, state, Observed(**roles), datetime(2026, 12, 1, tzinfo=UTC) + timedelta(seconds=30 * run))
     reasons.append(decision.reason)
 try:

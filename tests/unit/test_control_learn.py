@@ -126,7 +126,7 @@ def test_what_is_known_when() -> None:
     for n in range(learn.MIN_WINDOWS["decode"] + 1):
         k = learn.knowledge(learned, None, window())
         known.append((k.prefill, k.decode))
-        learned = learn.update(learned, window(running=20.0 + 4 * n))
+        learned = learn.update(learned, window(running=20.0 + 10 * n))
     # Prefill's cost is measured in one window; decode's fit wants three loads.
     assert known == [(False, False), (True, False), (True, False), (True, True)]
     assert k.profile.prefill_coef == pytest.approx((0.0, 0.02, 0.0))
@@ -285,9 +285,29 @@ def test_ttft_lost_in_the_kv_handoff_asks_for_no_engine() -> None:
     assert state.ttft_stages.kv_handoff_ms == 1900
 
 
-def test_a_role_still_learning_lends_an_engine_at_a_full_budget() -> None:
-    """Decode not learned yet (no running sequences to learn from) but with lasting
-    headroom: at a full GPU budget it gives prefill one engine after a window."""
+@pytest.mark.parametrize(
+    "sequences", [(7.0, 8.0, 7.5), (0.3, 0.6, 0.45, 0.5)], ids=["one load", "no batches"]
+)
+def test_decode_loads_too_narrow_to_fit_are_not_fitted(sequences: tuple[float, ...]) -> None:
+    """Loads that cannot tell the fixed step from its growth with the batch: decode stays on
+    feedback, and says why."""
+    learned = None
+    for n, per_engine in enumerate(sequences):
+        step_noise = 1.0 + 0.1 * (-1) ** n  # a fit through this noise would be all slope
+        learned = learn.update(
+            learned, window(running=2 * per_engine, decode_tokens=2 * per_engine * 1000 / (7.0 * step_noise))
+        )
+    assert learned.decode_windows == len(sequences)
+    k = learn.knowledge(learned, None, window())
+    assert not k.decode and "too narrow to fit" in k.unseen["decode"], k.unseen
+    assert learn.knowledge(learned, PRIOR, window()).decode  # a prior fills in the shape
+
+
+@pytest.mark.parametrize("running", [0.0, 1.0], ids=["no sequences", "under one per engine"])
+def test_a_role_still_learning_lends_an_engine_at_a_full_budget(running: float) -> None:
+    """Decode not learned yet (no running sequences to learn from, or too few to batch)
+    but with lasting headroom: at a full GPU budget it gives prefill one engine after a
+    window."""
     from datetime import UTC, datetime, timedelta
 
     from pdcluster.api.v1alpha1 import PDClusterSpec
@@ -301,14 +321,18 @@ def test_a_role_still_learning_lends_an_engine_at_a_full_budget() -> None:
             "autoscaling": {"enabled": True, "gpuBudget": 3, "windowSeconds": 30, "cooldownSeconds": 0},
         }
     )
-    m = window(running=0.0, engines=1.0)  # decode's step cannot be measured
-    m = MetricsSnapshot(**{**m.__dict__, "ttft_ms": 3000.0, "itl_ms": 5.0})
     observed = Observed(RoleObserved(1, 1, 1), RoleObserved(2, 2, 2))
     state, decisions = None, []
-    for k in range(3):
+    for k in range(5):
+        # A 7 ms step measured with 10% noise, at loads apart by a factor of 1.5 or less.
+        sequences = running * (1.0 + 0.2 * (k % 3)) / 1.2
+        noise = 1.0 + 0.1 * (-1) ** k
+        m = window(running=sequences, engines=1.0, decode_tokens=1000 * sequences / (7.0 * noise) or 1.0)
+        m = MetricsSnapshot(**{**m.__dict__, "ttft_ms": 3000.0, "itl_ms": 7.0})
         state, decision = decide(
             spec, m, state, observed, datetime(2026, 12, 1, tzinfo=UTC) + timedelta(seconds=15 * k)
         )
         decisions.append((decision.prefill, decision.decode))
-    assert state.capacity.decode_windows == 0
-    assert decisions[-1] == (2, 1), [d for d in decisions]
+    assert state.capacity.decode_windows == (0 if running == 0 else 5)
+    assert "feedback only" in decision.reason, decision.reason
+    assert decisions[-1] == (2, 1), decisions

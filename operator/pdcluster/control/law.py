@@ -102,6 +102,7 @@ class _Run:
         self.capacity = self.prev.capacity
         self.profile: perf.Profile | None = self.prior
         self.known = dict.fromkeys(ROLES, self.prior is not None)
+        self.unseen: dict[str, str] = {}  # role -> why its capacity is not known yet
         self.recommend = self.auto.mode == AutoscalingMode.recommend
         self.tol = self.auto.tolerance_percent / 100.0
         self.notes: list[str] = []
@@ -193,6 +194,7 @@ class _Run:
         self.capacity = learn.update(self.capacity, m)
         known = learn.knowledge(self.capacity, self.prior, m)
         self.profile, self.known = known.profile, {"prefill": known.prefill, "decode": known.decode}
+        self.unseen = known.unseen
         needs = {
             role: (self._prefill_need(m) if role == "prefill" else self._decode_need(m))
             if self.known[role]
@@ -445,16 +447,12 @@ class _Run:
         if role == "prefill":
             target, seen = float(self.auto.slo.ttft_ms), self._prefill_latency(m)
             full = False
-            windows = self.capacity.prefill_windows if self.capacity else 0
         else:
             target = float(self.auto.slo.itl_ms)
             seen = m.itl_ms if m.itl_ms is not None else m.decode.itl_ms
             full = m.decode_kv_usage is not None and m.decode_kv_usage > models.KV_LIMIT
-            windows = self.capacity.decode_windows if self.capacity else 0
         need = _Need(cur, cur)
-        need.notes.append(
-            f"{role} capacity learned from {windows}/{learn.MIN_WINDOWS[role]} windows: feedback only"
-        )
+        need.notes.append(f"{self.unseen[role]}: feedback only")
         if seen is not None:
             need.pressure = seen / target
             need.violated = seen > target * (1.0 + self.tol) or full

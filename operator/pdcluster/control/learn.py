@@ -5,7 +5,8 @@ and a decode step take. A profile measured beforehand (pdcluster/data, or a Conf
 that `pdctl profile` wrote) is only a prior: every run of the law adds what the last
 window showed, and the profile the models get is made from both. Without a prior the
 law acts on TTFT/ITL feedback alone until a role has enough observations: one window for
-prefill (its cost is measured directly), three for decode (a fit needs several loads).
+prefill (its cost is measured directly), three for decode, and those at loads that tell
+its fixed cost from its growth with the batch (see `decode_unseen`).
 
 Prefill: engine-milliseconds per computed prompt token. vLLM's prefill time
 (vllm:request_prefill_time_seconds, scheduled to first token) counts a whole batch for
@@ -36,6 +37,11 @@ FORGET = 0.9  # weight of everything before, per run: about ten runs of memory
 DECODE_SAMPLES = 20  # decode windows kept (the oldest weighs 0.9^19 = 0.13)
 # Runs with observations before a role's learned model is used without a prior.
 MIN_WINDOWS = {"prefill": 1, "decode": 3}
+# A decode step grows with the batch only once batches form, and a slope needs loads
+# apart: below either the fit is noise, and extrapolating noise through the step's
+# feedback (a longer step holds more sequences) can call one engine unstable.
+DECODE_MIN_BATCH = 2.0  # sequences per engine, at the largest load seen
+DECODE_MIN_SPREAD = 1.5  # largest over smallest load seen
 PRIOR_WEIGHT = 2.0  # a prior counts as this many windows of observations
 NO_PRIOR_WEIGHT = (
     0.01  # without one, "half the step is fixed" only picks among fits the data cannot tell apart
@@ -133,6 +139,21 @@ def _fit_decode(
             return 0.0, 0.0, 0.0
 
 
+def decode_unseen(capacity: LearnedCapacity | None) -> str | None:
+    """Why the decode samples cannot be fitted without a prior yet; None once they can."""
+    c = capacity or LearnedCapacity()
+    if c.decode_windows < MIN_WINDOWS["decode"]:
+        return f"decode capacity learned from {c.decode_windows}/{MIN_WINDOWS['decode']} windows"
+    loads = [s.sequences_milli / 1000.0 for s in c.decode_samples or []]
+    low, high = min(loads, default=0.0), max(loads, default=0.0)
+    if high < DECODE_MIN_BATCH or high < DECODE_MIN_SPREAD * low:
+        return (
+            f"decode seen at {low:.1f}-{high:.1f} sequences per engine, too narrow to fit "
+            f"(needs a batch of {DECODE_MIN_BATCH:.0f} and loads {DECODE_MIN_SPREAD}x apart)"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Knowledge:
     """The profile the capacity models get, and which roles it really describes."""
@@ -140,6 +161,7 @@ class Knowledge:
     profile: Profile
     prefill: bool  # False: prefill acts on TTFT feedback alone
     decode: bool
+    unseen: dict[str, str]  # role -> why it is not known yet
 
 
 def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: MetricsSnapshot) -> Knowledge:
@@ -162,17 +184,21 @@ def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: Metric
             prefill = tuple(x * scale for x in prior.prefill_coef)
         else:
             prefill = (0.0, per_token, 0.0)
-    prefill_known = prior is not None or c.prefill_windows >= MIN_WINDOWS["prefill"]
     kv_tokens = c.kv_capacity_tokens or (prior.max_kv_tokens if prior else None)
     decode = prior.decode_coef if prior else (0.0, 0.0, 0.0)
-    if c.decode_samples and (prior or c.decode_windows >= MIN_WINDOWS["decode"]):
+    unseen = {} if prior else {"decode": decode_unseen(c)}
+    if not prior and c.prefill_windows < MIN_WINDOWS["prefill"]:
+        unseen["prefill"] = (
+            f"prefill capacity learned from {c.prefill_windows}/{MIN_WINDOWS['prefill']} windows"
+        )
+    unseen = {role: why for role, why in unseen.items() if why}
+    if c.decode_samples and "decode" not in unseen:
         prior_fit = None
         if prior:
             d0, d1, d2 = prior.decode_coef
             prior_fit = (d0, d1, d2 * (kv_tokens or prior.max_kv_tokens))
         d0, d1, d2u = _fit_decode(c.decode_samples, prior_fit)
         decode = (d0, d1, d2u / kv_tokens if kv_tokens else 0.0)
-    decode_known = prior is not None or c.decode_windows >= MIN_WINDOWS["decode"]
     profile = Profile(
         name=f"learned from {prior.name}" if prior else "learned",
         prefill_coef=prefill,
@@ -181,4 +207,4 @@ def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: Metric
         kv_bytes_per_token=prior.kv_bytes_per_token if prior else 0,
         gpus=prior.gpus if prior else 1,
     )
-    return Knowledge(profile, prefill_known, decode_known)
+    return Knowledge(profile, "prefill" not in unseen, "decode" not in unseen, unseen)
