@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 CLUSTER=${KIND_CLUSTER:-pdcluster}
 TRACES=${PDCLUSTER_TRACES:-../shared/traces}
 VERSION=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)
-IMAGES=(operator router engine-sim)
+IMAGES=(operator router engine-sim mooncake)
 NAMESPACE=demo
 OPERATOR_NAMESPACE=pdcluster-system
 EXAMPLE=examples/pdcluster-sim.yaml
@@ -49,7 +49,7 @@ fi
 export KUBECONFIG="$WORK/kubeconfig"
 kind get kubeconfig --name "$CLUSTER" >"$KUBECONFIG"
 
-step "images pdcluster/{operator,router,engine-sim}:$VERSION (build context: the repository)"
+step "images pdcluster/{operator,router,engine-sim,mooncake}:$VERSION (build context: the repository)"
 refs=()
 for image in "${IMAGES[@]}"; do
   docker build -q -f "images/$image/Dockerfile" -t "pdcluster/$image:$VERSION" .

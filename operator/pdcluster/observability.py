@@ -77,6 +77,16 @@ ROUTER_INFLIGHT_TOKENS: Final = "pdcluster_router_inflight_tokens"  # gauge{role
 ROUTER_PROMPT_TOKENS: Final = "pdcluster_router_prompt_tokens"  # counter
 ROUTER_GENERATION_TOKENS: Final = "pdcluster_router_generation_tokens"  # counter
 ROUTER_BACKENDS: Final = "pdcluster_router_backends"  # gauge{role}: ready backends
+# Prompt hits in the Mooncake store (router/store.py): every lookup by outcome, what one
+# costs, and the requests that went straight to decode with the tokens decode loaded.
+ROUTER_STORE_LOOKUPS: Final = "pdcluster_router_store_lookups"  # counter{outcome}
+ROUTER_STORE_LOOKUP_SECONDS: Final = "pdcluster_router_store_lookup_seconds"
+ROUTER_PREFILL_BYPASSED: Final = "pdcluster_router_prefill_bypassed"  # counter
+ROUTER_STORE_PREFIX_TOKENS: Final = "pdcluster_router_store_prefix_tokens"  # counter
+ROUTER_STORE_OUTCOMES: Final = ("hit", "partial", "miss", "short", "error", "unsupported")
+ROUTER_STORE_LOOKUP_BUCKETS: Final = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25,
+)  # fmt: skip
 ROUTER_OUTCOMES: Final = ("ok", "rejected", "client_error", "upstream_error", "timeout", "cancelled")
 
 # Fine enough around typical SLOs to tell a 15 ms ITL from a 25 ms one and a 400 ms

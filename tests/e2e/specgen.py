@@ -181,6 +181,11 @@ def pdcluster(draw: st.DrawFn) -> dict[str, Any]:
                 ttftTargetMs=ints(1, 60000, 500),
                 rejectFactorPercent=ints(100, 1000, 200),
             ),
+            storeHits=section(
+                enabled=st.booleans(),
+                maxComputedTokens=ints(0, 1 << 20, 512),
+                lookupTimeoutMs=ints(1, 10000, 100),
+            ),
             requestTimeoutSeconds=ints(1, 3600, 600),
             apiKeySecret=secret_ref(st.just("key")),
             serviceType=choice(["ClusterIP", "NodePort", "LoadBalancer"], ["ExternalName"]),
@@ -223,6 +228,9 @@ def pdcluster(draw: st.DrawFn) -> dict[str, Any]:
             evictionHighWatermarkPercent=ints(1, 100, 90),
             evictionPercent=ints(1, 100, 5),
             store=section(
+                enabled=st.booleans(),
+                engineSegmentSize=quantities,
+                engineBufferSize=quantities,
                 replicas=ints(0, 2 if small else INT32_MAX),
                 globalSegmentSize=quantities,
                 localBufferSize=quantities,

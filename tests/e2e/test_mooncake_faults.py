@@ -49,10 +49,9 @@ async def test_mooncake_master_restart(
     wait_until: Any,
 ) -> None:
     doc = sim_cluster("kv")
-    # MOONCAKE_MASTER comes from the operator's ConfigMap (envFrom), expanded by the kubelet.
     doc["spec"]["engine"]["args"] = [
         *doc["spec"]["engine"]["args"],
-        "--sim-mooncake-master=$(MOONCAKE_MASTER)",
+        f"--sim-mooncake-master=kv-{C.ROLE_MOONCAKE_MASTER}:50051",  # the master's Service
     ]
     await pdc.apply(doc)
 

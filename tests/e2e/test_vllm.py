@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+import yarl
 from harness import OperatorProcess, StreamLoad, install_crd, settled, start_operator
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,6 +34,7 @@ from pdcluster import profiling
 from pdcluster.control.cause import Cause
 from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.io.prometheus import Prometheus, queries
+from pdcluster.router import store
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm]
 
@@ -280,6 +282,70 @@ async def test_the_kv_cache_moved(env: Env) -> None:
     assert grew("decode", "external_kv_transfer") == tokens, (before, after)
     assert grew("decode", "local_compute") == 0, (before, after)
     assert grew("prefill", "local_compute") == tokens, (before, after)
+
+
+async def router_counter(
+    http: aiohttp.ClientSession, env: Env, name: str, label: str = ""
+) -> dict[str, float]:
+    async with http.get(f"{env.router}/metrics") as r:
+        return counters(await r.text(), name, label)
+
+
+async def test_a_stored_prefix_skips_prefill(env: Env) -> None:
+    """The Mooncake store for real: prefill writes the blocks it computes to the real
+    master's pool under the keys the router computes too; the same prompt through the
+    router then goes straight to decode, which loads the stored blocks, computes only the
+    rest and answers as a plain engine does, while prefill sees nothing."""
+    async with aiohttp.ClientSession() as http:
+        prefill, decode = await env.engine_url(C.ROLE_PREFILL), await env.engine_url(C.ROLE_DECODE)
+        source = (REPO / "operator" / "pdcluster" / "router" / "store.py").read_text()
+        status, answer = await call(http, env.plain, "/tokenize", {"model": env.model, "prompt": source})
+        assert status == 200, answer
+        tokens = answer["tokens"][:300]  # two full blocks of 128 and 44 tokens more
+        status, answer = await call(http, env.plain, "/detokenize", {"model": env.model, "tokens": tokens})
+        prompt = answer["prompt"]
+        body = {"model": env.model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+
+        # Prefill computes the prompt for someone else (here: asked directly).
+        status, first = await call(http, prefill, "/v1/completions", body)
+        assert status == 200, first
+        async with http.get(f"{decode}/v1/models") as r:
+            model = (await r.json())["data"][0]["root"].rstrip("/").split("/")[-1]
+        keys = store.block_keys(tokens, 128, model, "0")
+        master = await env.kube.get("v1", "Service", f"{NAME}-mooncake-master", env.namespace)
+        query = f"http://{master['spec']['clusterIP']}:9003/batch_query_keys?keys={','.join(keys)}"
+
+        async def stored() -> bool:
+            async with http.get(yarl.URL(query, encoded=True)) as r:
+                data = (await r.json())["data"]
+            return all(data[k]["ok"] for k in keys)
+
+        await poll(stored, 30, "the prompt's two blocks in the master, under the router's keys")
+
+        before = {"prefill": await by_source(http, prefill), "decode": await by_source(http, decode)}
+        bypassed = await router_counter(http, env, "pdcluster_router_prefill_bypassed_total")
+        status, via_router = await call(http, env.router, "/v1/completions", body)
+        assert status == 200, via_router
+        after = {"prefill": await by_source(http, prefill), "decode": await by_source(http, decode)}
+        status, plain = await call(http, env.plain, "/v1/completions", body)
+        assert status == 200, plain
+
+    def grew(role: str, source: str) -> float:
+        return after[role].get(source, 0.0) - before[role].get(source, 0.0)
+
+    assert grew("decode", "external_kv_transfer") == 256, (before, after)
+    assert grew("decode", "local_compute") == 300 - 256, (before, after)
+    assert sum(after["prefill"].values()) == sum(before["prefill"].values()), (before, after)
+    assert (
+        text_of("/v1/completions", via_router)
+        == text_of("/v1/completions", plain)
+        == text_of("/v1/completions", first)
+    )
+    async with aiohttp.ClientSession() as http:
+        now = await router_counter(http, env, "pdcluster_router_prefill_bypassed_total")
+        lookups = await router_counter(http, env, "pdcluster_router_store_lookups_total", "outcome")
+    assert now[""] == bypassed.get("", 0.0) + 1, (bypassed, now)
+    assert lookups.get("hit", 0.0) >= 1 and lookups.get("error", 0.0) == 0, lookups
 
 
 async def test_operator_promql_reads_the_real_engines(env: Env) -> None:

@@ -45,7 +45,7 @@ def test_shellcheck() -> None:
 
 def test_images_are_built_from_their_dockerfiles() -> None:
     images = variable("IMAGES").strip("()").split()
-    assert images == ["operator", "router", "engine-sim"]
+    assert images == ["operator", "router", "engine-sim", "mooncake"]
     for image in images:
         assert (ROOT / "images" / image / "Dockerfile").exists(), image
     # The script tags with the project version, which is what the chart and example pull.

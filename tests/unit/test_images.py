@@ -17,10 +17,11 @@ SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scrip
 # Our images run as an unprivileged user; the vLLM engine keeps its base image's root
 # because GPU and RDMA device access expects it (docs/reliability.md lists why).
 ROOT_ALLOWED = {"engine"}
+THIRD_PARTY_ENTRYPOINTS = {"engine": "vllm", "mooncake": "mooncake_master"}
 
 
 def test_every_image_is_here() -> None:
-    assert {p.parent.name for p in DOCKERFILES} == {"operator", "router", "engine-sim", "engine"}
+    assert {p.parent.name for p in DOCKERFILES} == {"operator", "router", "engine-sim", "engine", "mooncake"}
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
@@ -46,6 +47,8 @@ def test_conventions(dockerfile: Path) -> None:
     else:
         assert users and users[-1].split(":")[0] not in ("0", "root")
     entry = re.search(r'^ENTRYPOINT \["([^"]+)"', text, re.M).group(1)
-    if name != "engine":
+    if name in THIRD_PARTY_ENTRYPOINTS:
+        assert entry == THIRD_PARTY_ENTRYPOINTS[name]
+    else:
         assert entry in SCRIPTS, f"{entry} is not a console script of this distribution"
         assert SCRIPTS[entry].startswith("pdcluster.")

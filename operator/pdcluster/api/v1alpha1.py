@@ -223,9 +223,40 @@ class RoleSpec(Model):
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
 
-class MooncakeStoreSpec(Model):
-    """Optional Mooncake store pods contributing DRAM to the distributed KV pool."""
+_STORE_RULES = [
+    cel(
+        "!self.enabled || quantity(string(self.engineBufferSize)).isGreaterThan(quantity('0'))",
+        "mooncake.store.engineBufferSize must be above 0 when the store is enabled (vLLM's"
+        " MooncakeStoreConnector refuses a local buffer of 0)",
+        ".engineBufferSize",
+    ),
+    cel(
+        "!self.enabled || quantity(string(self.engineSegmentSize)).isGreaterThan(quantity('0'))",
+        "mooncake.store.engineSegmentSize must be above 0 when the store is enabled (each engine"
+        " contributes memory to the store it writes to)",
+        ".engineSegmentSize",
+    ),
+]
 
+
+class MooncakeStoreSpec(Model):
+    """The Mooncake store: engines share prefix KV blocks through it (global prefix
+    reuse), and optional store pods add DRAM to it."""
+
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _STORE_RULES}}
+
+    enabled: bool = Field(
+        False,
+        description="Engines use the store: vLLM's MultiConnector runs MooncakeConnector (the prefill -> "
+        "decode hand-off) and MooncakeStoreConnector (prefix blocks to and from the store); prefill "
+        "writes the blocks it computes, and both roles load the longest stored prefix of a prompt.",
+    )
+    engine_segment_size: Quantity = Field(
+        "4Gi", description="Host memory each engine contributes to the store (its global segment)."
+    )
+    engine_buffer_size: Quantity = Field(
+        "1Gi", description="Host memory each engine stages store transfers in (its local buffer); above 0."
+    )
     replicas: int = Field(0, ge=0, description="Store pods; 0 runs none.")
     global_segment_size: Quantity = Field("4Gi", description="Memory each store pod contributes to the pool.")
     local_buffer_size: Quantity = Field(0, description="Local transfer buffer per store pod.")
@@ -236,7 +267,12 @@ class MooncakeStoreSpec(Model):
 class MooncakeSpec(Model):
     """The Mooncake master (and optional store pods)."""
 
-    image: str | None = Field(None, description="Image with `mooncake_master`; defaults to `engine.image`.")
+    image: str = Field(
+        C.DEFAULT_MOONCAKE_IMAGE,
+        min_length=1,
+        description="Image of the master and store pods: Mooncake's wheel (`mooncake_master`, "
+        "`mooncake.mooncake_store_service`), as images/mooncake builds it.",
+    )
     rpc_port: Port = Field(50051)
     metrics_port: Port = Field(9003)
     http_metadata_server: bool = Field(False, description="Run the master's HTTP metadata server.")
@@ -248,6 +284,12 @@ class MooncakeSpec(Model):
     eviction_percent: int = Field(5, ge=1, le=100, description="`--eviction_ratio` x 100.")
     resources: Resources | None = None
     store: MooncakeStoreSpec = section(MooncakeStoreSpec)
+
+    @property
+    def serves_metadata(self) -> bool:
+        """Store clients find each other's segments through the master's HTTP metadata
+        server, so the store turns it on."""
+        return self.http_metadata_server or self.store.enabled or self.store.replicas > 0
 
 
 class RouterPolicy(StrEnum):
@@ -267,6 +309,30 @@ class AdmissionSpec(Model):
     )
 
 
+class StoreHitsSpec(Model):
+    """Prompt hits: with `mooncake.store.enabled`, the router asks the store how much of a
+    prompt it holds (the engines' own block keys) and sends a prompt that leaves little to
+    compute straight to decode, which loads the stored prefix: no prefill at all."""
+
+    enabled: bool = Field(
+        True,
+        description="Look prompts up in the store. Needs one tensorParallelSize for both roles (the store's "
+        "default key layout); otherwise prefill still reuses stored prefixes but every prompt goes to prefill.",
+    )
+    max_computed_tokens: int = Field(
+        512,
+        ge=0,
+        description="Straight to decode when at most this many of a prompt's tokens are not stored "
+        "(decode computes them itself, between its decode steps).",
+    )
+    lookup_timeout_ms: int = Field(
+        100,
+        ge=1,
+        le=10000,
+        description="What a lookup may add to a request; past it, the prompt goes to prefill.",
+    )
+
+
 class RouterSpec(Model):
     """The OpenAI-compatible, PD-aware router in front of the pools."""
 
@@ -278,6 +344,7 @@ class RouterSpec(Model):
     port: Port = Field(C.ROUTER_PORT, description="OpenAI-compatible HTTP port; also serves /metrics.")
     policy: RouterPolicy = Field(RouterPolicy.prefix_aware)
     admission: AdmissionSpec = section(AdmissionSpec)
+    store_hits: StoreHitsSpec = section(StoreHitsSpec)
     request_timeout_seconds: int = Field(600, ge=1)
     api_key_secret: SecretKeyRef | None = Field(
         None, description="When set, clients must send this key as a Bearer token."

@@ -4,12 +4,20 @@ vLLM is launched as its MooncakeConnector expects (vLLM docs/features/mooncake_c
 and mooncake_connector.py): `--kv-transfer-config` with kv_producer on prefill and
 kv_consumer on decode, the bootstrap server on prefill (VLLM_MOONCAKE_BOOTSTRAP_PORT),
 VLLM_HOST_IP set to the pod IP (the connector advertises it to its peers), and the same
-PYTHONHASHSEED on both roles.
+PYTHONHASHSEED on both roles (it seeds the first block hash: kv_cache_utils.py NONE_HASH).
+
+With the store enabled, both roles run MultiConnector (vLLM docs/features/
+mooncake_store_connector_usage.md): MooncakeConnector first, so a request prefilled
+elsewhere always takes the hand-off (the first child with tokens to load wins:
+multi_connector.py get_num_new_matched_tokens), then MooncakeStoreConnector, which
+loads the longest stored prefix of any other request. Prefill also writes the blocks it
+computes (kv_both); decode only reads (kv_consumer).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from pdcluster import constants as C
@@ -26,12 +34,38 @@ PRESTOP_SLEEP_SECONDS = 5
 SHUTDOWN_MARGIN_SECONDS = 2
 
 
+STORE_KV_ROLE = {C.ROLE_PREFILL: "kv_both", C.ROLE_DECODE: "kv_consumer"}
+STORE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
+
+
 def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any]:
     extra: dict[str, Any] = {"mooncake_protocol": spec.kv_protocol.value}
     devices = spec.kv_transfer.devices or ",".join(spec.rdma.hcas)
     if devices:
         extra["device_name"] = devices
-    return {"kv_connector": "MooncakeConnector", "kv_role": KV_ROLE[role], "kv_connector_extra_config": extra}
+    handoff = {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": KV_ROLE[role],
+        "kv_connector_extra_config": extra,
+    }
+    if not spec.mooncake.store.enabled:
+        return handoff
+    store_extra: dict[str, Any] = {}
+    tp = {spec.prefill.tensor_parallel_size, spec.decode.tensor_parallel_size}
+    if len(tp) > 1:
+        # Keys per rank of a common TP layout, so both roles find each other's blocks
+        # (store/worker.py: store_tp_size must be a multiple of the engine's TP).
+        store_extra["store_tp_size"] = math.lcm(*tp)
+    store = {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": STORE_KV_ROLE[role],
+        "kv_connector_extra_config": store_extra,
+    }
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": KV_ROLE[role],
+        "kv_connector_extra_config": {"connectors": [handoff, store]},
+    }
 
 
 def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
@@ -67,8 +101,9 @@ def engine_env(spec: PDClusterSpec, role: str) -> list[dict[str, Any]]:
         {"name": "VLLM_HOST_IP", "value": "$(POD_IP)"},
         # Block hashes must agree across instances that share KV.
         {"name": "PYTHONHASHSEED", "value": str(spec.engine.python_hash_seed)},
-        {"name": "MOONCAKE_LOCAL_HOSTNAME", "value": "$(POD_IP)"},
     ]
+    if spec.mooncake.store.enabled:
+        env.append({"name": STORE_CONFIG_ENV, "value": f"{mooncake.CONFIG_DIR}/{mooncake.ENGINE_CONFIG}"})
     if role == C.ROLE_PREFILL:
         env.append({"name": "VLLM_MOONCAKE_BOOTSTRAP_PORT", "value": str(spec.kv_transfer.bootstrap_port)})
     if spec.engine.hf_token_secret:
@@ -138,6 +173,8 @@ def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
         # Registering GPU and host memory with the NIC pins it: RDMA needs IPC_LOCK.
         security["capabilities"] = {"add": ["IPC_LOCK"]}
     mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    if spec.mooncake.store.enabled:
+        mounts.append(mooncake.config_mount())
     if spec.rdma.mode == RDMAMode.host_network:
         mounts.append({"name": "infiniband", "mountPath": "/dev/infiniband"})
     return {
@@ -147,7 +184,6 @@ def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
         "command": list(spec.engine.command),
         "args": engine_args(spec, role),
         "env": engine_env(spec, role),
-        "envFrom": [{"configMapRef": {"name": mooncake.config_map_name(owner)}}],
         "ports": ports,
         "resources": resources(spec.role(role), spec),
         "startupProbe": _probe("/health", "http", spec.engine.startup_probe),
@@ -183,6 +219,8 @@ def pod_template(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.shm_size}}
         ],
     }
+    if spec.mooncake.store.enabled:
+        pod["volumes"].append(mooncake.config_volume(owner))
     if spec.rdma.mode == RDMAMode.host_network:
         pod["hostNetwork"] = True
         pod["dnsPolicy"] = "ClusterFirstWithHostNet"

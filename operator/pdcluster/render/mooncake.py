@@ -1,14 +1,17 @@
-"""The Mooncake master (with its optional HTTP metadata server) and optional store pods.
+"""The Mooncake master (with its HTTP metadata server when a store needs it), the store's
+client configuration and optional store pods.
 
 Flags and ports follow Mooncake's deployment guide (docs/source/deployment/
 mooncake-store-deployment-guide.md): RPC 50051, metrics and /health on 9003, HTTP
-metadata 8080. Clients are configured through the documented MOONCAKE_* environment,
-rendered once into a ConfigMap that engine and store pods load with envFrom; each pod
-adds its own MOONCAKE_LOCAL_HOSTNAME (the default, localhost, is wrong in a pod).
+metadata 8080. Store clients read a JSON file, not the environment: engines through
+vLLM's MOONCAKE_CONFIG_PATH (vllm/distributed/mooncake_store.py: MooncakeStoreConfig),
+store pods through `mooncake_store_service --config` (mooncake/mooncake_config.py:
+MooncakeConfig.from_file). One ConfigMap holds both files.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -26,6 +29,11 @@ from pdcluster.render.names import (
     selector,
 )
 
+CONFIG_DIR = "/etc/mooncake"
+ENGINE_CONFIG = "engine.json"
+STORE_CONFIG = "store.json"
+CONFIG_VOLUME = "mooncake-config"
+
 
 def config_map_name(owner: Owner) -> str:
     return owner.child("mooncake")
@@ -35,35 +43,61 @@ def master_address(spec: PDClusterSpec, owner: Owner) -> str:
     return f"{owner.child(C.ROLE_MOONCAKE_MASTER)}:{spec.mooncake.rpc_port}"
 
 
-def _size(value: int | str) -> str:
-    """Bytes, as Mooncake parses sizes (plain counts or '10gb', not Kubernetes' 'Gi'),
-    rounded up as Kubernetes rounds a quantity's value. The CRD admits only quantities."""
+def _bytes(value: int | str) -> int:
+    """A quantity in bytes, rounded up as Kubernetes rounds a quantity's value: both
+    readers take a plain count (neither parses Kubernetes' "Gi"). The CRD admits only
+    quantities."""
     size = quantity(value)
-    return str(math.ceil(size)) if size is not None else str(value)
+    if size is None:
+        raise ValueError(f"not a quantity: {value!r}")
+    return math.ceil(size)
 
 
-def config_map(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
+def _client(spec: PDClusterSpec, owner: Owner, segment: int | str, buffer: int | str) -> dict[str, Any]:
     m = spec.mooncake
     host = owner.child(C.ROLE_MOONCAKE_MASTER)
     metadata_server = (
-        f"http://{host}:{m.http_metadata_port}/metadata" if m.http_metadata_server else "P2PHANDSHAKE"
+        f"http://{host}:{m.http_metadata_port}/metadata" if m.serves_metadata else "P2PHANDSHAKE"
     )
-    data = {
-        "MOONCAKE_MASTER": master_address(spec, owner),
-        "MOONCAKE_TE_META_DATA_SERVER": metadata_server,
-        "MOONCAKE_PROTOCOL": spec.kv_protocol.value,
-        "MOONCAKE_GLOBAL_SEGMENT_SIZE": _size(m.store.global_segment_size),
-        "MOONCAKE_LOCAL_BUFFER_SIZE": _size(m.store.local_buffer_size),
+    return {
+        "metadata_server": metadata_server,
+        "master_server_address": master_address(spec, owner),
+        "protocol": spec.kv_protocol.value,
+        "device_name": spec.kv_transfer.devices or ",".join(spec.rdma.hcas),
+        "global_segment_size": _bytes(segment),
+        "local_buffer_size": _bytes(buffer),
     }
-    devices = spec.kv_transfer.devices or ",".join(spec.rdma.hcas)
-    if devices:
-        data["MOONCAKE_DEVICE"] = devices
+
+
+def config_map(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
+    s = spec.mooncake.store
+    files = {}
+    if s.enabled:
+        # Embedded: each engine's segment holds blocks; they leave the store with it.
+        files[ENGINE_CONFIG] = {
+            "mode": "embedded",
+            **_client(spec, owner, s.engine_segment_size, s.engine_buffer_size),
+        }
+    if s.replicas > 0:
+        # A placeholder host: each store pod passes its own IP (-Dlocal_hostname).
+        files[STORE_CONFIG] = {
+            "local_hostname": "localhost",
+            **_client(spec, owner, s.global_segment_size, s.local_buffer_size),
+        }
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(owner, C.ROLE_MOONCAKE_MASTER, name=config_map_name(owner)),
-        "data": data,
+        "data": {name: json.dumps(body, indent=2, sort_keys=True) + "\n" for name, body in files.items()},
     }
+
+
+def config_volume(owner: Owner) -> dict[str, Any]:
+    return {"name": CONFIG_VOLUME, "configMap": {"name": config_map_name(owner)}}
+
+
+def config_mount() -> dict[str, Any]:
+    return {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}
 
 
 def _resources(res: Resources | None) -> dict[str, Any]:
@@ -80,7 +114,7 @@ def master_args(spec: PDClusterSpec) -> list[str]:
         f"--eviction_high_watermark_ratio={m.eviction_high_watermark_percent / 100:g}",
         f"--eviction_ratio={m.eviction_percent / 100:g}",
     ]
-    if m.http_metadata_server:
+    if m.serves_metadata:
         args += [
             "--enable_http_metadata_server=true",
             "--http_metadata_server_host=$(POD_IP)",
@@ -96,7 +130,7 @@ def master_deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
         {"name": "rpc", "containerPort": m.rpc_port, "protocol": "TCP"},
         {"name": "metrics", "containerPort": m.metrics_port, "protocol": "TCP"},
     ]
-    if m.http_metadata_server:
+    if m.serves_metadata:
         ports.append({"name": "metadata", "containerPort": m.http_metadata_port, "protocol": "TCP"})
 
     def health(failures: int, delay: int = 0) -> dict[str, Any]:
@@ -129,7 +163,7 @@ def master_deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
                     "containers": [
                         {
                             "name": "master",
-                            "image": m.image or spec.engine.image,
+                            "image": m.image,
                             "imagePullPolicy": spec.engine.image_pull_policy,
                             "command": ["mooncake_master"],
                             "args": master_args(spec),
@@ -154,7 +188,7 @@ def master_service(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
         {"name": "rpc", "port": m.rpc_port, "targetPort": "rpc", "protocol": "TCP"},
         {"name": "metrics", "port": m.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
     ]
-    if m.http_metadata_server:
+    if m.serves_metadata:
         ports.append(
             {"name": "metadata", "port": m.http_metadata_port, "targetPort": "metadata", "protocol": "TCP"}
         )
@@ -187,25 +221,25 @@ def store_statefulset(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
                     "containers": [
                         {
                             "name": "store",
-                            "image": spec.mooncake.image or spec.engine.image,
+                            "image": spec.mooncake.image,
                             "imagePullPolicy": spec.engine.image_pull_policy,
                             "command": [
                                 "python3",
                                 "-m",
                                 "mooncake.mooncake_store_service",
+                                f"--config={CONFIG_DIR}/{STORE_CONFIG}",
+                                "-Dlocal_hostname=$(POD_IP)",
                                 f"--port={s.port}",
                             ],
-                            "env": [
-                                env_field("POD_IP", "status.podIP"),
-                                {"name": "MOONCAKE_LOCAL_HOSTNAME", "value": "$(POD_IP)"},
-                            ],
-                            "envFrom": [{"configMapRef": {"name": config_map_name(owner)}}],
+                            "env": [env_field("POD_IP", "status.podIP")],
                             "ports": [{"name": "store", "containerPort": s.port, "protocol": "TCP"}],
+                            "volumeMounts": [config_mount()],
                             "readinessProbe": {"tcpSocket": {"port": "store"}, "periodSeconds": 5},
                             "resources": _resources(s.resources),
                             "securityContext": restricted_container(read_only_root=False),
                         }
                     ],
+                    "volumes": [config_volume(owner)],
                 },
             },
         },
@@ -228,11 +262,9 @@ def store_service(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
 
 
 def build_mooncake(spec: PDClusterSpec, owner: Owner, *, suspended: bool) -> list[dict[str, Any]]:
-    objects = [
-        config_map(spec, owner),
-        master_deployment(spec, owner, 0 if suspended else 1),
-        master_service(spec, owner),
-    ]
+    objects = [master_deployment(spec, owner, 0 if suspended else 1), master_service(spec, owner)]
+    if spec.mooncake.store.enabled or spec.mooncake.store.replicas > 0:
+        objects.append(config_map(spec, owner))  # read by store clients only
     if spec.mooncake.store.replicas > 0:
         replicas = 0 if suspended else spec.mooncake.store.replicas
         objects += [store_statefulset(spec, owner, replicas), store_service(spec, owner)]

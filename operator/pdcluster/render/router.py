@@ -47,7 +47,24 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
         args.append("--no-admission")
     if r.api_key_secret:
         args.append(f"--api-key-file={API_KEY_DIR}/{r.api_key_secret.key}")
-    return args
+    return args + store_hit_args(spec, owner)
+
+
+def store_hit_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
+    """Store lookups, where the router can compute the keys the engines write: both roles
+    at one TP size (the store's default key layout; a shared TP layout names its keys
+    after the attention backend's KV layout, which only the engine knows)."""
+    hits = spec.router.store_hits
+    same_tp = spec.prefill.tensor_parallel_size == spec.decode.tensor_parallel_size
+    if not (spec.mooncake.store.enabled and hits.enabled and same_tp):
+        return []
+    master = f"http://{owner.child(C.ROLE_MOONCAKE_MASTER)}:{spec.mooncake.metrics_port}"
+    return [
+        f"--store-master={master}",
+        f"--store-hash-seed={spec.engine.python_hash_seed}",
+        f"--store-max-computed-tokens={hits.max_computed_tokens}",
+        f"--store-lookup-timeout={hits.lookup_timeout_ms / 1000:g}",
+    ]
 
 
 def deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from pdcluster.router.membership import Members, Pool, parse_static, watch_kube
 from pdcluster.router.policy import Admission, make_policy
 from pdcluster.router.prompt import BLOCK_TOKENS
 from pdcluster.router.server import MAX_BODY_BYTES, Router, RouterConfig
+from pdcluster.router.store import StoreIndex
+from pdcluster.router.upstream import UpstreamPool
 
 log = logging.getLogger("pdcluster.router")
 
@@ -79,6 +81,22 @@ def parser() -> argparse.ArgumentParser:
         default=20000.0,
         help="prefill tokens/s assumed for a backend before any measurement",
     )
+    store = p.add_argument_group("Mooncake store: prompts whose prefix is stored skip prefill")
+    store.add_argument(
+        "--store-master", metavar="URL", help="the master's HTTP port, e.g. http://master:9003"
+    )
+    store.add_argument(
+        "--store-hash-seed", help="the engines' PYTHONHASHSEED (it seeds vLLM's block hashes); unset: none"
+    )
+    store.add_argument(
+        "--store-max-computed-tokens",
+        type=int,
+        default=512,
+        help="send a prompt straight to decode when at most this many of its tokens are not stored",
+    )
+    store.add_argument(
+        "--store-lookup-timeout", type=float, default=0.1, help="seconds a lookup may add to a request"
+    )
     p.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds per request, streams included"
     )
@@ -118,6 +136,15 @@ class RouterService:
                 args.admission_prefill_rate,
                 plus_prefill=args.admission_ttft_plus_prefill,
             )
+        store = None
+        if args.store_master:
+            store = StoreIndex(
+                UpstreamPool(),
+                args.store_master,
+                hash_seed=args.store_hash_seed,
+                max_computed_tokens=args.store_max_computed_tokens,
+                timeout_s=args.store_lookup_timeout,
+            )
         self.pool = Pool(self.session, on_forget=self._forget)
         self.router = Router(
             RouterConfig(model=args.model, request_timeout_s=args.request_timeout, api_key=api_key),
@@ -125,6 +152,7 @@ class RouterService:
             self.session,
             make_policy(args.policy, BLOCK_TOKENS),
             admission,
+            store,
         )
         if self.members is None:
             config = KubeConfig.load(args.kubeconfig)
@@ -139,11 +167,12 @@ class RouterService:
         self._http = HttpServer(self.router.handle, openai.error_body, MAX_BODY_BYTES)
         await self._http.start(args.host, args.port)
         log.info(
-            "listening on %s:%d, policy %s, admission %s",
+            "listening on %s:%d, policy %s, admission %s, store lookups %s",
             args.host,
             args.port,
             args.policy,
             "off" if admission is None else "on",
+            args.store_master or "off",
         )
 
     def _forget(self, backend_id: str) -> None:
@@ -173,6 +202,8 @@ class RouterService:
             await self.pool.close()
         if self.router is not None:
             self.router.upstream.close()
+            if self.router.store is not None:
+                self.router.store.upstream.close()
         if self.session is not None:
             await self.session.close()
 

@@ -90,4 +90,24 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             obs.ROUTER_GENERATION_TOKENS, "Tokens generated for clients.", registry=r
         )
+        lookups = Counter(
+            obs.ROUTER_STORE_LOOKUPS, "Prompt-hit lookups in the Mooncake store, by outcome.", ("outcome",),
+            registry=r,
+        )  # fmt: skip
+        self.store_lookups = {outcome: lookups.labels(outcome) for outcome in obs.ROUTER_STORE_OUTCOMES}
+        self.store_lookup_time = Histogram(
+            obs.ROUTER_STORE_LOOKUP_SECONDS,
+            "Time a store lookup added to a request (tokenize and key query).",
+            buckets=obs.ROUTER_STORE_LOOKUP_BUCKETS,
+            registry=r,
+        )
+        self.prefill_bypassed = Counter(
+            obs.ROUTER_PREFILL_BYPASSED,
+            "Requests sent straight to decode: their prefix was stored.",
+            registry=r,
+        )
+        self.store_prefix_tokens = Counter(
+            obs.ROUTER_STORE_PREFIX_TOKENS, "Prompt tokens decode loaded from the store instead of prefill.",
+            registry=r,
+        )  # fmt: skip
         r.register(_LoadCollector(snapshot))

@@ -2,7 +2,9 @@
 
 Per request: validate, pick a prefill rank (policy) and a decode instance (least
 loaded), apply SLO admission, then send the prefill and the decode request at once
-(protocol.py) and relay decode's answer. Streams are passed through byte for byte; the
+(protocol.py) and relay decode's answer. With the Mooncake store on, a prompt whose
+stored prefix leaves decode little to compute goes to decode alone (store.py); every
+other prompt, and any lookup that fails, takes the prefill -> decode path. Streams are passed through byte for byte; the
 router only counts SSE events in them for its metrics (one `data:` event per token, as
 vLLM streams without speculative decoding).
 """
@@ -31,6 +33,7 @@ from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policy import Admission, LeastLoaded, Policy
 from pdcluster.router.prompt import block_hashes, count_tokens, prompt_of
 from pdcluster.router.protocol import MooncakeProtocol
+from pdcluster.router.store import Lookup, StoreIndex
 from pdcluster.router.upstream import Response as UpstreamResponse
 from pdcluster.router.upstream import UpstreamError, UpstreamPool
 
@@ -76,8 +79,10 @@ class Router:
         session: aiohttp.ClientSession,
         policy: Policy,
         admission: Admission | None,
+        store: StoreIndex | None = None,
     ):
         self.config = config
+        self.store = store
         self.pool = pool
         self.session = session  # for the odd non-generate call (/v1/models)
         self.upstream = UpstreamPool()
@@ -107,6 +112,8 @@ class Router:
     def forget(self, backend_id: str) -> None:
         """A backend left (or restarted): drop what was known about it."""
         self.policy.forget(backend_id)
+        if self.store is not None:
+            self.store.forget(backend_id)
         if self.admission is not None:
             self.admission.forget(backend_id)
         for role in ("prefill", "decode"):
@@ -211,7 +218,14 @@ class Router:
         decode = self.decode_policy.pick(self.pool.routable(self.pool.decode, started), prompt_tokens)
         if prefill is None or decode is None:
             return self._reject("no_backend", 503, "no ready prefill and decode backends")
-        if self.admission is not None:
+        lookup = await self._look_up(decode, body, chat, prompt_tokens)
+        if lookup is not None and lookup.outcome == "hit":
+            # Decode loads the stored prefix and computes the rest: no prefill, so no
+            # prefill queue to predict either.
+            self.metrics.prefill_bypassed.inc()
+            self.metrics.store_prefix_tokens.inc(lookup.stored_tokens)
+            prefill, prompt_tokens = None, lookup.prompt_tokens
+        elif self.admission is not None:
             decision = self.admission.decide(prefill, prompt_tokens)
             if not decision.admitted:
                 return self._reject(
@@ -220,7 +234,8 @@ class Router:
                     f"predicted time to first token {decision.predicted_ttft_ms:.0f} ms exceeds the SLO",
                     [("Retry-After", str(decision.retry_after_s))],
                 )
-        self.policy.record(prefill.id, hashes)
+        if prefill is not None:
+            self.policy.record(prefill.id, hashes)
 
         header_id = request.headers.get("x-request-id")
         request_id = (
@@ -230,10 +245,11 @@ class Router:
         kv_tokens = prompt_tokens + (openai.max_tokens_of(body, chat) or DEFAULT_OUTPUT_TOKENS)
         self.metrics.prompt_tokens.inc(prompt_tokens)
 
-        if self.admission is not None:
-            self.admission.started(prefill.id, started, prefill.inflight_requests == 0)
-        prefill.inflight_requests += 1
-        prefill.inflight_tokens += prompt_tokens
+        if prefill is not None:
+            if self.admission is not None:
+                self.admission.started(prefill.id, started, prefill.inflight_requests == 0)
+            prefill.inflight_requests += 1
+            prefill.inflight_tokens += prompt_tokens
         decode.inflight_requests += 1
         decode.inflight_tokens += kv_tokens
         self.inflight += 1
@@ -263,9 +279,23 @@ class Router:
             if self.inflight == 0:
                 self.idle.set()
 
+    async def _look_up(
+        self, decode: Upstream, body: dict[str, Any], chat: bool, estimate: int
+    ) -> Lookup | None:
+        if self.store is None:
+            return None
+        began = time.monotonic()
+        lookup = await self.store.lookup(decode.url, body, chat, estimate)
+        self.metrics.store_lookup_time.observe(time.monotonic() - began)
+        self.metrics.store_lookups[lookup.outcome].inc()
+        if lookup.outcome == "error":
+            log.debug("store lookup failed: %s", lookup.reason)
+        return lookup
+
 
 class _Flow:
-    """One client request's prefill and decode exchanges."""
+    """One client request's prefill and decode exchanges (decode alone when its prompt's
+    prefix is stored: `prefill` is None)."""
 
     __slots__ = (
         "_prefill_open",
@@ -287,7 +317,7 @@ class _Flow:
         request: Request,
         path: str,
         body: dict[str, Any],
-        prefill: Upstream,
+        prefill: Upstream | None,
         decode: Upstream,
         prompt_tokens: int,
         started: float,
@@ -302,10 +332,10 @@ class _Flow:
         self.started = started
         self.response: Stream | None = None
         self.prefilled_at: float | None = None
-        self._prefill_open = True
+        self._prefill_open = prefill is not None
 
     def prefill_done(self, ok: bool = False) -> None:
-        if not self._prefill_open:
+        if not self._prefill_open or self.prefill is None:
             return
         self._prefill_open = False
         self.prefill.inflight_requests -= 1
@@ -317,10 +347,13 @@ class _Flow:
     async def run(self, request_id: str, transfer_id: str) -> Response | Stream:
         router = self.router
         protocol = router.protocol
-        engine = self.prefill.engine
-        assert engine is not None
-        prefill_bytes = orjson.dumps(protocol.prefill_body(self.body, transfer_id))
-        decode_bytes = orjson.dumps(protocol.decode_body(self.body, transfer_id, engine))
+        if self.prefill is None:
+            decode_bytes = orjson.dumps(self.body)  # a plain request: decode's store loads the prefix
+        else:
+            engine = self.prefill.engine
+            assert engine is not None
+            prefill_bytes = orjson.dumps(protocol.prefill_body(self.body, transfer_id))
+            decode_bytes = orjson.dumps(protocol.decode_body(self.body, transfer_id, engine))
         path = self.path.encode()
         decode_task = asyncio.get_running_loop().create_task(
             router.upstream.request(
@@ -332,9 +365,10 @@ class _Flow:
             )
         )
         try:
-            await self._run_prefill(
-                path, prefill_bytes, _header_lines(protocol.prefill_headers(request_id, engine))
-            )
+            if self.prefill is not None:
+                await self._run_prefill(
+                    path, prefill_bytes, _header_lines(protocol.prefill_headers(request_id, engine))
+                )
             upstream = await self._await_decode(decode_task)
         except _UpstreamFailed as failure:
             _discard(decode_task)
@@ -351,7 +385,8 @@ class _Flow:
                     router.metrics.requests["upstream_error"].inc()
                     # Perhaps the KV could not be found: the prefill may have restarted
                     # under a new engine_id.
-                    router.pool.invalidate(self.prefill)
+                    if self.prefill is not None:
+                        router.pool.invalidate(self.prefill)
                 else:
                     router.metrics.requests["client_error"].inc()
                 return Response(status, payload, _JSON)

@@ -44,6 +44,7 @@ IMAGES: dict[str, tuple[list[str], list[str]]] = {
     "pdcluster/router": _dockerfile("router", ["pdcluster-router"]),
     "pdcluster/engine-sim": _dockerfile("engine-sim", ["pdcluster-engine-sim"]),
     "pdcluster/operator": _dockerfile("operator", ["pdcluster-operator"]),
+    "pdcluster/mooncake": _dockerfile("mooncake", ["mooncake_master"]),  # the venv's Mooncake wheel
     "python": ([], ["python3"]),  # as the official image: no entrypoint, CMD python3
     vllm.REPOSITORY: (vllm.ENTRYPOINT, []),  # on the real-vLLM runtime: localcluster/podrunner/vllm.py
 }

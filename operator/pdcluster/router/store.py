@@ -1,0 +1,227 @@
+"""Which prefix of a prompt the Mooncake store holds, exactly, so that a prompt whose
+prefix is stored goes straight to a decode engine and skips prefill.
+
+vLLM's MooncakeStoreConnector keys a block, in its default layout (both roles at one TP
+size), as `{model}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{block hash hex}` for rank 0
+(store/data.py: KeyMetadata and PoolKey). `model` is the last path component of the
+engine's model (store/worker.py), which /v1/models reports as `root`. The block hash
+is vLLM's prefix-cache hash: sha256 of the pickled (parent hash, block token ids, extra
+keys), chained from sha256(pickle(PYTHONHASHSEED, or "vllm-none-hash" without one))
+(v1/core/kv_cache_utils.py: hash_block_tokens, init_none_hash; utils/hashing.py:
+sha256). Only full blocks are stored, and an engine loads the leading run of stored
+blocks, at most all but the prompt's last token (store/worker.py: the lookup recomputes
+the last block when all of it is stored).
+
+Per request the router asks the decode engine for the prompt's token ids (/tokenize:
+the same tokenizer and chat template as the request will get), hashes them, and asks
+the master which keys exist (GET /batch_query_keys on its HTTP port; it wants `@` and
+`:` unescaped). Both calls share one deadline; anything unexpected is a miss, and a
+miss is the ordinary prefill -> decode path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import pickle
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from pdcluster.router.upstream import Origin, UpstreamError, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed when PYTHONHASHSEED is unset
+SUPPORTED_HASH = "sha256"  # the default --prefix-caching-hash-algo; xxhash seeds are per process
+_SAFE_KEY = re.compile(r"[A-Za-z0-9._\-@:]+")  # what the master takes unescaped in a query
+# Fields of a completion or chat request that change its prompt's tokens (vLLM's
+# TokenizeCompletionRequest / TokenizeChatRequest take the same names).
+_COMPLETION_FIELDS = ("add_special_tokens",)
+_CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+)
+_JSON_HEADERS = b"Content-Type: application/json\r\n"
+
+
+def _pickle_sha256(value: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def block_keys(tokens: list[int], block_size: int, model: str, hash_seed: str | None) -> list[str]:
+    """The store keys of the prompt's full blocks, first block first."""
+    parent = _pickle_sha256(hash_seed if hash_seed is not None else NONE_HASH_SEED)
+    prefix = f"{model}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"
+    keys = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = _pickle_sha256((parent, tuple(tokens[start : start + block_size]), None))
+        keys.append(prefix + parent.hex())
+    return keys
+
+
+def loadable_tokens(stored: list[bool], block_size: int, prompt_tokens: int) -> int:
+    """Tokens an engine loads from the store: the leading run of stored blocks, and never
+    the whole prompt (the last token is always computed)."""
+    run = 0
+    for present in stored:
+        if not present:
+            break
+        run += 1
+    return min(run * block_size, (prompt_tokens - 1) // block_size * block_size)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a decode engine's keys are made of."""
+
+    model: str  # basename of the engine's model
+    block_size: int
+    hash_algo: str
+
+
+@dataclass(frozen=True)
+class Lookup:
+    outcome: str  # hit | partial | miss | short | error | unsupported
+    prompt_tokens: int = 0  # exact, from the engine's tokenizer (0: unknown)
+    stored_tokens: int = 0  # what decode would load from the store
+    reason: str = ""
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.stored_tokens
+
+
+class LookupFailed(Exception):
+    pass
+
+
+def _cache_config(metrics_text: str) -> dict[str, str]:
+    """The labels of vllm:cache_config_info (an info gauge: every CacheConfig field)."""
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = line[line.index("{") + 1 : line.rindex("}")]
+            return dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
+    return {}
+
+
+class StoreIndex:
+    """Prompt-hit lookups against one master, for the engines the router routes to."""
+
+    def __init__(
+        self,
+        upstream: UpstreamPool,
+        master_url: str,
+        *,
+        hash_seed: str | None,
+        max_computed_tokens: int,
+        timeout_s: float,
+    ):
+        self.upstream = upstream
+        self.master = Origin.parse(master_url)
+        self.hash_seed = hash_seed
+        self.max_computed_tokens = max_computed_tokens
+        self.timeout_s = timeout_s
+        self._facts: dict[str, EngineFacts | None] = {}  # by engine URL; None: cannot be keyed
+
+    def forget(self, url: str) -> None:
+        self._facts.pop(url, None)
+
+    async def _get(self, origin: Origin, path: str) -> tuple[int, bytes]:
+        response = await self.upstream.request(origin, b"GET", path.encode(), b"", b"")
+        try:
+            return response.status, await response.read()
+        finally:
+            response.close()
+
+    async def _facts_of(self, url: str) -> EngineFacts | None:
+        if url in self._facts:
+            return self._facts[url]
+        origin = Origin.parse(url)
+        status, models = await self._get(origin, "/v1/models")
+        if status != 200:
+            raise LookupFailed(f"{url}/v1/models answered HTTP {status}")
+        status, metrics = await self._get(origin, "/metrics")
+        if status != 200:
+            raise LookupFailed(f"{url}/metrics answered HTTP {status}")
+        root = str(orjson.loads(models)["data"][0].get("root") or "")
+        config = _cache_config(metrics.decode("utf-8", "replace"))
+        model = root.rstrip("/").split("/")[-1]
+        facts: EngineFacts | None = EngineFacts(
+            model, int(config.get("block_size") or 0), config.get("prefix_caching_hash_algo", "")
+        )
+        if not _SAFE_KEY.fullmatch(model) or facts.block_size <= 0 or facts.hash_algo != SUPPORTED_HASH:
+            log.warning("store lookups off for %s: keys not computable (%s)", url, facts)
+            facts = None
+        self._facts[url] = facts
+        return facts
+
+    async def _tokens(self, url: str, body: dict[str, Any], chat: bool) -> list[int]:
+        if not chat and isinstance(body.get("prompt"), list):
+            prompt = body["prompt"]
+            ids = prompt[0] if prompt and isinstance(prompt[0], list) else prompt
+            if all(isinstance(t, int) for t in ids):
+                return list(ids)
+        fields = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+        request: dict[str, Any] = {k: body[k] for k in fields if k in body}
+        request["model"] = body.get("model")
+        if chat:
+            request["messages"] = body["messages"]
+        else:
+            request["prompt"] = body["prompt"]
+        response = await self.upstream.request(
+            Origin.parse(url), b"POST", b"/tokenize", _JSON_HEADERS, orjson.dumps(request)
+        )
+        try:
+            payload = await response.read()
+        finally:
+            response.close()
+        if response.status != 200:
+            raise LookupFailed(f"/tokenize answered HTTP {response.status}")
+        return list(orjson.loads(payload)["tokens"])
+
+    async def _stored(self, keys: list[str]) -> list[bool]:
+        status, payload = await self._get(self.master, "/batch_query_keys?keys=" + ",".join(keys))
+        if status != 200:
+            raise LookupFailed(f"master /batch_query_keys answered HTTP {status}")
+        answer = orjson.loads(payload)
+        data = answer.get("data") if answer.get("success") else None
+        if not isinstance(data, dict):
+            raise LookupFailed(f"master /batch_query_keys answered {payload[:200]!r}")
+        return [bool((data.get(k) or {}).get("ok")) for k in keys]
+
+    async def lookup(self, decode_url: str, body: dict[str, Any], chat: bool, estimate: int) -> Lookup:
+        """How much of this request's prompt decode would load from the store; `estimate`
+        is the router's guess of its tokens (a prompt clearly under one block costs no call)."""
+        if "cache_salt" in body:
+            return Lookup("unsupported", reason="cache_salt changes the block hashes")
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                facts = await self._facts_of(decode_url)
+                if facts is None:
+                    return Lookup("unsupported", reason="the engine's block keys cannot be computed")
+                if estimate < facts.block_size // 2:
+                    return Lookup("short")
+                tokens = await self._tokens(decode_url, body, chat)
+                keys = block_keys(tokens, facts.block_size, facts.model, self.hash_seed)
+                if not keys:
+                    return Lookup("short", len(tokens))
+                stored = loadable_tokens(await self._stored(keys), facts.block_size, len(tokens))
+        except (UpstreamError, LookupFailed, TimeoutError, orjson.JSONDecodeError, KeyError, IndexError,
+                TypeError, ValueError) as e:  # fmt: skip
+            return Lookup("error", reason=repr(e))
+        if stored == 0:
+            outcome = "miss"
+        elif len(tokens) - stored <= self.max_computed_tokens:
+            outcome = "hit"
+        else:
+            outcome = "partial"
+        return Lookup(outcome, len(tokens), stored)
