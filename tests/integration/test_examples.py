@@ -50,8 +50,16 @@ def check_engine_wiring(sts: dict[str, Any], spec: PDClusterSpec, role: str) -> 
     args = engine["args"]
     assert args[args.index("--tensor-parallel-size") + 1] == str(r.tensor_parallel_size)
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    assert kv["kv_role"] == kv_role
+    if spec.mooncake.store.enabled:  # the hand-off is MultiConnector's first child
+        assert kv["kv_connector"] == "MultiConnector"
+        handoff, store = kv["kv_connector_extra_config"]["connectors"]
+        assert store["kv_connector"] == "MooncakeStoreConnector"
+        assert any(m["mountPath"] == "/etc/mooncake" for m in engine["volumeMounts"])
+        kv = handoff
     assert kv["kv_connector"] == "MooncakeConnector"
-    assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    assert kv["kv_role"] == kv_role
     extra = kv["kv_connector_extra_config"]
     env = {e["name"]: e.get("value") for e in engine["env"]}
 

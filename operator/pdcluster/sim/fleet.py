@@ -20,6 +20,12 @@ What happens to a request, and the model behind each step:
   removed engine drains (takes no new work, leaves when empty). A new engine waits
   (Pending) while the cluster has no free GPU.
 
+- With a Mooncake store (`FleetConfig.store`, sim/store.py) prefill writes every block
+  it computes to a shared DRAM (and SSD) LRU; at arrival the router looks the prompt up:
+  when at most `max_computed_tokens` are not stored, the request skips prefill, loads
+  its prefix from the store and decode computes the rest (that compute delays only its
+  own first token); otherwise prefill loads the stored prefix and computes the rest.
+
 Simplifications, all deliberate: no step-time noise, no preemption (admission reserves
 prompt + output, which the trace knows), a long prompt is prefilled in one piece
 (no chunking overhead), KV transfers do not contend for the link, and the router never
@@ -38,6 +44,7 @@ from pdcluster.control.models import MAX_BATCHED_TOKENS
 from pdcluster.perf import Profile
 from pdcluster.router.policy import Backend, LeastLoaded, make_policy
 from pdcluster.sim import metrics as M
+from pdcluster.sim.store import Found, StoreConfig, TieredStore
 from pdcluster.sim.trace import Trace
 
 PENDING, STARTING, READY, DRAINING, GONE = range(5)
@@ -54,6 +61,7 @@ class FleetConfig:
     max_batched_tokens: int = MAX_BATCHED_TOKENS
     gpus_per_engine: int = 1
     max_time_s: float = 48 * 3600.0  # give up on requests that never finish
+    store: StoreConfig | None = None  # a Mooncake store shared by all engines
 
 
 class Policy(Protocol):
@@ -144,6 +152,9 @@ class Result:
         tuple[float, int, int, int, int, int]
     ]  # t, P ready, D ready, P target, D target, GPUs held
     decisions: list[tuple[float, int, int, str]] = field(default_factory=list)
+    prefill_gpu_seconds: float = 0.0  # GPU-seconds prefill engines spent on batches
+    bypassed: int = 0  # requests that skipped prefill (their prefix was stored)
+    store_tokens: int = 0  # prompt tokens loaded from the store (by prefill or decode)
 
 
 class Fleet:
@@ -173,6 +184,11 @@ class Fleet:
         self.finish = [math.nan] * n
         self.done = 0
         self.cache_blocks = max(profile.max_kv_tokens // trace.block_tokens, 1)
+        self.store = TieredStore(config.store) if config.store else None
+        self.stored: dict[int, tuple[int, float]] = {}  # request -> (stored tokens, load s)
+        self.prefill_gpu_seconds = 0.0
+        self.bypassed = 0
+        self.store_tokens = 0
         self.bytes_per_s = config.link_gbps * 1e9 / 8
         self.timeline: list[tuple[float, int, int, int, int, int]] = []
         self.decisions: list[tuple[float, int, int, str]] = []
@@ -247,6 +263,9 @@ class Fleet:
             self.now,
             self.timeline,
             self.decisions,
+            self.prefill_gpu_seconds,
+            self.bypassed,
+            self.store_tokens,
         )
 
     # ---------------------------------------------------------------- fleet shape
@@ -376,6 +395,8 @@ class Fleet:
         if not counted:
             self.counters[M.REQUESTS_ARRIVED] += 1
             self.counters[M.ROUTER_PROMPT_TOKENS] += self.trace.input_tokens[i]
+            if self.store is not None and self.look_up(i):
+                return
         engines = self.ready["prefill"]
         if not engines:
             self.backlog["prefill"].append(i)
@@ -389,6 +410,29 @@ class Fleet:
         if not engine.busy:
             self.start_prefill(engine)
 
+    def look_up(self, i: int) -> bool:
+        """The router's store lookup; True when the request went straight to decode."""
+        assert self.store is not None
+        tr, c = self.trace, self.store.config
+        length = tr.input_tokens[i]
+        found = self.store.find(tr.blocks[i])
+        stored = min(found.blocks * tr.block_tokens, (length - 1) // tr.block_tokens * tr.block_tokens)
+        if stored <= 0:
+            return False
+        found = Found(stored // tr.block_tokens, min(found.from_ssd, stored // tr.block_tokens))
+        load_s = self.store.load_s(found, tr.block_tokens * self.profile.kv_bytes_per_token)
+        if c.max_computed_tokens is None or length - stored > c.max_computed_tokens:
+            self.stored[i] = (stored, load_s)  # prefill loads it and computes the rest
+            return False
+        # Decode loads the prefix and computes the rest itself: no prefill.
+        _, b, cq = self.profile.prefill_coef
+        compute_s = (b * (length - stored) + cq * (length * length - stored * stored)) / 1000.0
+        self.bypassed += 1
+        self.store_tokens += stored
+        self.prefilled_at[i] = self.now
+        self.push(self.now + load_s + compute_s, TRANSFER_DONE, None, i)
+        return True
+
     def start_prefill(self, engine: PrefillEngine) -> None:
         a, b, c = self.profile.prefill_coef
         tr = self.trace
@@ -401,12 +445,19 @@ class Fleet:
             i = engine.queue[0]
             length = tr.input_tokens[i]
             cached = min(self.cached_blocks(engine, tr.blocks[i]) * tr.block_tokens, length - 1)
+            stored, load_s = self.stored.get(i, (0, 0.0))
+            loaded = max(stored - cached, 0)  # what the store adds to the engine's own cache
+            cached = max(cached, stored)
             new = length - cached
             if batch and used + new > budget:
                 break
             engine.queue.popleft()
+            self.stored.pop(i, None)
             used += new
             ms += b * new + c * (length * length - cached * cached)
+            if loaded:
+                ms += 1000.0 * load_s * loaded / stored
+                self.store_tokens += loaded
             batch.append((i, cached))
             queue_hist.observe(self.now - tr.arrival_s[i])
             self.counters[M.PREFIX_QUERIES] += length
@@ -428,10 +479,13 @@ class Fleet:
         engine, batch, took_s = payload
         tr = self.trace
         cache = engine.cache
+        self.prefill_gpu_seconds += took_s * engine.gpus
         ttft_hist = self.hist[M.PREFILL_TTFT]
         prefill_hist = self.hist[M.PREFILL_TIME]
         prompt_hist = self.hist[M.PREFILL_REQUEST_PROMPT_TOKENS]
         for i, _ in batch:
+            if self.store is not None:
+                self.store.write(tr.blocks[i])
             for h in tr.blocks[i]:
                 if h in cache:
                     cache.move_to_end(h)

@@ -9,6 +9,11 @@ gives for the trace's mean load, as a user sizing from the same trace would.
 A request meets the SLO when its TTFT and its mean ITL are within the targets;
 attainment is the share that does, goodput those per second of trace, GPU-hours the
 integral of GPUs held (starting and draining engines count).
+
+`--store-gib` replays the trace instead on one static split (`--policy static:P:D`, or
+static-best without a store) with a Mooncake store of each DRAM size (sim/store.py):
+how much of the prompts the store serves, the prefill GPU-seconds it saves against the
+trace's reusable share, and the TTFT it buys.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import math
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -33,6 +38,7 @@ from pdcluster.sim.fleet import FleetConfig, Result, simulate
 from pdcluster.sim.llmd import LLMD
 from pdcluster.sim.oracle import Oracle
 from pdcluster.sim.policies import PDCluster, Static
+from pdcluster.sim.store import StoreConfig, reusable_fraction
 from pdcluster.sim.trace import Trace, TraceError, load_trace
 
 
@@ -434,6 +440,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-step", type=int, default=2)
     parser.add_argument("--tolerance", type=int, default=10, help="pdcluster: tolerancePercent")
     parser.add_argument("--dynamo-interval", type=float, default=180.0, help="dynamo: adjustment_interval")
+    parser.add_argument(
+        "--store-gib",
+        type=_sizes,
+        help="comma-separated DRAM sizes of a Mooncake store (GiB): print how much each serves and saves, "
+        "on one static split, instead of comparing policies",
+    )
+    parser.add_argument("--store-ssd-gib", type=float, default=0.0, help="an SSD tier behind the DRAM one")
+    parser.add_argument("--store-ssd-gbps", type=float, default=25.0, help="what an engine loads from SSD at")
+    parser.add_argument(
+        "--store-max-computed-tokens",
+        type=int,
+        default=512,
+        help="the router sends a prompt straight to decode when at most this many tokens are not stored",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival jitter")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel simulations")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -497,13 +517,108 @@ def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dic
     return report, results, setup
 
 
+def _sizes(text: str) -> list[float]:
+    try:
+        sizes = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of sizes in GiB: {text!r}") from None
+    if not sizes or any(x <= 0 for x in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be above 0 GiB: {text!r}")
+    return sizes
+
+
+def store_curve(setup: Setup, split: tuple[int, int]) -> dict:
+    """The trace on `split` without a store, then with one of each `--store-gib` size."""
+    args, trace, profile = setup.args, setup.trace, setup.profile
+    block_bytes = trace.block_tokens * profile.kv_bytes_per_token
+    prompt_tokens = sum(trace.input_tokens)
+    reusable = reusable_fraction(trace.blocks, trace.block_tokens, trace.input_tokens)
+    rows, base = [], None
+    for gib in (0.0, *args.store_gib):
+        store = None
+        if gib:
+            store = StoreConfig(
+                dram_blocks=max(int(gib * 2**30 // block_bytes), 1),
+                ssd_blocks=int(args.store_ssd_gib * 2**30 // block_bytes),
+                dram_gbps=setup.fleet.link_gbps,
+                ssd_gbps=args.store_ssd_gbps,
+                max_computed_tokens=args.store_max_computed_tokens,
+            )
+        result = simulate(trace, profile, Static(*split), replace(setup.fleet, store=store))
+        sc = score(result, trace, setup.targets_s, setup.slo.itl_ms)
+        ttfts = [t for t, done in zip(result.ttft_s, result.finished, strict=True) if done]
+        base = base or result
+        saved = (
+            1.0 - result.prefill_gpu_seconds / base.prefill_gpu_seconds if base.prefill_gpu_seconds else 0.0
+        )
+        rows.append(
+            {
+                "dram_gib": gib,
+                "served_from_store": round(result.store_tokens / prompt_tokens, 4),
+                "bypassed": round(result.bypassed / len(trace), 4),
+                "prefill_gpu_seconds": round(result.prefill_gpu_seconds, 1),
+                "prefill_saved": round(saved, 4),
+                "saved_of_reusable": round(saved / reusable, 4) if reusable else None,
+                "ttft_p50_ms": round(perf.percentile(ttfts, 50) * 1000.0, 1),
+                "ttft_p90_ms": round(sc.ttft_p90_ms, 1),
+                "attainment": round(sc.attainment, 4),
+            }
+        )
+    return {
+        "trace": trace.name,
+        "requests": len(trace),
+        "split": f"{split[0]}:{split[1]}",
+        "reusable": round(reusable, 4),
+        "ssd_gib": args.store_ssd_gib,
+        "max_computed_tokens": args.store_max_computed_tokens,
+        "rows": rows,
+    }
+
+
+def print_store_curve(curve: dict) -> None:
+    print(
+        f"{curve['trace']}: {curve['requests']} requests on {curve['split']} (prefill:decode); "
+        f"{curve['reusable']:.1%} of prompt tokens reusable; SSD tier {curve['ssd_gib']:g} GiB; "
+        f"straight to decode within {curve['max_computed_tokens']} computed tokens"
+    )
+    head = (
+        "DRAM GiB",
+        "from store",
+        "bypassed",
+        "prefill GPU-s",
+        "saved",
+        "of reusable",
+        "TTFT p50",
+        "TTFT p90",
+    )
+    print("".join(f"{h:>14}" for h in head))
+    for r in curve["rows"]:
+        of = "-" if r["saved_of_reusable"] is None else f"{r['saved_of_reusable']:.0%}"
+        print(
+            f"{r['dram_gib']:>14g}{r['served_from_store']:>14.1%}{r['bypassed']:>14.1%}"
+            f"{r['prefill_gpu_seconds']:>14.0f}{r['prefill_saved']:>14.1%}{of:>14}"
+            f"{r['ttft_p50_ms']:>12.0f}ms{r['ttft_p90_ms']:>12.0f}ms"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     say = (lambda _msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
+    if args.store_gib:
+        args.policy = [p for p in args.policy or [] if p.startswith("static:")][:1] or ["static-best"]
     try:
         report, results, setup = evaluate(args, say)
     except (TraceError, OSError) as e:
         print(f"pdctl plan: {e}", file=sys.stderr)
         return 2
+    if args.store_gib:
+        name = next(iter(report["policies"]))
+        p, d = name.removeprefix("static-best (").removeprefix("static:").rstrip(")").split(":")
+        curve = store_curve(setup, (int(p), int(d)))
+        if args.json:
+            print(json.dumps(curve, indent=2))
+        else:
+            print_store_curve(curve)
+        return 0
     if args.json:
         print(json.dumps(report, indent=2))
     else:
