@@ -35,6 +35,7 @@ generate: $(STAMP) ## Regenerate the CRD, the chart's copy and the API reference
 bench: deps ## Benchmarks that print their figures (docs/benchmarks.md has the last ones)
 	$(BIN)/python benchmarks/router_bench.py --rounds 3
 	$(BIN)/python benchmarks/plan_bench.py
+	$(BIN)/python benchmarks/store_bench.py
 
 deps: $(STAMP) ## Python env, Debian packages, control-plane binaries
 	e2e/local/install-deps.sh

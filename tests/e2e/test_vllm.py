@@ -346,6 +346,19 @@ async def test_a_stored_prefix_skips_prefill(env: Env) -> None:
         lookups = await router_counter(http, env, "pdcluster_router_store_lookups_total", "outcome")
     assert now[""] == bypassed.get("", 0.0) + 1, (bypassed, now)
     assert lookups.get("hit", 0.0) >= 1 and lookups.get("error", 0.0) == 0, lookups
+    # What a lookup costs once the engine's facts are known: printed, not asserted.
+    async with aiohttp.ClientSession() as http:
+        spent = await router_counter(http, env, "pdcluster_router_store_lookup_seconds_sum")
+        count = await router_counter(http, env, "pdcluster_router_store_lookup_seconds_count")
+        for _ in range(5):
+            status, _answer = await call(http, env.router, "/v1/completions", body)
+            assert status == 200
+        spent_after = await router_counter(http, env, "pdcluster_router_store_lookup_seconds_sum")
+        count_after = await router_counter(http, env, "pdcluster_router_store_lookup_seconds_count")
+    later = (spent_after[""] - spent[""]) / (count_after[""] - count[""])
+    print(
+        f"store lookup: {1000 * spent[''] / count['']:.1f} ms for an engine's first, {1000 * later:.1f} ms after"
+    )
 
 
 async def test_operator_promql_reads_the_real_engines(env: Env) -> None:

@@ -248,6 +248,20 @@ BAD_SPECS = [
     ({"rdma": {"mode": "infiniband"}}, 'Unsupported value: "infiniband"'),
     ({"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
     ({"engine": {"shmSize": "lots"}}, "spec.engine.shmSize"),
+    (
+        {"mooncake": {"store": {"enabled": True, "engineBufferSize": 0}}},
+        "engineBufferSize must be above 0 when the store is enabled",
+    ),
+    (
+        {"mooncake": {"store": {"enabled": True, "engineSegmentSize": "0Gi"}}},
+        "engineSegmentSize must be above 0",
+    ),
+    ({"mooncake": {"store": {"ssd": {"enabled": True}}}}, "mooncake.store.ssd needs store pods"),
+    (
+        {"mooncake": {"store": {"replicas": 1, "ssd": {"storageClassName": "nvme", "hostPath": "/nvme"}}}},
+        "a storageClassName or a hostPath, not both",
+    ),
+    ({"mooncake": {"image": ""}}, "spec.mooncake.image"),
 ]
 
 

@@ -149,6 +149,7 @@ def test_the_store_runs_beside_the_handoff() -> None:
             "device_name": "mlx5_0,mlx5_1,mlx5_2,mlx5_3",
             "global_segment_size": 32 * 2**30,
             "local_buffer_size": 4 * 2**30,
+            "enable_offload": True,  # the store has an SSD tier: loads may come from it
         }
         assert not any(
             name.startswith("MOONCAKE_") for name in _env(container) if name != "MOONCAKE_CONFIG_PATH"
@@ -156,6 +157,43 @@ def test_the_store_runs_beside_the_handoff() -> None:
         assert "envFrom" not in container
     master = next(o for o in objects if o["kind"] == "Deployment" and "master" in o["metadata"]["name"])
     assert "--enable_http_metadata_server=true" in master["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_ssd_tier_offloads_from_the_store_pods() -> None:
+    objects = _render(ROOT / "examples/pdcluster-rdma.yaml")
+    config = next(o for o in objects if o["kind"] == "ConfigMap")["data"]
+    store = json.loads(config["store.json"])
+    assert store["enable_ssd_offload"] is True
+    assert json.loads(config["engine.json"])["enable_offload"] is True
+    sts = next(
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("mooncake-store")
+    )
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "local-nvme"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "4Ti"
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"])
+    assert mount["mountPath"] == store["ssd_offload_path"]
+    master = next(o for o in objects if o["kind"] == "Deployment" and "master" in o["metadata"]["name"])
+    args = master["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert {"--enable_offload=true", "--offload_on_evict=true", "--promotion_on_hit=true"} <= set(args)
+
+
+@pytest.mark.parametrize(("ssd", "volume"), [({"hostPath": "/nvme"}, "hostPath"), ({}, "emptyDir")])
+def test_an_ssd_tier_without_a_storage_class(ssd: dict, volume: str) -> None:
+    spec = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "mooncake": {"store": {"replicas": 1, "ssd": {"enabled": True, "size": "2Ti", **ssd}}},
+        }
+    )
+    objects = render_all(spec, Owner("c", "ns", "uid"), Replicas.choose(spec, None))
+    sts = next(
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "c-mooncake-store"
+    )
+    assert "volumeClaimTemplates" not in sts["spec"]
+    (tier,) = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "ssd"]
+    assert volume in tier
 
 
 def test_without_the_store_engines_read_no_mooncake_config() -> None:

@@ -223,6 +223,22 @@ class RoleSpec(Model):
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
 
+class StoreSSDSpec(Model):
+    """An SSD tier on the store pods: blocks the master evicts from DRAM move to it
+    (`--offload_on_evict`), and a hit moves them back (`--promotion_on_hit`)."""
+
+    enabled: bool = Field(False, description="Offload evicted blocks to SSD on each store pod.")
+    size: Quantity = Field("1Ti", description="SSD space per store pod (the volume's size).")
+    storage_class_name: str | None = Field(
+        None,
+        description="A PersistentVolumeClaim per store pod of this StorageClass (local NVMe, say); "
+        "without one, `hostPath` or else an emptyDir of `size`.",
+    )
+    host_path: str | None = Field(
+        None, pattern=r"^/.*", description="A directory on the node (its NVMe) instead of a volume claim."
+    )
+
+
 _STORE_RULES = [
     cel(
         "!self.enabled || quantity(string(self.engineBufferSize)).isGreaterThan(quantity('0'))",
@@ -235,6 +251,16 @@ _STORE_RULES = [
         "mooncake.store.engineSegmentSize must be above 0 when the store is enabled (each engine"
         " contributes memory to the store it writes to)",
         ".engineSegmentSize",
+    ),
+    cel(
+        "!self.ssd.enabled || self.replicas > 0",
+        "mooncake.store.ssd needs store pods (mooncake.store.replicas > 0): they hold the SSD tier",
+        ".ssd.enabled",
+    ),
+    cel(
+        "!has(self.ssd.storageClassName) || !has(self.ssd.hostPath)",
+        "mooncake.store.ssd takes a storageClassName or a hostPath, not both",
+        ".ssd.hostPath",
     ),
 ]
 
@@ -262,6 +288,7 @@ class MooncakeStoreSpec(Model):
     local_buffer_size: Quantity = Field(0, description="Local transfer buffer per store pod.")
     port: Port = Field(8088, description="Store service port.")
     resources: Resources | None = None
+    ssd: StoreSSDSpec = section(StoreSSDSpec)
 
 
 class MooncakeSpec(Model):

@@ -33,6 +33,8 @@ CONFIG_DIR = "/etc/mooncake"
 ENGINE_CONFIG = "engine.json"
 STORE_CONFIG = "store.json"
 CONFIG_VOLUME = "mooncake-config"
+SSD_VOLUME = "ssd"
+SSD_DIR = "/var/lib/mooncake/ssd"
 
 
 def config_map_name(owner: Owner) -> str:
@@ -78,12 +80,16 @@ def config_map(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
             "mode": "embedded",
             **_client(spec, owner, s.engine_segment_size, s.engine_buffer_size),
         }
+        if s.ssd.enabled:
+            files[ENGINE_CONFIG]["enable_offload"] = True  # loads may come from SSD: stage them
     if s.replicas > 0:
         # A placeholder host: each store pod passes its own IP (-Dlocal_hostname).
         files[STORE_CONFIG] = {
             "local_hostname": "localhost",
             **_client(spec, owner, s.global_segment_size, s.local_buffer_size),
         }
+        if s.ssd.enabled:
+            files[STORE_CONFIG] |= {"enable_ssd_offload": True, "ssd_offload_path": SSD_DIR}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -114,6 +120,8 @@ def master_args(spec: PDClusterSpec) -> list[str]:
         f"--eviction_high_watermark_ratio={m.eviction_high_watermark_percent / 100:g}",
         f"--eviction_ratio={m.eviction_percent / 100:g}",
     ]
+    if m.store.ssd.enabled:
+        args += ["--enable_offload=true", "--offload_on_evict=true", "--promotion_on_hit=true"]
     if m.serves_metadata:
         args += [
             "--enable_http_metadata_server=true",
@@ -200,10 +208,34 @@ def master_service(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
     }
 
 
+def _ssd(spec: PDClusterSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The SSD tier's volume (or claim template) and mount: ([volumes], [claim templates])."""
+    ssd = spec.mooncake.store.ssd
+    if not ssd.enabled:
+        return [], []
+    if ssd.storage_class_name:
+        claim = {
+            "metadata": {"name": SSD_VOLUME},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": ssd.storage_class_name,
+                "resources": {"requests": {"storage": ssd.size}},
+            },
+        }
+        return [], [claim]
+    if ssd.host_path:
+        return [{"name": SSD_VOLUME, "hostPath": {"path": ssd.host_path, "type": "DirectoryOrCreate"}}], []
+    return [{"name": SSD_VOLUME, "emptyDir": {"sizeLimit": ssd.size}}], []
+
+
 def store_statefulset(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, Any]:
     s = spec.mooncake.store
     role = C.ROLE_MOONCAKE_STORE
-    return {
+    volumes, claims = _ssd(spec)
+    mounts = [config_mount()]
+    if s.ssd.enabled:
+        mounts.append({"name": SSD_VOLUME, "mountPath": SSD_DIR})
+    sts = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": metadata(owner, role),
@@ -233,17 +265,20 @@ def store_statefulset(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
                             ],
                             "env": [env_field("POD_IP", "status.podIP")],
                             "ports": [{"name": "store", "containerPort": s.port, "protocol": "TCP"}],
-                            "volumeMounts": [config_mount()],
+                            "volumeMounts": mounts,
                             "readinessProbe": {"tcpSocket": {"port": "store"}, "periodSeconds": 5},
                             "resources": _resources(s.resources),
                             "securityContext": restricted_container(read_only_root=False),
                         }
                     ],
-                    "volumes": [config_volume(owner)],
+                    "volumes": [config_volume(owner), *volumes],
                 },
             },
         },
     }
+    if claims:
+        sts["spec"]["volumeClaimTemplates"] = claims
+    return sts
 
 
 def store_service(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:

@@ -24,7 +24,8 @@ What happens to a request, and the model behind each step:
   it computes to a shared DRAM (and SSD) LRU; at arrival the router looks the prompt up:
   when at most `max_computed_tokens` are not stored, the request skips prefill, loads
   its prefix from the store and decode computes the rest (that compute delays only its
-  own first token); otherwise prefill loads the stored prefix and computes the rest.
+  own first token); otherwise prefill loads the stored prefix (asynchronously, as vLLM
+  does: the request waits for it, the engine does not) and computes the rest.
 
 Simplifications, all deliberate: no step-time noise, no preemption (admission reserves
 prompt + output, which the trace knows), a long prompt is prefilled in one piece
@@ -48,7 +49,7 @@ from pdcluster.sim.store import Found, StoreConfig, TieredStore
 from pdcluster.sim.trace import Trace
 
 PENDING, STARTING, READY, DRAINING, GONE = range(5)
-ARRIVE, PREFILL_DONE, TRANSFER_DONE, DECODE_WAKE, ENGINE_READY, SCRAPE, CONTROL = range(7)
+ARRIVE, PREFILL_DONE, TRANSFER_DONE, DECODE_WAKE, ENGINE_READY, SCRAPE, CONTROL, STORE_LOADED = range(8)
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class Result:
     prefill_gpu_seconds: float = 0.0  # GPU-seconds prefill engines spent on batches
     bypassed: int = 0  # requests that skipped prefill (their prefix was stored)
     store_tokens: int = 0  # prompt tokens loaded from the store (by prefill or decode)
+    reused_tokens: int = 0  # prompt tokens not computed: an engine's prefix cache or the store
 
 
 class Fleet:
@@ -185,10 +187,11 @@ class Fleet:
         self.done = 0
         self.cache_blocks = max(profile.max_kv_tokens // trace.block_tokens, 1)
         self.store = TieredStore(config.store) if config.store else None
-        self.stored: dict[int, tuple[int, float]] = {}  # request -> (stored tokens, load s)
+        self.stored: dict[int, int] = {}  # request -> tokens prefill loaded from the store
         self.prefill_gpu_seconds = 0.0
         self.bypassed = 0
         self.store_tokens = 0
+        self.reused_tokens = 0
         self.bytes_per_s = config.link_gbps * 1e9 / 8
         self.timeline: list[tuple[float, int, int, int, int, int]] = []
         self.decisions: list[tuple[float, int, int, str]] = []
@@ -248,6 +251,8 @@ class Fleet:
                 self.push(t + self.policy.interval_s, CONTROL)
             elif kind == ENGINE_READY:
                 self.engine_ready(obj)  # type: ignore[arg-type]
+            elif kind == STORE_LOADED:
+                self.arrive(arg, counted=True)
         self.account()
         itl = []
         for i in range(total):
@@ -266,6 +271,7 @@ class Fleet:
             self.prefill_gpu_seconds,
             self.bypassed,
             self.store_tokens,
+            self.reused_tokens,
         )
 
     # ---------------------------------------------------------------- fleet shape
@@ -411,7 +417,8 @@ class Fleet:
             self.start_prefill(engine)
 
     def look_up(self, i: int) -> bool:
-        """The router's store lookup; True when the request went straight to decode."""
+        """The router's store lookup; True when the request is on its way without prefill
+        queueing it now (straight to decode, or loading its prefix first)."""
         assert self.store is not None
         tr, c = self.trace, self.store.config
         length = tr.input_tokens[i]
@@ -422,13 +429,16 @@ class Fleet:
         found = Found(stored // tr.block_tokens, min(found.from_ssd, stored // tr.block_tokens))
         load_s = self.store.load_s(found, tr.block_tokens * self.profile.kv_bytes_per_token)
         if c.max_computed_tokens is None or length - stored > c.max_computed_tokens:
-            self.stored[i] = (stored, load_s)  # prefill loads it and computes the rest
-            return False
+            # Prefill loads it and computes the rest: the request queues once it is loaded.
+            self.stored[i] = stored
+            self.push(self.now + load_s, STORE_LOADED, None, i)
+            return True
         # Decode loads the prefix and computes the rest itself: no prefill.
         _, b, cq = self.profile.prefill_coef
         compute_s = (b * (length - stored) + cq * (length * length - stored * stored)) / 1000.0
         self.bypassed += 1
         self.store_tokens += stored
+        self.reused_tokens += stored
         self.prefilled_at[i] = self.now
         self.push(self.now + load_s + compute_s, TRANSFER_DONE, None, i)
         return True
@@ -445,7 +455,7 @@ class Fleet:
             i = engine.queue[0]
             length = tr.input_tokens[i]
             cached = min(self.cached_blocks(engine, tr.blocks[i]) * tr.block_tokens, length - 1)
-            stored, load_s = self.stored.get(i, (0, 0.0))
+            stored = self.stored.get(i, 0)
             loaded = max(stored - cached, 0)  # what the store adds to the engine's own cache
             cached = max(cached, stored)
             new = length - cached
@@ -455,13 +465,12 @@ class Fleet:
             self.stored.pop(i, None)
             used += new
             ms += b * new + c * (length * length - cached * cached)
-            if loaded:
-                ms += 1000.0 * load_s * loaded / stored
-                self.store_tokens += loaded
+            self.store_tokens += loaded
             batch.append((i, cached))
             queue_hist.observe(self.now - tr.arrival_s[i])
             self.counters[M.PREFIX_QUERIES] += length
             self.counters[M.PREFIX_HITS] += cached
+            self.reused_tokens += cached
         engine.busy = True
         self.hist[M.PREFILL_STEPS].observe(used)  # one engine step (a batch within the token budget)
         self.push(self.now + ms / 1000.0, PREFILL_DONE, (engine, batch, ms / 1000.0))

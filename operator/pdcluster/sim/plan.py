@@ -555,6 +555,9 @@ def store_curve(setup: Setup, split: tuple[int, int]) -> dict:
             {
                 "dram_gib": gib,
                 "served_from_store": round(result.store_tokens / prompt_tokens, 4),
+                "reused_of_reusable": round(result.reused_tokens / prompt_tokens / reusable, 4)
+                if reusable
+                else None,
                 "bypassed": round(result.bypassed / len(trace), 4),
                 "prefill_gpu_seconds": round(result.prefill_gpu_seconds, 1),
                 "prefill_saved": round(saved, 4),
@@ -582,22 +585,19 @@ def print_store_curve(curve: dict) -> None:
         f"straight to decode within {curve['max_computed_tokens']} computed tokens"
     )
     head = (
-        "DRAM GiB",
-        "from store",
-        "bypassed",
-        "prefill GPU-s",
-        "saved",
-        "of reusable",
-        "TTFT p50",
-        "TTFT p90",
-    )
-    print("".join(f"{h:>14}" for h in head))
+        "DRAM GiB", "from store", "reused/reusable", "bypassed", "prefill GPU-s", "saved", "saved/reusable",
+        "TTFT p50", "TTFT p90",
+    )  # fmt: skip
+    print("".join(f"{h:>16}" for h in head))
+
+    def share(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
     for r in curve["rows"]:
-        of = "-" if r["saved_of_reusable"] is None else f"{r['saved_of_reusable']:.0%}"
         print(
-            f"{r['dram_gib']:>14g}{r['served_from_store']:>14.1%}{r['bypassed']:>14.1%}"
-            f"{r['prefill_gpu_seconds']:>14.0f}{r['prefill_saved']:>14.1%}{of:>14}"
-            f"{r['ttft_p50_ms']:>12.0f}ms{r['ttft_p90_ms']:>12.0f}ms"
+            f"{r['dram_gib']:>16g}{r['served_from_store']:>16.1%}{share(r['reused_of_reusable']):>16}"
+            f"{r['bypassed']:>16.1%}{r['prefill_gpu_seconds']:>16.0f}{r['prefill_saved']:>16.1%}"
+            f"{share(r['saved_of_reusable']):>16}{r['ttft_p50_ms']:>14.0f}ms{r['ttft_p90_ms']:>14.0f}ms"
         )
 
 
