@@ -67,7 +67,10 @@ async def completion(
 async def test_create_update_drift_delete(
     kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, local_cluster: Any, sim_cluster: Any
 ) -> None:
-    await pdc.apply(sim_cluster("demo"))
+    # With the store on, so that its client ConfigMap is a child too (engine simulators
+    # mount it and, like vLLM without MooncakeStoreConnector, leave it unread).
+    mooncake = {"image": C.DEFAULT_MOONCAKE_IMAGE, "store": {"enabled": True, "engineSegmentSize": "64Mi"}}
+    await pdc.apply(sim_cluster("demo", mooncake=mooncake))
     await wait_until(lambda: ready(pdc, "demo"), timeout=120, message="PDCluster Ready and settled")
 
     # Every child exists, is owned by the PDCluster and runs.
@@ -145,7 +148,7 @@ async def test_create_update_drift_delete(
         p["metadata"]["uid"]
         for p in await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_ROLE}=prefill")
     }
-    doc = sim_cluster("demo")
+    doc = sim_cluster("demo", mooncake=mooncake)
     doc["spec"]["prefill"] = {**doc["spec"]["prefill"], "tensorParallelSize": 2}
     await pdc.apply(doc)
 
