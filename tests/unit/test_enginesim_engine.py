@@ -42,8 +42,9 @@ async def test_a_request_prefills_then_decodes_to_its_length() -> None:
     await finish(seq)
     elapsed = time.monotonic() - started
     # 1 prefill step (20 ms) + 3 decode steps (15 ms) at 10x: never faster than the model
-    # (the calibration test checks how close it gets)
-    assert 0.0033 <= elapsed < 0.1
+    # (benchmarks/enginesim_calibration.py measures how close it gets; a loaded machine
+    # may take any longer)
+    assert elapsed >= 0.0033
     assert (seq.generated, seq.finish_reason) == (4, "length")
     assert core.kv_used == 0
     assert sample(families, "vllm:request_success_total", finished_reason="length") == 1
