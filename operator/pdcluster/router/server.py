@@ -4,9 +4,9 @@ Per request: validate, pick a prefill rank (policy) and a decode instance (least
 loaded), apply SLO admission, then send the prefill and the decode request at once
 (protocol.py) and relay decode's answer. With the Mooncake store on, a prompt whose
 stored prefix leaves decode little to compute goes to decode alone (store.py); every
-other prompt, and any lookup that fails, takes the prefill -> decode path. Streams are passed through byte for byte; the
-router only counts SSE events in them for its metrics (one `data:` event per token, as
-vLLM streams without speculative decoding).
+other prompt, and any lookup that fails, takes the prefill -> decode path. Streams are
+passed through byte for byte; the router only counts SSE events in them for its
+metrics (one `data:` event per token, as vLLM streams without speculative decoding).
 """
 
 from __future__ import annotations

@@ -95,10 +95,6 @@ class Lookup:
     stored_tokens: int = 0  # what decode would load from the store
     reason: str = ""
 
-    @property
-    def computed_tokens(self) -> int:
-        return self.prompt_tokens - self.stored_tokens
-
 
 class LookupFailed(Exception):
     pass
