@@ -209,7 +209,7 @@ def master_service(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
 
 
 def _ssd(spec: PDClusterSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The SSD tier's volume (or claim template) and mount: ([volumes], [claim templates])."""
+    """The SSD tier on a store pod: its volume or its claim template, as ([volumes], [claim templates])."""
     ssd = spec.mooncake.store.ssd
     if not ssd.enabled:
         return [], []
