@@ -170,7 +170,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         C.ROLE_PREFILL: replicas.prefill,
         C.ROLE_DECODE: replicas.decode,
         C.ROLE_ROUTER: 0 if spec.suspend else spec.router.replicas,
-        C.ROLE_MOONCAKE_MASTER: 0 if spec.suspend else 1,
+        C.ROLE_MOONCAKE_MASTER: 0 if spec.suspend else spec.mooncake.master_replicas,
     }
     obs = Observation(
         workloads=workloads,

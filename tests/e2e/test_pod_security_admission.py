@@ -26,6 +26,7 @@ pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES = (C.ROLE_PREFILL, C.ROLE_DECODE)
+ON_FABRIC = (*ENGINES, C.ROLE_MOONCAKE_STORE)  # pods that move KV over RDMA
 
 
 def shipped_pods(local_cluster: State) -> list[tuple[str, str, RDMAMode | None, dict[str, Any]]]:
@@ -108,14 +109,15 @@ async def test_pod_security_admission(kube: Kube, local_cluster: State, enforcin
         restricted = await verdict(kube, enforcing["restricted"], template)
         baseline = await verdict(kube, enforcing["baseline"], template)
         got = tuple("admitted" if v == "admitted" else "refused" for v in (restricted, baseline))
-        if role not in ENGINES:
-            want = ("admitted", "admitted")
-        elif rdma == RDMAMode.none:
-            want = ("refused", "admitted")  # vLLM runs as root: baseline, not restricted
-        else:
+        on_rdma = role in ON_FABRIC and rdma not in (None, RDMAMode.none)
+        if on_rdma:
             want = ("refused", "refused")  # IPC_LOCK (and the host network): privileged only
+        elif role not in ENGINES:
+            want = ("admitted", "admitted")
+        else:
+            want = ("refused", "admitted")  # vLLM runs as root: baseline, not restricted
         if got != want:
             wrong.append(f"{where}/{role}: restricted {restricted!r}, baseline {baseline!r}")
-        if role in ENGINES and rdma not in (None, RDMAMode.none):
+        if on_rdma:
             assert "IPC_LOCK" in baseline, baseline  # refused for the capability we add, nothing else
     assert not wrong, wrong

@@ -135,12 +135,13 @@ def chart_docs(*args: str) -> list[dict[str, Any]]:
 def example_specs() -> dict[str, PDClusterSpec]:
     specs = {}
     for path in sorted((ROOT / "examples").glob("*.yaml")):
-        specs[path.stem] = PDClusterSpec.model_validate(yaml.safe_load(path.read_text())["spec"])
-    # No example runs Mooncake store pods; render them from the TCP one.
-    tcp = yaml.safe_load((ROOT / "examples" / "pdcluster-tcp.yaml").read_text())["spec"]
-    tcp = copy.deepcopy(tcp)
-    tcp.setdefault("mooncake", {})["store"] = {"replicas": 2}
-    specs["pdcluster-tcp+store"] = PDClusterSpec.model_validate(tcp)
+        raw = yaml.safe_load(path.read_text())["spec"]
+        specs[path.stem] = PDClusterSpec.model_validate(raw)
+        if not specs[path.stem].mooncake.store.replicas:
+            # Store pods in every example's RDMA mode, too.
+            raw = copy.deepcopy(raw)
+            raw.setdefault("mooncake", {}).setdefault("store", {})["replicas"] = 2
+            specs[path.stem + "+store"] = PDClusterSpec.model_validate(raw)
     return specs
 
 
@@ -164,15 +165,20 @@ def shipped_pods() -> list[tuple[str, str, RDMAMode | None, dict[str, Any]]]:
 PODS = shipped_pods()
 IDS = [f"{where}/{role}" for where, role, _, _ in PODS]
 ENGINES = (C.ROLE_PREFILL, C.ROLE_DECODE)
+ON_FABRIC = (*ENGINES, C.ROLE_MOONCAKE_STORE)  # pods that move KV over RDMA
+
+
+def on_rdma(role: str, rdma: RDMAMode | None) -> bool:
+    return role in ON_FABRIC and rdma not in (None, RDMAMode.none)
 
 
 def expected_level(role: str, rdma: RDMAMode | None) -> str:
     """The exceptions, one line each (reasons in docs/reliability.md)."""
+    if on_rdma(role, rdma):
+        return "privileged"  # IPC_LOCK to pin RDMA memory; hostNetwork mode adds host network and /dev/infiniband
     if role not in ENGINES:
         return "restricted"
-    if rdma in (None, RDMAMode.none):
-        return "baseline"  # vLLM images run as root and write caches: not restricted
-    return "privileged"  # IPC_LOCK to pin RDMA memory; hostNetwork mode adds host network and /dev/infiniband
+    return "baseline"  # vLLM images run as root and write caches: not restricted
 
 
 @pytest.mark.parametrize(("where", "role", "rdma", "template"), PODS, ids=IDS)
@@ -191,9 +197,8 @@ def test_project_rules(where: str, role: str, rdma: RDMAMode | None, template: d
     for c in _containers(pod):
         sc = c.get("securityContext") or {}
         added = set((sc.get("capabilities") or {}).get("add") or [])
-        # Only engines pin memory for RDMA, and only when an RDMA mode is on.
-        wants_ipc_lock = role in ENGINES and rdma not in (None, RDMAMode.none)
-        assert ("IPC_LOCK" in added) == wants_ipc_lock, (c["name"], added)
+        # Only engines and store pods pin memory for RDMA, and only when an RDMA mode is on.
+        assert ("IPC_LOCK" in added) == on_rdma(role, rdma), (c["name"], added)
         assert added <= {"IPC_LOCK"}, added
         assert sc.get("allowPrivilegeEscalation") is False, c["name"]
         assert not sc.get("privileged"), c["name"]
@@ -202,7 +207,7 @@ def test_project_rules(where: str, role: str, rdma: RDMAMode | None, template: d
             assert sc.get("capabilities", {}).get("drop") == ["ALL"], c["name"]
             if role != C.ROLE_MOONCAKE_STORE:  # the store writes its segment files to /tmp
                 assert sc.get("readOnlyRootFilesystem") is True, c["name"]
-    if role not in ENGINES:
+    if role not in ENGINES and not on_rdma(role, rdma):
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] != 0
 
@@ -217,6 +222,7 @@ def test_every_component_is_checked() -> None:
         C.ROLE_MOONCAKE_STORE,
     }
     assert {rdma for _, role, rdma, _ in PODS if role in ENGINES} == set(RDMAMode)
+    assert {rdma for _, role, rdma, _ in PODS if role == C.ROLE_MOONCAKE_STORE} == set(RDMAMode)
 
 
 # ---------------------------------------------------------------------- the checker itself

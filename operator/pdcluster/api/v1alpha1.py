@@ -291,8 +291,45 @@ class MooncakeStoreSpec(Model):
     ssd: StoreSSDSpec = section(StoreSSDSpec)
 
 
+EtcdEndpoint = Annotated[str, Field(pattern=r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}$")]
+
+
+class MasterHASpec(Model):
+    """Standby masters that take over when the leader dies, elected through etcd
+    (`--enable_ha --ha_backend_type=etcd`): Mooncake's published wheel builds no
+    Kubernetes backend ("K8s Lease is not enabled in compilation"). Store clients then
+    find the leader, and each other's segments, in etcd. A failover keeps the store
+    answering after a few seconds, not its contents: the new leader starts empty."""
+
+    enabled: bool = Field(False, description="Run `replicas` masters, one leading.")
+    replicas: int = Field(2, ge=2, le=5, description="Masters, the leader and its standbys.")
+    etcd_endpoints: list[EtcdEndpoint] = Field(
+        default_factory=list,
+        description="`host:port` of each etcd member the masters elect through and the store's clients "
+        "read the leader from. Keys live under this PDCluster's own cluster id, so PDClusters can share "
+        "one etcd.",
+    )
+
+
+_MOONCAKE_RULES = [
+    cel(
+        "!self.highAvailability.enabled || size(self.highAvailability.etcdEndpoints) > 0",
+        "mooncake.highAvailability needs etcdEndpoints: the masters elect their leader through etcd",
+        ".highAvailability.etcdEndpoints",
+    ),
+    cel(
+        "!self.highAvailability.enabled || !self.httpMetadataServer",
+        "mooncake.httpMetadataServer cannot be used with highAvailability: a master's metadata server "
+        "dies with it, so store clients keep their metadata in etcd instead",
+        ".httpMetadataServer",
+    ),
+]
+
+
 class MooncakeSpec(Model):
     """The Mooncake master (and optional store pods)."""
+
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _MOONCAKE_RULES}}
 
     image: str = Field(
         C.DEFAULT_MOONCAKE_IMAGE,
@@ -311,12 +348,23 @@ class MooncakeSpec(Model):
     eviction_percent: int = Field(5, ge=1, le=100, description="`--eviction_ratio` x 100.")
     resources: Resources | None = None
     store: MooncakeStoreSpec = section(MooncakeStoreSpec)
+    high_availability: MasterHASpec = section(MasterHASpec)
+
+    @property
+    def has_store_clients(self) -> bool:
+        return self.store.enabled or self.store.replicas > 0
 
     @property
     def serves_metadata(self) -> bool:
         """Store clients find each other's segments through the master's HTTP metadata
-        server, so the store turns it on."""
-        return self.http_metadata_server or self.store.enabled or self.store.replicas > 0
+        server, so the store turns it on; under HA they use etcd instead."""
+        if self.high_availability.enabled:
+            return False
+        return self.http_metadata_server or self.has_store_clients
+
+    @property
+    def master_replicas(self) -> int:
+        return self.high_availability.replicas if self.high_availability.enabled else 1
 
 
 class RouterPolicy(StrEnum):

@@ -21,8 +21,8 @@ import math
 from typing import Any
 
 from pdcluster import constants as C
-from pdcluster.api.v1alpha1 import EnvVar, PDClusterSpec, RDMAMode, Resources, RoleSpec
-from pdcluster.render import mooncake
+from pdcluster.api.v1alpha1 import EnvVar, PDClusterSpec, Resources, RoleSpec
+from pdcluster.render import mooncake, rdma
 from pdcluster.render.names import Owner, env_field, labels, metadata, scrape_annotations, selector
 
 KV_ROLE = {C.ROLE_PREFILL: "kv_producer", C.ROLE_DECODE: "kv_consumer"}
@@ -92,7 +92,7 @@ def _env(items: list[EnvVar]) -> list[dict[str, Any]]:
     return [e.wire() for e in items]
 
 
-def engine_env(spec: PDClusterSpec, role: str) -> list[dict[str, Any]]:
+def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, Any]]:
     env = [
         env_field("POD_IP", "status.podIP"),
         env_field("POD_NAME", "metadata.name"),
@@ -104,12 +104,13 @@ def engine_env(spec: PDClusterSpec, role: str) -> list[dict[str, Any]]:
     ]
     if spec.mooncake.store.enabled:
         env.append({"name": STORE_CONFIG_ENV, "value": f"{mooncake.CONFIG_DIR}/{mooncake.ENGINE_CONFIG}"})
+        env += mooncake.client_env(spec, owner)
     if role == C.ROLE_PREFILL:
         env.append({"name": "VLLM_MOONCAKE_BOOTSTRAP_PORT", "value": str(spec.kv_transfer.bootstrap_port)})
     if spec.engine.hf_token_secret:
         ref = spec.engine.hf_token_secret
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    env += rdma_env(spec)
+    env += rdma.env(spec)
     # A name set twice is invalid in a server-side apply (env is a map keyed by name):
     # the user's entries replace ours, the role's replace the engine's.
     merged: dict[str, dict[str, Any]] = {}
@@ -118,29 +119,12 @@ def engine_env(spec: PDClusterSpec, role: str) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def rdma_env(spec: PDClusterSpec) -> list[dict[str, Any]]:
-    """Point NCCL, UCX and Mooncake at the same HCAs and GID."""
-    if spec.rdma.mode == RDMAMode.none:
-        return []
-    env = []
-    if spec.rdma.hcas:
-        env.append({"name": "NCCL_IB_HCA", "value": ",".join(spec.rdma.hcas)})
-        env.append({"name": "UCX_NET_DEVICES", "value": ",".join(f"{h}:1" for h in spec.rdma.hcas)})
-    if spec.rdma.gid_index is not None:
-        env.append({"name": "NCCL_IB_GID_INDEX", "value": str(spec.rdma.gid_index)})
-        env.append({"name": "MC_GID_INDEX", "value": str(spec.rdma.gid_index)})
-    return env
-
-
 def resources(role: RoleSpec, spec: PDClusterSpec) -> dict[str, Any]:
     base = role.resources or Resources()
     requests = dict(base.requests or {})
     limits = dict(base.limits or {})
-    extended = {}
-    if role.gpus:
-        extended[role.gpu_resource_name] = role.gpus
-    if spec.rdma.mode in (RDMAMode.shared_device_plugin, RDMAMode.sriov):
-        extended[spec.rdma.resource_name] = spec.rdma.resource_count
+    extended = {role.gpu_resource_name: role.gpus} if role.gpus else {}
+    extended |= rdma.extended_resources(spec)
     # Extended resources must have requests equal to limits.
     requests.update(extended)
     limits.update(extended)
@@ -169,21 +153,19 @@ def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
             {"name": "bootstrap", "containerPort": spec.kv_transfer.bootstrap_port, "protocol": "TCP"}
         )
     security: dict[str, Any] = {"allowPrivilegeEscalation": False}
-    if spec.rdma.mode != RDMAMode.none:
-        # Registering GPU and host memory with the NIC pins it: RDMA needs IPC_LOCK.
-        security["capabilities"] = {"add": ["IPC_LOCK"]}
+    if rdma.capabilities(spec):
+        security["capabilities"] = {"add": rdma.capabilities(spec)}
     mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     if spec.mooncake.store.enabled:
         mounts.append(mooncake.config_mount())
-    if spec.rdma.mode == RDMAMode.host_network:
-        mounts.append({"name": "infiniband", "mountPath": "/dev/infiniband"})
+    mounts += rdma.mounts(spec)
     return {
         "name": "engine",
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": list(spec.engine.command),
         "args": engine_args(spec, role),
-        "env": engine_env(spec, role),
+        "env": engine_env(spec, owner, role),
         "ports": ports,
         "resources": resources(spec.role(role), spec),
         "startupProbe": _probe("/health", "http", spec.engine.startup_probe),
@@ -208,9 +190,11 @@ def _pre_stop(grace_seconds: int) -> dict[str, Any]:
 
 def pod_template(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
     r = spec.role(role)
-    annotations = {**scrape_annotations(spec.engine.port), **(r.pod_annotations or {})}
-    if spec.rdma.mode == RDMAMode.sriov:
-        annotations["k8s.v1.cni.cncf.io/networks"] = ",".join(spec.rdma.networks)
+    annotations = {
+        **scrape_annotations(spec.engine.port),
+        **(r.pod_annotations or {}),
+        **rdma.annotations(spec),
+    }
     pod: dict[str, Any] = {
         "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
         "enableServiceLinks": False,
@@ -221,12 +205,8 @@ def pod_template(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]
     }
     if spec.mooncake.store.enabled:
         pod["volumes"].append(mooncake.config_volume(owner))
-    if spec.rdma.mode == RDMAMode.host_network:
-        pod["hostNetwork"] = True
-        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
-        pod["volumes"].append(
-            {"name": "infiniband", "hostPath": {"path": "/dev/infiniband", "type": "Directory"}}
-        )
+    pod["volumes"] += rdma.volumes(spec)
+    pod |= rdma.pod_fields(spec)
     if r.node_selector:
         pod["nodeSelector"] = dict(r.node_selector)
     if r.tolerations:

@@ -18,6 +18,7 @@ from typing import Any
 from pdcluster import constants as C
 from pdcluster.api.base import quantity
 from pdcluster.api.v1alpha1 import PDClusterSpec, Resources
+from pdcluster.render import rdma
 from pdcluster.render.names import (
     Owner,
     env_field,
@@ -42,7 +43,27 @@ def config_map_name(owner: Owner) -> str:
 
 
 def master_address(spec: PDClusterSpec, owner: Owner) -> str:
+    ha = spec.mooncake.high_availability
+    if ha.enabled:  # clients read the leader from etcd (client_service.cpp: ConnectToMaster)
+        return "etcd://" + ";".join(ha.etcd_endpoints)
     return f"{owner.child(C.ROLE_MOONCAKE_MASTER)}:{spec.mooncake.rpc_port}"
+
+
+def cluster_id(owner: Owner) -> str:
+    """The masters' `--cluster_id`: their keys in etcd live under it, so PDClusters can
+    share one etcd."""
+    return f"pdcluster.{owner.namespace}.{owner.name}"
+
+
+def client_env(spec: PDClusterSpec, owner: Owner) -> list[dict[str, Any]]:
+    """What a store client needs besides its JSON under HA: the cluster id under which it
+    finds the leader (MC_STORE_CLUSTER_ID) and its peers' segments (MC_METADATA_CLUSTER_ID)."""
+    if not spec.mooncake.high_availability.enabled:
+        return []
+    return [
+        {"name": "MC_STORE_CLUSTER_ID", "value": cluster_id(owner)},
+        {"name": "MC_METADATA_CLUSTER_ID", "value": cluster_id(owner)},
+    ]
 
 
 def _bytes(value: int | str) -> int:
@@ -58,9 +79,12 @@ def _bytes(value: int | str) -> int:
 def _client(spec: PDClusterSpec, owner: Owner, segment: int | str, buffer: int | str) -> dict[str, Any]:
     m = spec.mooncake
     host = owner.child(C.ROLE_MOONCAKE_MASTER)
-    metadata_server = (
-        f"http://{host}:{m.http_metadata_port}/metadata" if m.serves_metadata else "P2PHANDSHAKE"
-    )
+    if m.high_availability.enabled:
+        metadata_server = master_address(spec, owner)  # in etcd: it outlives any master
+    elif m.serves_metadata:
+        metadata_server = f"http://{host}:{m.http_metadata_port}/metadata"
+    else:
+        metadata_server = "P2PHANDSHAKE"
     return {
         "metadata_server": metadata_server,
         "master_server_address": master_address(spec, owner),
@@ -110,7 +134,7 @@ def _resources(res: Resources | None) -> dict[str, Any]:
     return res.wire() if res else {}
 
 
-def master_args(spec: PDClusterSpec) -> list[str]:
+def master_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     m = spec.mooncake
     args = [
         "--rpc_address=$(POD_IP)",
@@ -122,6 +146,14 @@ def master_args(spec: PDClusterSpec) -> list[str]:
     ]
     if m.store.ssd.enabled:
         args += ["--enable_offload=true", "--offload_on_evict=true", "--promotion_on_hit=true"]
+    if m.high_availability.enabled:
+        # Only the leader opens the RPC port; a standby answers HTTP 503 and /leader.
+        args += [
+            "--enable_ha=true",
+            "--ha_backend_type=etcd",
+            "--ha_backend_connstring=" + ";".join(m.high_availability.etcd_endpoints),
+            f"--cluster_id={cluster_id(owner)}",
+        ]
     if m.serves_metadata:
         args += [
             "--enable_http_metadata_server=true",
@@ -129,6 +161,14 @@ def master_args(spec: PDClusterSpec) -> list[str]:
             f"--http_metadata_server_port={m.http_metadata_port}",
         ]
     return args
+
+
+def _master_strategy(spec: PDClusterSpec) -> dict[str, Any]:
+    if spec.mooncake.high_availability.enabled:
+        # One master at a time: a standby leads while each restarts.
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
+    # A lone master owns the metadata; never run two side by side during a rollout.
+    return {"type": "Recreate"}
 
 
 def master_deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, Any]:
@@ -156,8 +196,7 @@ def master_deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
         "metadata": metadata(owner, role),
         "spec": {
             "replicas": replicas,
-            # One master owns the metadata; never run two side by side during a rollout.
-            "strategy": {"type": "Recreate"},
+            "strategy": _master_strategy(spec),
             "selector": {"matchLabels": selector(owner, role)},
             "template": {
                 "metadata": {
@@ -174,7 +213,7 @@ def master_deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
                             "image": m.image,
                             "imagePullPolicy": spec.engine.image_pull_policy,
                             "command": ["mooncake_master"],
-                            "args": master_args(spec),
+                            "args": master_args(spec, owner),
                             "env": [env_field("POD_IP", "status.podIP")],
                             "ports": ports,
                             "readinessProbe": health(3),
@@ -228,13 +267,51 @@ def _ssd(spec: PDClusterSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     return [{"name": SSD_VOLUME, "emptyDir": {"sizeLimit": ssd.size}}], []
 
 
+def _store_security(spec: PDClusterSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod, container) security contexts of a store pod. Off RDMA: the restricted
+    profile. On RDMA it pins memory for the NIC, as engines do, and a capability takes
+    effect only for root (Kubernetes grants no ambient capabilities): root with nothing
+    but IPC_LOCK."""
+    caps = rdma.capabilities(spec)
+    if not caps:
+        return restricted_pod(), restricted_container(read_only_root=False)
+    pod = {
+        "runAsNonRoot": False,
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    container = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": False,
+        "capabilities": {"drop": ["ALL"], "add": caps},
+    }
+    return pod, container
+
+
+def _store_resources(spec: PDClusterSpec) -> dict[str, Any]:
+    out = _resources(spec.mooncake.store.resources)
+    extended = rdma.extended_resources(spec)
+    if extended:  # extended resources: requests equal limits
+        out = {k: {**out.get(k, {}), **extended} for k in ("requests", "limits")}
+    return out
+
+
+def _template_metadata(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"labels": labels(owner, role)}
+    if rdma.annotations(spec):
+        meta["annotations"] = rdma.annotations(spec)
+    return meta
+
+
 def store_statefulset(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, Any]:
     s = spec.mooncake.store
     role = C.ROLE_MOONCAKE_STORE
     volumes, claims = _ssd(spec)
-    mounts = [config_mount()]
+    mounts = [config_mount(), *rdma.mounts(spec)]
     if s.ssd.enabled:
         mounts.append({"name": SSD_VOLUME, "mountPath": SSD_DIR})
+    pod_security, container_security = _store_security(spec)
     sts = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -245,11 +322,11 @@ def store_statefulset(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(owner, role)},
             "template": {
-                "metadata": {"labels": labels(owner, role)},
+                "metadata": _template_metadata(spec, owner, role),
                 "spec": {
                     "enableServiceLinks": False,
                     "automountServiceAccountToken": False,
-                    "securityContext": restricted_pod(),
+                    "securityContext": pod_security,
                     "containers": [
                         {
                             "name": "store",
@@ -263,15 +340,20 @@ def store_statefulset(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
                                 "-Dlocal_hostname=$(POD_IP)",
                                 f"--port={s.port}",
                             ],
-                            "env": [env_field("POD_IP", "status.podIP")],
+                            "env": [
+                                env_field("POD_IP", "status.podIP"),
+                                *client_env(spec, owner),
+                                *rdma.env(spec),
+                            ],
                             "ports": [{"name": "store", "containerPort": s.port, "protocol": "TCP"}],
                             "volumeMounts": mounts,
                             "readinessProbe": {"tcpSocket": {"port": "store"}, "periodSeconds": 5},
-                            "resources": _resources(s.resources),
-                            "securityContext": restricted_container(read_only_root=False),
+                            "resources": _store_resources(spec),
+                            "securityContext": container_security,
                         }
                     ],
-                    "volumes": [config_volume(owner), *volumes],
+                    "volumes": [config_volume(owner), *volumes, *rdma.volumes(spec)],
+                    **rdma.pod_fields(spec),
                 },
             },
         },
@@ -297,8 +379,9 @@ def store_service(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
 
 
 def build_mooncake(spec: PDClusterSpec, owner: Owner, *, suspended: bool) -> list[dict[str, Any]]:
-    objects = [master_deployment(spec, owner, 0 if suspended else 1), master_service(spec, owner)]
-    if spec.mooncake.store.enabled or spec.mooncake.store.replicas > 0:
+    masters = 0 if suspended else spec.mooncake.master_replicas
+    objects = [master_deployment(spec, owner, masters), master_service(spec, owner)]
+    if spec.mooncake.has_store_clients:
         objects.append(config_map(spec, owner))  # read by store clients only
     if spec.mooncake.store.replicas > 0:
         replicas = 0 if suspended else spec.mooncake.store.replicas
