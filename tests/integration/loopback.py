@@ -8,9 +8,11 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdcluster.enginesim.cli import parse
@@ -73,6 +75,59 @@ async def router(
         yield service
     finally:
         await service.stop()
+
+
+MOONCAKE_MASTER = Path(sys.executable).parent / "mooncake_master"
+
+
+@dataclass
+class MasterProcess:
+    rpc_port: int
+    http_port: int
+    flags: tuple[str, ...] = ()
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def rpc(self) -> str:  # for store clients
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def http(self) -> str:  # metrics, /health, key queries
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self) -> bool:
+        self.proc = subprocess.Popen(
+            [str(MOONCAKE_MASTER), f"-rpc_port={self.rpc_port}", "-rpc_address=127.0.0.1",
+             f"-metrics_port={self.http_port}", "-metrics_host=127.0.0.1", *self.flags],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.http}/health", timeout=1).close()
+                return True
+            except OSError:
+                time.sleep(0.1)
+        return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def mooncake_master(*flags: str) -> Iterator[MasterProcess | None]:
+    """A real mooncake_master on 127.0.0.1, or None where the wheel is not installed or
+    the master does not start."""
+    if not MOONCAKE_MASTER.exists():
+        yield None
+        return
+    master = MasterProcess(free_port(), free_port(), flags)
+    try:
+        yield master if master.start() else None
+    finally:
+        master.stop()
 
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"

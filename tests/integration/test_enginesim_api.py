@@ -6,24 +6,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from loopback import CONSUMER, PRODUCER, free_port, simulator
+from loopback import CONSUMER, PRODUCER, simulator
+from loopback import mooncake_master as loopback_master
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import observability as obs
 from pdcluster.enginesim.main import Simulator
 from pdcluster.router.protocol import MooncakeProtocol, PrefillEngine
-
-MOONCAKE_MASTER = Path(sys.executable).parent / "mooncake_master"
 
 
 def url(sim: Simulator, path: str) -> str:
@@ -383,20 +379,10 @@ async def test_disconnect_aborts_the_request(http: aiohttp.ClientSession) -> Non
 # ------------------------------------------------------------------------ Mooncake store
 @pytest.fixture
 def mooncake_master() -> Any:
-    if not MOONCAKE_MASTER.exists():
-        pytest.skip("mooncake_master is not installed (mooncake-transfer-engine wheel)")
-    rpc, metrics = free_port(), free_port()
-    proc = subprocess.Popen(
-        [str(MOONCAKE_MASTER), f"-rpc_port={rpc}", "-rpc_address=127.0.0.1", f"-metrics_port={metrics}",
-         "-metrics_host=127.0.0.1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    time.sleep(1.0)
-    if proc.poll() is not None:
-        pytest.skip("mooncake_master does not start here")
-    yield f"127.0.0.1:{rpc}", f"http://127.0.0.1:{metrics}/metrics"
-    proc.terminate()
-    proc.wait(timeout=10)
+    with loopback_master() as master:
+        if master is None:
+            pytest.skip("mooncake_master is not installed or does not start here")
+        yield master.rpc, f"{master.http}/metrics"
 
 
 async def test_kv_bytes_pass_through_a_real_mooncake_store(

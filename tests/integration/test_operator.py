@@ -265,6 +265,21 @@ BAD_SPECS = [
         "a storageClassName or a hostPath, not both",
     ),
     ({"mooncake": {"image": ""}}, "spec.mooncake.image"),
+    ({"mooncake": {"highAvailability": {"enabled": True}}}, "mooncake.highAvailability needs etcdEndpoints"),
+    (
+        {
+            "mooncake": {
+                "httpMetadataServer": True,
+                "highAvailability": {"enabled": True, "etcdEndpoints": ["etcd:2379"]},
+            }
+        },
+        "httpMetadataServer cannot be used with highAvailability",
+    ),
+    (
+        {"mooncake": {"highAvailability": {"enabled": True, "etcdEndpoints": ["http://etcd:2379"]}}},
+        "spec.mooncake.highAvailability.etcdEndpoints[0]",
+    ),
+    ({"mooncake": {"highAvailability": {"replicas": 1}}}, "spec.mooncake.highAvailability.replicas"),
 ]
 
 

@@ -250,6 +250,103 @@ def test_rdma_modes() -> None:
     assert {"name": "infiniband", "mountPath": "/dev/infiniband"} in pod["containers"][0]["volumeMounts"]
 
 
+def _store_pod(objects: list[dict]) -> dict:
+    sts = next(
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("mooncake-store")
+    )
+    return sts["spec"]["template"]
+
+
+@pytest.mark.parametrize(
+    "example", ["pdcluster-rdma", "pdcluster-sriov", "pdcluster-hostnetwork", "pdcluster-tcp"]
+)
+def test_store_pods_reach_the_fabric_as_engines_do(example: str) -> None:
+    doc = yaml.safe_load((ROOT / f"examples/{example}.yaml").read_text())
+    doc["spec"].setdefault("mooncake", {}).setdefault("store", {})["replicas"] = 1
+    spec = PDClusterSpec.model_validate(doc["spec"])
+    objects = render_all(spec, Owner("c", "ns", "uid"), Replicas.choose(spec, None))
+    engine, store = _engine_pod(objects, C.ROLE_PREFILL), _store_pod(objects)
+    e, s = engine["containers"][0], store["spec"]["containers"][0]
+    rdma_env = {"NCCL_IB_HCA", "UCX_NET_DEVICES", "NCCL_IB_GID_INDEX", "MC_GID_INDEX"}
+    assert {k: v for k, v in _env(s).items() if k in rdma_env} == {
+        k: v for k, v in _env(e).items() if k in rdma_env
+    }
+    gpu = spec.prefill.gpu_resource_name
+    assert {k: v for k, v in e["resources"].get("limits", {}).items() if k != gpu and "/" in k} == {
+        k: v for k, v in s["resources"].get("limits", {}).items() if "/" in k
+    }
+    assert e["securityContext"].get("capabilities", {}).get("add") == s["securityContext"][
+        "capabilities"
+    ].get("add")
+    for field in ("hostNetwork", "dnsPolicy"):
+        assert engine.get(field) == store["spec"].get(field)
+    networks = "k8s.v1.cni.cncf.io/networks"
+    assert (store.get("metadata") or {}).get("annotations", {}).get(networks) == engine_annotations(
+        objects
+    ).get(networks)
+    on_fabric = spec.rdma.mode != "none"
+    assert (store["spec"]["securityContext"]["runAsUser"] == 0) == on_fabric
+    assert ("/dev/infiniband" in [m["mountPath"] for m in s["volumeMounts"]]) == (
+        spec.rdma.mode == "hostNetwork"
+    )
+
+
+def engine_annotations(objects: list[dict]) -> dict:
+    sts = next(
+        o
+        for o in objects
+        if o["kind"] == "StatefulSet" and o["metadata"]["labels"][C.LABEL_ROLE] == C.ROLE_PREFILL
+    )
+    return sts["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_masters_elect_a_leader_through_etcd_and_clients_find_it_there() -> None:
+    spec = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "mooncake": {
+                "store": {"enabled": True, "replicas": 1},
+                "highAvailability": {
+                    "enabled": True,
+                    "replicas": 3,
+                    "etcdEndpoints": ["etcd-0:2379", "etcd-1:2379"],
+                },
+            },
+        }
+    )
+    objects = render_all(spec, Owner("c", "ns", "uid"), Replicas.choose(spec, None))
+    master = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "c-mooncake-master"
+    )
+    assert master["spec"]["replicas"] == 3
+    assert master["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    args = master["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert {
+        "--enable_ha=true",
+        "--ha_backend_type=etcd",
+        "--ha_backend_connstring=etcd-0:2379;etcd-1:2379",
+        "--cluster_id=pdcluster.ns.c",
+        "--rpc_address=$(POD_IP)",
+    } <= set(args)
+    assert not [a for a in args if a.startswith("--enable_http_metadata_server")]  # metadata in etcd
+    config = next(o for o in objects if o["kind"] == "ConfigMap")["data"]
+    for name in ("engine.json", "store.json"):
+        client = json.loads(config[name])
+        assert (
+            client["master_server_address"] == client["metadata_server"] == "etcd://etcd-0:2379;etcd-1:2379"
+        )
+    for pod in (_engine_pod(objects, C.ROLE_DECODE), _store_pod(objects)["spec"]):
+        env = _env(pod["containers"][0])
+        assert env["MC_STORE_CLUSTER_ID"] == env["MC_METADATA_CLUSTER_ID"] == "pdcluster.ns.c"
+    single = PDClusterSpec.model_validate({"model": {"name": "m"}, "mooncake": {"store": {"enabled": True}}})
+    objects = render_all(single, Owner("c", "ns", "uid"), Replicas.choose(single, None))
+    master = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "c-mooncake-master"
+    )
+    assert master["spec"]["replicas"] == 1 and master["spec"]["strategy"] == {"type": "Recreate"}
+    assert "MC_STORE_CLUSTER_ID" not in _env(_engine_pod(objects, C.ROLE_DECODE)["containers"][0])
+
+
 def test_replicas_come_from_one_place() -> None:
     spec, owner = _load(ROOT / "examples/pdcluster-autoscaling.yaml")
     state = AutoscalingState(prefill=5, decode=1)

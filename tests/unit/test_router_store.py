@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import orjson
 import pytest
 
-from pdcluster.router.store import StoreIndex, block_keys, loadable_tokens
+from pdcluster.router.store import QUERY_KEYS, StoreIndex, block_keys, loadable_tokens
 from pdcluster.router.upstream import Origin, UpstreamError
 
 # vLLM 0.32's own key for tokens 100..139 in blocks of 16 (PoolKey over hash_block_tokens,
@@ -72,6 +72,7 @@ class Fake:
     hash_algo: str = "sha256"
     master_up: bool = True
     master_delay_s: float = 0.0
+    leader: str | None = None  # HA: MASTER is a standby and this master leads
     calls: list[tuple[str, str, bytes]] = field(default_factory=list)
 
     async def request(
@@ -80,7 +81,12 @@ class Fake:
         where = f"http://{origin.host}:{origin.port}"
         self.calls.append((where, path.decode(), body))
         route = path.decode().split("?")[0]
-        if where == MASTER:
+        if where == MASTER and self.leader:
+            if route == "/leader":
+                host = self.leader.removeprefix("http://").rsplit(":", 1)[0]
+                return Answer(200, orjson.dumps({"present": True, "leader_address": f"{host}:50051"}))
+            return Answer(503, b'{"success":false,"error_message":"service plane is not active"}')
+        if where == (self.leader or MASTER):
             if not self.master_up:
                 raise UpstreamError("cannot connect to 127.0.0.1:9003")
             await asyncio.sleep(self.master_delay_s)
@@ -170,3 +176,31 @@ async def test_a_prompt_under_a_block_costs_no_lookup_once_the_block_is_known() 
     store.forget(ENGINE)  # a new engine behind the URL: its facts are read again
     await store.lookup(ENGINE, BODY, chat=False, estimate=70)
     assert [path for _, path, _ in fake.calls][:2] == ["/v1/models", "/metrics"]
+
+
+async def test_a_standby_master_points_the_router_at_the_leader() -> None:
+    fake = Fake(tokens=list(range(70)), leader="http://127.0.0.9:9003")
+    fake.store_blocks(4)
+    store = index(fake)
+    assert (await store.lookup(ENGINE, BODY, chat=False, estimate=70)).outcome == "hit"
+    fake.calls.clear()
+    assert (await store.lookup(ENGINE, BODY, chat=False, estimate=70)).outcome == "hit"
+    assert [where for where, path, _ in fake.calls if "batch_query_keys" in path] == [fake.leader]
+    # The leader dies: that lookup misses, and the next one asks the Service again.
+    fake.master_up = False
+    assert (await store.lookup(ENGINE, BODY, chat=False, estimate=70)).outcome == "error"
+    fake.master_up, fake.leader = True, "http://127.0.0.10:9003"
+    fake.calls.clear()
+    assert (await store.lookup(ENGINE, BODY, chat=False, estimate=70)).outcome == "hit"
+    assert [where for where, path, _ in fake.calls if where != ENGINE] == [MASTER, MASTER, fake.leader]
+
+
+async def test_long_prompts_ask_in_chunks_and_stop_at_the_first_missing_block() -> None:
+    fake = Fake(tokens=list(range(BLOCK * 400)))
+    fake.store_blocks(200)
+    lookup = await index(fake, max_computed=BLOCK * 400).lookup(
+        ENGINE, BODY, chat=False, estimate=BLOCK * 400
+    )
+    assert (lookup.outcome, lookup.stored_tokens) == ("hit", 200 * BLOCK)
+    queries = [path for where, path, _ in fake.calls if where == MASTER]
+    assert [q.count(",") + 1 for q in queries] == [QUERY_KEYS, QUERY_KEYS]  # not the other 144 keys

@@ -27,8 +27,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdcluster.enginesim.cli import SimConfig
 from pdcluster.enginesim.engine import EngineCore, RemotePrefill, Seq
+from pdcluster.enginesim.store import PrefixStore
 from pdcluster.router import openai
-from pdcluster.router.prompt import count_tokens, prompt_of
+from pdcluster.router.prompt import count_tokens, prompt_of, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +78,13 @@ class _Request:
 
 
 class OpenAIServer:
-    def __init__(self, config: SimConfig, cores: list[EngineCore], registry: Any):
+    def __init__(
+        self, config: SimConfig, cores: list[EngineCore], registry: Any, store: PrefixStore | None = None
+    ):
         self.config = config
         self.cores = cores
         self.registry = registry
+        self.store = store
         self.created = int(time.time())
         self._producer = config.has_connector and config.role in ("prefill", "both")
         self._consumer = config.has_connector and config.role in ("decode", "both")
@@ -93,6 +97,7 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         if self.config.record:
@@ -126,6 +131,26 @@ class OpenAIServer:
             for name in self.config.served_model_names
         ]
         return _json(200, {"object": "list", "data": data})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize (entrypoints/serve/tokenize): the ids a request's prompt becomes."""
+        body, why = openai.parse_json(await request.read())
+        if body is None:
+            return _error(400, why or "bad request")
+        chat = "messages" in body
+        expected = list if chat else str
+        if not isinstance(body.get("messages" if chat else "prompt"), expected):
+            return _error(400, "expected a prompt (a string) or messages")
+        ids = token_ids(prompt_of(body, chat))
+        return _json(
+            200,
+            {
+                "count": len(ids),
+                "max_model_len": self.config.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            },
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -188,6 +213,10 @@ class OpenAIServer:
         )
         digest ^= self.config.seed * 0x9E3779B1
         remote, hold = self._kv_params(body.get("kv_transfer_params"))
+        # A hand-off brings the whole prompt (MultiConnector asks MooncakeConnector
+        # first); without one, the store may hold a prefix.
+        tokens = token_ids(prompt) if self.store is not None and remote is None else None
+        stored = await self.store.load(tokens) if self.store is not None and tokens else 0
         seq = Seq(
             prompt_tokens,
             max_tokens,
@@ -195,6 +224,7 @@ class OpenAIServer:
             eos_at=self._eos_at(digest, body),
             remote=remote,
             hold_transfer_id=hold,
+            stored=stored,
         )
         stream = bool(body.get("stream"))
         seq.streaming = stream
@@ -211,6 +241,8 @@ class OpenAIServer:
             return await self._complete(req)
         finally:
             core.abort(seq)  # no-op once finished; frees everything on a disconnect
+            if tokens and seq.first_token_at:  # prefilled here: its blocks go to the store
+                self.store.save(tokens)  # type: ignore[union-attr]
 
     def _core(self, request: web.Request) -> EngineCore | None:
         rank = request.headers.get("X-data-parallel-rank")

@@ -44,10 +44,13 @@ class SimConfig:
     kv_transfer_config: dict[str, Any] | None
     api_key: str | None
     force_include_usage: bool
+    block_size: int
     # from the environment, as vLLM reads them
     bootstrap_port: int
     host_ip: str
     abort_timeout_s: float
+    hash_seed: str | None  # PYTHONHASHSEED: the first block hash's seed
+    store_config: dict[str, Any] | None  # MOONCAKE_CONFIG_PATH's JSON, with a store connector
     # --sim-*
     profile: str
     time_scale: float
@@ -62,6 +65,11 @@ class SimConfig:
     def role(self) -> str:
         kv_role = (self.kv_transfer_config or {}).get("kv_role")
         return ROLE_FOR_KV_ROLE.get(kv_role, "both") if kv_role else "both"
+
+    @property
+    def store_role(self) -> str | None:
+        """kv_role of a MooncakeStoreConnector, alone or in a MultiConnector; None without one."""
+        return store_role(self.kv_transfer_config)
 
     @property
     def has_connector(self) -> bool:
@@ -95,6 +103,31 @@ class SimConfig:
         return self.served_model_names[0]
 
 
+def store_role(kv_config: dict[str, Any] | None) -> str | None:
+    config = kv_config or {}
+    children = [config]
+    if config.get("kv_connector") == "MultiConnector":
+        children = (config.get("kv_connector_extra_config") or {}).get("connectors") or []
+    for child in children:
+        if isinstance(child, dict) and child.get("kv_connector") == "MooncakeStoreConnector":
+            return str(child.get("kv_role") or config.get("kv_role") or "kv_both")
+    return None
+
+
+def _store_config(kv_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What vLLM's MooncakeStoreConfig.load_from_config reads, with its errors."""
+    if store_role(kv_config) is None:
+        return None
+    path = os.environ.get("MOONCAKE_CONFIG_PATH")
+    if not path:
+        raise SystemExit("The environment variable 'MOONCAKE_CONFIG_PATH' is not set.")
+    with open(path) as f:
+        config = json.load(f)
+    if not isinstance(config, dict) or not config.get("master_server_address"):
+        raise SystemExit(f"{path}: master_server_address is required")
+    return config
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdcluster-engine-sim serve",
@@ -117,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-config", type=json.loads)
     p.add_argument("--api-key")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)  # vLLM's default on CUDA
     sim = p.add_argument_group("simulator")
     sim.add_argument(
         "--sim-profile", default="h200-llama3.1-8b", help="pdcluster.perf profile, or `zero` (no latency)"
@@ -250,6 +284,8 @@ def parse(argv: list[str]) -> SimConfig:
         max_model_len = human_readable_int(args.max_model_len)
     if args.sim_time_scale <= 0:
         parser.error("--sim-time-scale must be positive")
+    if args.block_size <= 0:
+        parser.error("--block-size must be positive")
     return SimConfig(
         model=model,
         served_model_names=args.served_model_name or [model],
@@ -264,9 +300,12 @@ def parse(argv: list[str]) -> SimConfig:
         kv_transfer_config=kv_config,
         api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
         force_include_usage=bool(include_usage),
+        block_size=args.block_size,
         bootstrap_port=int(os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT") or BOOTSTRAP_PORT),
         host_ip=os.environ.get("VLLM_HOST_IP", ""),
         abort_timeout_s=_env_float("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", SIM_ABORT_TIMEOUT_S),
+        hash_seed=os.environ.get("PYTHONHASHSEED"),
+        store_config=_store_config(kv_config),
         profile=args.sim_profile,
         time_scale=args.sim_time_scale,
         kv_gbps=args.sim_kv_gbps,

@@ -83,6 +83,7 @@ class Seq:
         "prompt_tokens",
         "remote",
         "state",
+        "stored",
         "streaming",
         "waiter",
     )
@@ -96,8 +97,10 @@ class Seq:
         eos_at: int | None = None,
         remote: RemotePrefill | None = None,
         hold_transfer_id: str | None = None,
+        stored: int = 0,
     ):
         self.prompt_tokens = prompt_tokens
+        self.stored = stored  # prompt tokens loaded from the KV store: not computed
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
         self.eos_at = eos_at  # natural length; None never stops on EOS
@@ -230,6 +233,9 @@ class EngineCore:
                 # vLLM looks each new request up in its prefix cache; this one holds none.
                 self.metrics.prefix_queries.inc(seq.prompt_tokens)
                 self.metrics.prefix_hits.inc(0)
+                if seq.stored:
+                    self.metrics.prompt_by_source["external_kv_transfer"].inc(seq.stored)
+                    self.metrics.prompt_tokens.inc(seq.stored)
             seq.admitted_at = seq.admitted_at or now
             active += 1
             if seq.remote is not None and self.pull_kv is not None:
@@ -238,7 +244,7 @@ class EngineCore:
                 seq.fetch_task = asyncio.get_running_loop().create_task(self._fetch(seq))
             else:
                 seq.state = State.PREFILLING
-                seq.computed = 0
+                seq.computed = seq.stored
                 self.prefilling.append(seq)
 
     async def _fetch(self, seq: Seq) -> None:
@@ -281,6 +287,7 @@ class EngineCore:
             victim.kv = 0
             victim.state = State.WAITING
             victim.remote = None  # its KV is gone; recompute prompt and output locally
+            victim.stored = 0
             self.waiting.appendleft(victim)
             self.metrics.preemptions.inc()
 

@@ -148,9 +148,21 @@ class MooncakeStore:
     RETRY_SECONDS = 2.0
     CHECK_SECONDS = 3.0
 
-    def __init__(self, master: str, local_hostname: str):
+    SEGMENT_BYTES = 64 * 1024 * 1024
+    BUFFER_BYTES = 16 * 1024 * 1024
+
+    def __init__(
+        self,
+        master: str,
+        local_hostname: str,
+        metadata_server: str = "P2PHANDSHAKE",
+        segment: int = SEGMENT_BYTES,
+        buffer: int = BUFFER_BYTES,
+    ):
         self.master = master
         self.local_hostname = local_hostname
+        self.metadata_server = metadata_server
+        self.segment, self.buffer = segment, buffer
         self.marker = f"pdcluster-sim/alive/{local_hostname}"
         self._store: Any = None
         self._marked = False
@@ -160,13 +172,13 @@ class MooncakeStore:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def connect(cls, master: str, local_hostname: str) -> MooncakeStore | None:
+    async def connect(cls, master: str, local_hostname: str, **options: Any) -> MooncakeStore | None:
         try:
-            import mooncake.store  # noqa: F401  optional: only with --sim-mooncake-master
+            import mooncake.store  # noqa: F401  optional: only with a store
         except ImportError as e:
             log.warning("Mooncake store disabled: %s", e)
             return None
-        store = cls(master, local_hostname)
+        store = cls(master, local_hostname, **options)
         connected = await store._setup()
         store._task = asyncio.get_running_loop().create_task(store._maintain(connected))
         return store
@@ -175,8 +187,7 @@ class MooncakeStore:
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
-        segment, buffer = 64 * 1024 * 1024, 16 * 1024 * 1024
-        setup = (self.local_hostname, "P2PHANDSHAKE", segment, buffer, "tcp", "", self.master)
+        setup = (self.local_hostname, self.metadata_server, self.segment, self.buffer, "tcp", "", self.master)
         rc = await asyncio.to_thread(store.setup, *setup)
         if rc != 0:
             log.warning("Mooncake store: setup against master %s returned %s", self.master, rc)
@@ -229,6 +240,19 @@ class MooncakeStore:
     async def put(self, key: str, size: int) -> bool:
         return await self._call("put", key, b"\0" * max(size, 1)) == 0
 
+    async def exist(self, keys: list[str]) -> list[int]:
+        """Per key 1 stored, 0 not, < 0 no answer; all -1 while not connected."""
+        found = await self._call("batch_is_exist", keys)
+        return list(found) if found is not None else [-1] * len(keys)
+
+    async def put_many(self, keys: list[str], size: int) -> bool:
+        """Puts a payload of `size` bytes under each key."""
+        return await self._call("put_batch", keys, [b"\0" * max(size, 1)] * len(keys)) == 0
+
+    async def get_many(self, keys: list[str]) -> list[bytes]:
+        got = await self._call("get_batch", keys)
+        return list(got) if got is not None else [b""] * len(keys)
+
     async def take(self, key: str) -> int:
         data = await self._call("get", key)
         if data is None:
@@ -236,11 +260,12 @@ class MooncakeStore:
         await self._call("remove", key)
         return len(data)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """After the calls in flight: closing under one crashes the client."""
         if self._task is not None:
             self._task.cancel()
-        if self._store is not None:
-            self._store.close()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._drop()
 
 
 class _Lines(asyncio.Protocol):

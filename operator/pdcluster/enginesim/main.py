@@ -18,6 +18,7 @@ from pdcluster.enginesim.cli import SimConfig, parse
 from pdcluster.enginesim.engine import EngineCore, Seq, TransferHook
 from pdcluster.enginesim.kv import BootstrapServer, KvPuller, MooncakeStore, SideChannel, TransferTable
 from pdcluster.enginesim.metrics import EngineMetrics, MetricFamilies
+from pdcluster.enginesim.store import PrefixStore
 
 log = logging.getLogger("pdcluster.enginesim")
 
@@ -37,13 +38,16 @@ class Simulator:
         self.config = config
         self.profile = load_profile(config.profile)
         kv = self.profile.max_kv_tokens
-        self.families = MetricFamilies(config.max_model_len, kv_tokens=kv if kv < 1 << 40 else None)
+        self.families = MetricFamilies(
+            config.max_model_len, kv_tokens=kv if kv < 1 << 40 else None, block_size=config.block_size
+        )
         self.engine_ids = config.engine_ids
         self.table = TransferTable(
             config.abort_timeout_s, on_expired=lambda rank: self.cores[rank].metrics.expired.inc()
         )
         self.cores: list[EngineCore] = []
-        self.store: MooncakeStore | None = None
+        self.store: MooncakeStore | None = None  # the hand-off's bytes (--sim-mooncake-master)
+        self.prefix_store: PrefixStore | None = None  # MooncakeStoreConnector's blocks
         self.session: aiohttp.ClientSession | None = None
         self._runners: list[web.AppRunner] = []
         self.side_channel: SideChannel | None = None
@@ -81,6 +85,28 @@ class Simulator:
         metrics.xfer_time.observe(seconds)
         metrics.xfer_bytes.observe(size)
 
+    async def _prefix_store(self, config: dict) -> PrefixStore | None:
+        c = self.config
+        client = await MooncakeStore.connect(
+            config["master_server_address"],
+            self.advertised_ip,
+            metadata_server=config.get("metadata_server") or "P2PHANDSHAKE",
+            segment=int(config.get("global_segment_size", MooncakeStore.SEGMENT_BYTES)),
+            buffer=int(config.get("local_buffer_size", MooncakeStore.BUFFER_BYTES)),
+        )
+        if client is None:
+            return None
+        return PrefixStore(
+            client,
+            role=c.store_role or "kv_both",
+            model=c.model,
+            block_size=c.block_size,
+            hash_seed=c.hash_seed,
+            profile=self.profile,
+            gbps=c.kv_gbps,
+            time_scale=c.time_scale,
+        )
+
     async def start(self) -> None:
         c = self.config
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -101,7 +127,9 @@ class Simulator:
             )
             core.start()
             self.cores.append(core)
-        api = OpenAIServer(c, self.cores, self.families.registry)
+        if c.store_config is not None:
+            self.prefix_store = await self._prefix_store(c.store_config)
+        api = OpenAIServer(c, self.cores, self.families.registry, self.prefix_store)
         await self._serve(api.app(), c.host or "0.0.0.0", c.port)
         if c.serves_bootstrap:
             # vLLM binds 0.0.0.0; binding the advertised address instead lets several
@@ -149,7 +177,9 @@ class Simulator:
         if self.session is not None:
             await self.session.close()
         if self.store is not None:
-            self.store.close()
+            await self.store.close()
+        if self.prefix_store is not None:
+            await self.prefix_store.close()
 
 
 async def serve(config: SimConfig) -> None:

@@ -49,18 +49,22 @@ class EngineMetrics:
 
 class MetricFamilies:
     def __init__(
-        self, max_model_len: int, registry: CollectorRegistry | None = None, kv_tokens: int | None = None
+        self,
+        max_model_len: int,
+        registry: CollectorRegistry | None = None,
+        kv_tokens: int | None = None,
+        block_size: int = 16,
     ):
         self.registry = registry or CollectorRegistry()
         r, labels = self.registry, obs.VLLM_LABELS
-        if kv_tokens:  # vLLM's info gauge of its KV cache: value 1, the facts in labels
-            block = 16
-            Gauge(
-                obs.VLLM_CACHE_CONFIG,
-                "Information of the LLMEngine CacheConfig",
-                ("block_size", "num_gpu_blocks"),
-                registry=r,
-            ).labels(str(block), str(kv_tokens // block)).set(1)
+        # vLLM's info gauge of its KV cache: value 1, the facts in labels (the router
+        # reads block size and hash from it to key store lookups).
+        Gauge(
+            obs.VLLM_CACHE_CONFIG,
+            "Information of the LLMEngine CacheConfig",
+            ("block_size", "num_gpu_blocks", "prefix_caching_hash_algo"),
+            registry=r,
+        ).labels(str(block_size), str(kv_tokens // block_size) if kv_tokens else "None", "sha256").set(1)
         token_buckets = obs.vllm_request_token_buckets(max_model_len)
         self.running = Gauge(
             obs.VLLM_RUNNING, "Number of requests in model execution batches.", labels, registry=r

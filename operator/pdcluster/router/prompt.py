@@ -60,6 +60,17 @@ def count_tokens(prompt: str | list[int]) -> int:
     return text_tokens(prompt) if isinstance(prompt, str) else len(prompt)
 
 
+def token_ids(prompt: str | list[int]) -> list[int]:
+    """The engine simulator's tokenizer: one id per BYTES_PER_TOKEN bytes of UTF-8, so
+    it agrees with `count_tokens` and a shared text prefix is a shared token prefix."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    data = prompt.encode("utf-8", "surrogatepass")
+    return [
+        int.from_bytes(data[i : i + BYTES_PER_TOKEN], "little") for i in range(0, len(data), BYTES_PER_TOKEN)
+    ]
+
+
 def block_hashes(prompt: str | list[int]) -> list[int]:
     """Chained hashes of the prompt's full and final partial blocks."""
     if isinstance(prompt, str):

@@ -16,7 +16,9 @@ Per request the router asks the decode engine for the prompt's token ids (/token
 the same tokenizer and chat template as the request will get), hashes them, and asks
 the master which keys exist (GET /batch_query_keys on its HTTP port; it wants `@` and
 `:` unescaped). Both calls share one deadline; anything unexpected is a miss, and a
-miss is the ordinary prefill -> decode path.
+miss is the ordinary prefill -> decode path. Under HA the master URL is a Service over
+all masters: a standby answers 503 and names the leader at /leader, which the router
+then asks directly until it stops answering.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ _CHAT_FIELDS = (
     "documents",
 )
 _JSON_HEADERS = b"Content-Type: application/json\r\n"
+QUERY_KEYS = 128  # keys per master query: about 14 KB of URL
 
 
 def _pickle_sha256(value: Any) -> bytes:
@@ -122,7 +125,10 @@ class StoreIndex:
         timeout_s: float,
     ):
         self.upstream = upstream
+        # Any master: under HA a Service over all of them, where a standby answers 503
+        # and names the leader (/leader), whose HTTP port is the same.
         self.master = Origin.parse(master_url)
+        self.leader = self.master
         self.hash_seed = hash_seed
         self.max_computed_tokens = max_computed_tokens
         self.timeout_s = timeout_s
@@ -185,7 +191,27 @@ class StoreIndex:
         return list(orjson.loads(payload)["tokens"])
 
     async def _stored(self, keys: list[str]) -> list[bool]:
-        status, payload = await self._get(self.master, "/batch_query_keys?keys=" + ",".join(keys))
+        """Which keys the master holds, up to the first it lacks: only the leading run
+        loads. In chunks, so a 128k-token prompt's thousands of keys never make one
+        huge URL, and a miss early in a long prompt ends the questions."""
+        stored: list[bool] = []
+        for start in range(0, len(keys), QUERY_KEYS):
+            found = await self._query(keys[start : start + QUERY_KEYS])
+            stored += found
+            if not all(found):
+                break
+        return stored + [False] * (len(keys) - len(stored))
+
+    async def _query(self, keys: list[str]) -> list[bool]:
+        path = "/batch_query_keys?keys=" + ",".join(keys)
+        try:
+            status, payload = await self._get(self.leader, path)
+            if status == 503:  # a standby
+                self.leader = await self._find_leader()
+                status, payload = await self._get(self.leader, path)
+        except UpstreamError:
+            self.leader = self.master  # a leader gone: ask the Service again next time
+            raise
         if status != 200:
             raise LookupFailed(f"master /batch_query_keys answered HTTP {status}")
         answer = orjson.loads(payload)
@@ -193,6 +219,14 @@ class StoreIndex:
         if not isinstance(data, dict):
             raise LookupFailed(f"master /batch_query_keys answered {payload[:200]!r}")
         return [bool((data.get(k) or {}).get("ok")) for k in keys]
+
+    async def _find_leader(self) -> Origin:
+        status, payload = await self._get(self.master, "/leader")
+        view = orjson.loads(payload) if status == 200 else {}
+        if not view.get("present"):
+            raise LookupFailed(f"no master leads (/leader answered HTTP {status}: {payload[:200]!r})")
+        host = str(view["leader_address"]).rpartition(":")[0]  # its RPC address
+        return Origin(host.strip("[]"), self.master.port)
 
     async def lookup(self, decode_url: str, body: dict[str, Any], chat: bool, estimate: int) -> Lookup:
         """How much of this request's prompt decode would load from the store; `estimate`
