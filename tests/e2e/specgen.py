@@ -236,6 +236,17 @@ def pdcluster(draw: st.DrawFn) -> dict[str, Any]:
                 localBufferSize=quantities,
                 port=ports,
             ),
+            highAvailability=section(
+                enabled=st.booleans(),
+                replicas=ints(2, 5, 3),
+                etcdEndpoints=st.lists(
+                    mostly(
+                        st.sampled_from(["etcd-0.etcd:2379", "[::1]:2379"]),
+                        st.sampled_from(["etcd", "a;b:1"]),
+                    ),
+                    max_size=3,
+                ),
+            ),
         ),
         "autoscaling": section(
             enabled=st.booleans(),

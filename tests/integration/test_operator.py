@@ -67,9 +67,10 @@ async def completion(
 async def test_create_update_drift_delete(
     kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, local_cluster: Any, sim_cluster: Any
 ) -> None:
-    # With the store on, so that its client ConfigMap is a child too (engine simulators
-    # mount it and, like vLLM without MooncakeStoreConnector, leave it unread).
-    mooncake = {"image": C.DEFAULT_MOONCAKE_IMAGE, "store": {"enabled": True, "engineSegmentSize": "64Mi"}}
+    # With the store on, so that its client ConfigMap is a child too: the engine
+    # simulators read it, as vLLM's store connector does, and write their blocks.
+    store = {"enabled": True, "engineSegmentSize": "64Mi", "engineBufferSize": "16Mi"}
+    mooncake = {"image": C.DEFAULT_MOONCAKE_IMAGE, "store": store}
     await pdc.apply(sim_cluster("demo", mooncake=mooncake))
     await wait_until(lambda: ready(pdc, "demo"), timeout=120, message="PDCluster Ready and settled")
 

@@ -143,7 +143,8 @@ class MooncakeStore:
     reconnects (and mounts again) only after three failed pings, one a second, so a
     master replaced faster than that never learns of the segment and puts fail for lack
     of space. A marker key written at every setup tells: when a master answers that it
-    does not have it, this is a new master, and the client is set up again."""
+    does not have it, this is a new master, and the client is set up again. Not under
+    HA: a new leader starts empty, and the client moves to it and mounts again itself."""
 
     RETRY_SECONDS = 2.0
     CHECK_SECONDS = 3.0
@@ -163,6 +164,7 @@ class MooncakeStore:
         self.local_hostname = local_hostname
         self.metadata_server = metadata_server
         self.segment, self.buffer = segment, buffer
+        self.ha = master.startswith("etcd://")  # leader found in etcd (client_service.cpp)
         self.marker = f"pdcluster-sim/alive/{local_hostname}"
         self._store: Any = None
         self._marked = False
@@ -206,7 +208,8 @@ class MooncakeStore:
                 continue
             await asyncio.sleep(self.CHECK_SECONDS)
             # 0: the master answered and has no marker; < 0: no answer (Mooncake retries).
-            if self._marked and await self._call("is_exist", self.marker) == 0:
+            # Under HA a new leader starts empty, and the client moves to it by itself.
+            if self._marked and not self.ha and await self._call("is_exist", self.marker) == 0:
                 log.warning(
                     "Mooncake master %s does not know this engine (restarted): setting up again", self.master
                 )

@@ -161,6 +161,9 @@ class Container:
                 node_allocatable=await runner.node_allocatable(pod["spec"]["nodeName"]),
             ),
         }
+        # Mooncake's transfer engine listens on, and advertises, the address of a host
+        # interface (unless told); in a pod that is the pod IP, here the host's.
+        self.env.setdefault("MC_TCP_BIND_ADDRESS", self.pod.ip)
         repository = image_repository(self.spec["image"])
         entrypoint, default_args = IMAGES[repository]
         argv = envvars.command_line(entrypoint, default_args, self.spec, self.env)

@@ -19,9 +19,6 @@ a few things differ from the image, and each is supplied here, never in the mani
   go to whichever core is free; `VLLM_HOST_IP` (the pod IP, when the pod sets none),
   offline Hugging Face and no usage reports, a vLLM cache directory per pod. A pod's own
   env wins over all but the offline switches.
-- `MC_TCP_BIND_ADDRESS`: the pod IP. Mooncake's TCP transport (the store client's)
-  advertises a host interface's address, which in a pod is the pod IP; here it would be
-  the host's, where nothing listens (the bind shim moved the listener to the pod IP).
 - `VLLM_DP_MASTER_IP`: the pod IP. Ports need nothing: the bind shim puts every listener
   on the pod's own IP, so each prefill pod's bootstrap server (0.0.0.0:
   VLLM_MOONCAKE_BOOTSTRAP_PORT) is its own. But then it no longer answers on 127.0.0.1,
@@ -86,9 +83,6 @@ def environment(env: dict[str, str], *, pod_ip: str, cache_dir: Path) -> dict[st
         "OMP_NUM_THREADS": "1",
         "VLLM_HOST_IP": pod_ip,
         "VLLM_DP_MASTER_IP": pod_ip,
-        # Mooncake's TCP transport advertises the address of a host interface; in a pod
-        # that is the pod IP, here it is the host's while the bind shim listens on the pod IP.
-        "MC_TCP_BIND_ADDRESS": pod_ip,
         "VLLM_CACHE_ROOT": str(cache_dir),
     }
     forced = {
