@@ -86,8 +86,10 @@ def report(ratios: list[float], what: str) -> bool:
     """Measured/expected ratios; calibrated when the median is within 10%."""
     median = statistics.median(ratios)
     ok = 0.9 <= median <= 1.1
-    print(f"{what:32} median {median:.3f}  min {min(ratios):.3f}  max {max(ratios):.3f}  "
-          f"({len(ratios)} requests){'' if ok else '  OFF'}")
+    print(
+        f"{what:32} median {median:.3f}  min {min(ratios):.3f}  max {max(ratios):.3f}  "
+        f"({len(ratios)} requests){'' if ok else '  OFF'}"
+    )
     return ok
 
 
@@ -117,8 +119,9 @@ async def a_batch(http: aiohttp.ClientSession) -> bool:
     expected_itl = (
         statistics.fmean(profile.decode_step_ms(batch, batch * (prompt + i)) for i in range(1, output)) / 1000
     )
-    return (report([t[0] / expected_ttft for t in runs], f"batch of {batch}: TTFT")
-            & report([mean_itl(t) / expected_itl for t in runs], f"batch of {batch}: ITL"))
+    return report([t[0] / expected_ttft for t in runs], f"batch of {batch}: TTFT") & report(
+        [mean_itl(t) / expected_itl for t in runs], f"batch of {batch}: ITL"
+    )
 
 
 async def disaggregated(http: aiohttp.ClientSession) -> bool:

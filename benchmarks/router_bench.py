@@ -467,11 +467,18 @@ def orchestrate(args: argparse.Namespace) -> None:
     sim = [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1", "--sim-profile", "zero"]
     try:
         procs.start("canned", [sys.executable, __file__, "_canned", "--port", str(ports["canned"])])
+
         def pd_with_router(prefix: str, engine: list[str]) -> None:
             """A prefill and a decode simulator and a pdcluster-router in front of them."""
             procs.start(
                 f"{prefix}prefill",
-                [*engine, "--port", str(ports[f"{prefix}prefill"]), "--kv-transfer-config", kv % "kv_producer"],
+                [
+                    *engine,
+                    "--port",
+                    str(ports[f"{prefix}prefill"]),
+                    "--kv-transfer-config",
+                    kv % "kv_producer",
+                ],
                 {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(ports[f"{prefix}bootstrap"])},
             )
             procs.start(

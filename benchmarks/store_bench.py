@@ -53,7 +53,9 @@ def curve(trace: str, gpus: int, split: str, router: str, dram: str, ssd: str = 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--split", default="4:4")
     parser.add_argument("--json", help="also write every figure here")

@@ -43,7 +43,9 @@ EXAMPLE = REPO / "examples" / "pdcluster-vllm-cpu.yaml"
 NAMESPACE = "bench-vllm"
 
 
-async def stream(http: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> list[float]:
+async def stream(
+    http: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None
+) -> list[float]:
     """Arrival times of the stream's token events."""
     stamps = []
     async with http.post(f"{url}/v1/completions", json=body, headers=headers) as r:
@@ -66,10 +68,16 @@ async def direct(
     transfer_id = uuid.uuid4().hex
     started = time.perf_counter()
     p = MooncakeProtocol
-    prefill_task = asyncio.create_task(http.post(
-        f"{prefill}/v1/completions", json=p.prefill_body(body, transfer_id),
-        headers=dict(p.prefill_headers(transfer_id, engine))))
-    stamps = await stream(http, decode, p.decode_body(body, transfer_id, engine), dict(p.decode_headers(transfer_id)))
+    prefill_task = asyncio.create_task(
+        http.post(
+            f"{prefill}/v1/completions",
+            json=p.prefill_body(body, transfer_id),
+            headers=dict(p.prefill_headers(transfer_id, engine)),
+        )
+    )
+    stamps = await stream(
+        http, decode, p.decode_body(body, transfer_id, engine), dict(p.decode_headers(transfer_id))
+    )
     response = await prefill_task
     if response.status != 200:
         raise RuntimeError(f"prefill: HTTP {response.status}: {(await response.text())[:300]}")
@@ -84,9 +92,13 @@ def figures(samples: list[tuple[float, list[float]]]) -> dict[str, float]:
     def q(values: list[float], p: float) -> float:
         return values[min(len(values) - 1, round(p * (len(values) - 1)))]
 
-    return {"ttft_p50_ms": q(ttft, 0.5), "ttft_p99_ms": q(ttft, 0.99),
-            "per_token_p50_ms": q(per_token, 0.5), "per_token_p99_ms": q(per_token, 0.99),
-            "per_token_mean_ms": statistics.fmean(per_token)}
+    return {
+        "ttft_p50_ms": q(ttft, 0.5),
+        "ttft_p99_ms": q(ttft, 0.99),
+        "per_token_p50_ms": q(per_token, 0.5),
+        "per_token_p99_ms": q(per_token, 0.99),
+        "per_token_mean_ms": statistics.fmean(per_token),
+    }
 
 
 async def measure(state: cluster.State, args: argparse.Namespace) -> dict:
@@ -109,27 +121,45 @@ async def measure(state: cluster.State, args: argparse.Namespace) -> dict:
             print(f"engines Ready after {time.monotonic() - started:.0f} s", file=sys.stderr)
             svc = await kube.get("v1", "Service", "tiny-router", NAMESPACE)
             router = f"http://{svc['spec']['clusterIP']}:{C.ROUTER_PORT}"
-            pods = {p["metadata"]["labels"][C.LABEL_ROLE]: p["status"]["podIP"]
-                    for p in await kube.list("v1", "Pod", NAMESPACE, label_selector=f"{C.LABEL_CLUSTER}=tiny")}
+            pods = {
+                p["metadata"]["labels"][C.LABEL_ROLE]: p["status"]["podIP"]
+                for p in await kube.list("v1", "Pod", NAMESPACE, label_selector=f"{C.LABEL_CLUSTER}=tiny")
+            }
             prefill, decode = f"http://{pods['prefill']}:8000", f"http://{pods['decode']}:8000"
             async with aiohttp.ClientSession() as http:
-                engine = (await MooncakeProtocol.query(http, f"http://{pods['prefill']}:{C.BOOTSTRAP_PORT}"))[0]
+                engine = (await MooncakeProtocol.query(http, f"http://{pods['prefill']}:{C.BOOTSTRAP_PORT}"))[
+                    0
+                ]
                 results: dict[str, list] = {"router": [], "direct": []}
                 for i in range(args.warmup + args.requests):
-                    body = {"model": "tiny", "prompt": f"# request {i}\ndef handler(event, context):\n",
-                            "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+                    body = {
+                        "model": "tiny",
+                        "prompt": f"# request {i}\ndef handler(event, context):\n",
+                        "max_tokens": args.max_tokens,
+                        "ignore_eos": True,
+                        "temperature": 0,
+                        "stream": True,
+                    }
                     order = ["router", "direct"] if i % 2 == 0 else ["direct", "router"]
                     for path in order:
-                        sample = await (via_router(http, router, body) if path == "router"
-                                        else direct(http, prefill, decode, engine, body))
+                        sample = await (
+                            via_router(http, router, body)
+                            if path == "router"
+                            else direct(http, prefill, decode, engine, body)
+                        )
                         if i >= args.warmup:
                             results[path].append(sample)
         finally:
             operator.kill(signal.SIGTERM)
             await kube.delete(C.API_VERSION, C.KIND, "tiny", NAMESPACE)
     router_f, direct_f = figures(results["router"]), figures(results["direct"])
-    return {"requests": args.requests, "max_tokens": args.max_tokens, "router": router_f, "direct": direct_f,
-            "added": {k: router_f[k] - direct_f[k] for k in router_f}}
+    return {
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "router": router_f,
+        "direct": direct_f,
+        "added": {k: router_f[k] - direct_f[k] for k in router_f},
+    }
 
 
 def main() -> None:
@@ -151,8 +181,10 @@ def main() -> None:
     print(f"{'':10} {'TTFT p50':>10} {'TTFT p99':>10} {'tok p50':>10} {'tok p99':>10}   (ms)")
     for path in ("direct", "router", "added"):
         f = out[path]
-        print(f"{path:10} {f['ttft_p50_ms']:10.2f} {f['ttft_p99_ms']:10.2f} "
-              f"{f['per_token_p50_ms']:10.3f} {f['per_token_p99_ms']:10.3f}")
+        print(
+            f"{path:10} {f['ttft_p50_ms']:10.2f} {f['ttft_p99_ms']:10.2f} "
+            f"{f['per_token_p50_ms']:10.3f} {f['per_token_p99_ms']:10.3f}"
+        )
     print(json.dumps(out, indent=2))
 
 

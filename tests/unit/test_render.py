@@ -401,3 +401,33 @@ def test_engines_drain_in_the_grace_period_the_prestop_sleep_leaves(grace: int, 
     for role in C.ENGINE_ROLES:
         args = engine_args(spec, role)
         assert args[args.index("--shutdown-timeout") + 1] == str(drain)
+
+
+def _template(spec: PDClusterSpec, name: str) -> dict:
+    objects = render_all(spec, Owner("c", "ns", "uid"), Replicas.choose(spec, None))
+    return next(o for o in objects if o["metadata"]["name"] == name and "template" in o["spec"])["spec"][
+        "template"
+    ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"engine": {"image": "vllm/vllm-openai:v0.33.1", "args": ["--max-num-seqs=64"]}},
+        {"prefill": {"replicas": 3, "tensorParallelSize": 2}, "decode": {"tensorParallelSize": 2}},
+        {"router": {"policy": "least-loaded", "storeHits": {"maxComputedTokens": 64}}},
+        {"autoscaling": {"enabled": True, "gpuBudget": 16}},
+        {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}},
+    ],
+    ids=["engine image and args", "engine sizes", "router", "autoscaling", "model"],
+)
+def test_the_mooncake_pods_restart_only_for_their_own_changes(change: dict) -> None:
+    base = {"model": {"name": "m"}, "mooncake": {"store": {"enabled": True, "replicas": 1}}}
+    before = PDClusterSpec.model_validate(base)
+    after = PDClusterSpec.model_validate({**base, **change, "model": change.get("model", base["model"])})
+    for name in ("c-mooncake-master", "c-mooncake-store"):
+        assert _template(before, name) == _template(after, name), name
+    own = PDClusterSpec.model_validate(
+        {**base, "mooncake": {**base["mooncake"], "image": "pdcluster/mooncake:0.2.0"}}
+    )
+    assert _template(before, "c-mooncake-master") != _template(own, "c-mooncake-master")
