@@ -36,6 +36,7 @@ bench: deps ## Benchmarks that print their figures (docs/benchmarks.md has the l
 	$(BIN)/python benchmarks/router_bench.py --rounds 3
 	$(BIN)/python benchmarks/plan_bench.py
 	$(BIN)/python benchmarks/store_bench.py
+	$(BIN)/python benchmarks/store_cluster.py
 
 deps: $(STAMP) ## Python env, Debian packages, control-plane binaries
 	e2e/local/install-deps.sh

@@ -4,12 +4,21 @@ At rest the operator must not write. Server-side apply of an unchanged object is
 PATCH, so before applying we check that every field we render is present in the live
 object with an equal value. Extra live fields (defaults, other managers' fields, status)
 are fine; a missing or different one is drift and triggers an apply.
+
+A field we stopped rendering is still in the live object, so that check alone never
+sees a removal. Each applied object therefore carries a hash of what we rendered
+(`stamp`): when the rendering changes, so does the hash, the apply happens, and
+server-side apply prunes what our field manager set before and no longer sends.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+import orjson
+
+from pdcluster import constants as C
 from pdcluster.api.base import quantity
 
 
@@ -45,6 +54,14 @@ def differences(desired: Any, live: Any, path: str = "") -> list[str]:
     if a is not None and b is not None and a == b:
         return []
     return [path]
+
+
+def stamp(desired: dict[str, Any]) -> dict[str, Any]:
+    """`desired` with the hash of its own content in an annotation."""
+    digest = hashlib.sha256(orjson.dumps(desired, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+    meta = desired.get("metadata", {})
+    annotations = {**meta.get("annotations", {}), C.ANNOTATION_RENDERED: digest}
+    return {**desired, "metadata": {**meta, "annotations": annotations}}
 
 
 def in_sync(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:

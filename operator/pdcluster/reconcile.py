@@ -20,9 +20,9 @@ from pydantic import ValidationError
 from pdcluster import constants as C
 from pdcluster import metrics
 from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingState, PDClusterSpec, PDClusterStatus
-from pdcluster.drift import in_sync, merge_patch
+from pdcluster.drift import in_sync, merge_patch, stamp
 from pdcluster.io.events import EventRecorder
-from pdcluster.io.kube import ApiError, Kube, resource_path
+from pdcluster.io.kube import ApiError, Kube
 from pdcluster.render import Owner, Replicas, render_all
 from pdcluster.render.scaler import role_scaler, scaler_status
 from pdcluster.status import Observation, Problem, compute_status
@@ -139,7 +139,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     replicas = Replicas.choose(spec, result.state, external)
     for role in C.ENGINE_ROLES:
         metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name, role).set(replicas.of(role))
-    desired = render_all(spec, owner, replicas)
+    desired = [stamp(obj) for obj in render_all(spec, owner, replicas)]
 
     problems, blocked = await preflight(ctx.kube, spec, owner.namespace)
     live: dict[tuple[str, str], dict[str, Any] | None] = {}
@@ -148,6 +148,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
             obj["apiVersion"], obj["kind"], obj["metadata"]["name"], owner.namespace
         )
 
+    applied: list[tuple[str, str, str]] = []  # events, sent once the status is stored
     if not spec.paused:
         for obj in desired:
             key = _key(obj)
@@ -163,7 +164,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
                 continue
             verb = "Created" if created else "Updated"
             log.info("%s %s/%s %s", verb, owner.namespace, obj["metadata"]["name"], obj["kind"])
-            await ctx.events.normal(body, verb, f"{verb} {obj['kind']} {obj['metadata']['name']}")
+            applied.append(("Normal", verb, f"{verb} {obj['kind']} {obj['metadata']['name']}"))
 
     workloads = {_workload_role(obj): live[_key(obj)] for obj in desired if _workload_role(obj) is not None}
     desired_counts = {
@@ -184,7 +185,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         await _report_scale(ctx, owner, role, scaler, workloads.get(role))
     # Status first: events describe what was stored, so a failed write (retried) emits none.
     await _write_status(ctx, body, previous, status)
-    for type_, reason, message in result.events:
+    for type_, reason, message in applied + result.events:
         await ctx.events.emit(body, type_, reason, message)
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
@@ -238,9 +239,10 @@ async def _write_status(
         return  # at rest: no writes
     patch = {"status": merge_patch(old, new)}
     meta = body["metadata"]
-    path = resource_path(C.API_VERSION, C.KIND, meta["namespace"], meta["name"]) + "/status"
     try:
-        await ctx.kube.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
+        await ctx.kube.merge_patch(
+            C.API_VERSION, C.KIND, meta["name"], meta["namespace"], patch, subresource="status"
+        )
     except ApiError as e:
         if e.status != 404:  # deleted meanwhile: nothing to report to
             raise

@@ -177,6 +177,48 @@ async def test_create_update_drift_delete(
     await wait_until(collected, timeout=120, message="children garbage-collected")
 
 
+async def test_a_field_removed_from_the_spec_leaves_the_child(
+    kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, sim_cluster: Any
+) -> None:
+    """GitOps: what disappears from the PDCluster disappears from its children, by
+    server-side apply's pruning of what our field manager no longer sends."""
+    extras = {
+        "nodeSelector": {"pool": "h200"},
+        "podAnnotations": {"team": "serving"},
+        "priorityClassName": "serving-high",
+        "env": [{"name": "EXTRA", "value": "1"}],
+    }
+    doc = sim_cluster("prune", suspend=True)  # objects only: no pod needs to run
+    doc["spec"]["prefill"] = {**doc["spec"]["prefill"], **extras}
+    await pdc.apply(doc)
+
+    async def template() -> dict | None:
+        sts = await kube.get("apps/v1", "StatefulSet", "prune-prefill", namespace)
+        return sts["spec"]["template"] if sts else None
+
+    async def carries_extras() -> bool:
+        t = await template()
+        return bool(t and t["spec"].get("priorityClassName") == "serving-high")
+
+    await wait_until(carries_extras, timeout=60, message="the extras applied")
+    doc["spec"]["prefill"] = {k: v for k, v in doc["spec"]["prefill"].items() if k not in extras}
+    await pdc.apply(doc)
+
+    async def pruned() -> bool:
+        t = await template()
+        assert t is not None
+        env = [e["name"] for e in t["spec"]["containers"][0]["env"]]
+        return (
+            "nodeSelector" not in t["spec"]
+            and "priorityClassName" not in t["spec"]
+            and "team" not in t["metadata"].get("annotations", {})
+            and "EXTRA" not in env
+        )
+
+    await wait_until(pruned, timeout=60, message="the removed fields gone from the StatefulSet")
+    assert operator.failures() == []
+
+
 async def test_missing_secret_is_degraded_not_a_crash(
     kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, sim_cluster: Any
 ) -> None:

@@ -1,7 +1,14 @@
 from __future__ import annotations
 
+import copy
+
+import pytest
+
+from pdcluster import constants as C
 from pdcluster.api.base import quantity
-from pdcluster.drift import differences, in_sync, merge_patch
+from pdcluster.api.v1alpha1 import PDClusterSpec
+from pdcluster.drift import differences, in_sync, merge_patch, stamp
+from pdcluster.render import Owner, Replicas, render_all
 
 
 def test_quantities_compare_by_value() -> None:
@@ -84,3 +91,67 @@ def test_zero_values_match_omitted_fields() -> None:
     desired = {"readinessProbe": {"initialDelaySeconds": 0, "periodSeconds": 5}}
     assert differences(desired, {"readinessProbe": {"periodSeconds": 5}}) == []
     assert differences({"replicas": 0}, {"replicas": 1}) == [".replicas"]
+
+
+def _prefill(spec: dict) -> dict:
+    s = PDClusterSpec.model_validate({"model": {"name": "m"}, **spec})
+    objects = render_all(s, Owner("c", "ns", "uid"), Replicas.choose(s, None))
+    return stamp(
+        next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "c-prefill")
+    )
+
+
+def _applied(desired: dict) -> dict:
+    """The live object after an apply: what was sent, plus what the apiserver adds."""
+    live = copy.deepcopy(desired)
+    live["metadata"] |= {"resourceVersion": "7", "uid": "u"}
+    live["spec"]["revisionHistoryLimit"] = 10
+    live["spec"]["template"]["spec"]["dnsPolicy"] = "ClusterFirst"
+    live["status"] = {"readyReplicas": 1}
+    return live
+
+
+WITH = {
+    "nodeSelector": {"pool": "h200"},
+    "podAnnotations": {"team": "serving"},
+    "priorityClassName": "serving-high",
+    "affinity": {"nodeAffinity": {}},
+    "env": [{"name": "EXTRA", "value": "1"}],
+}
+
+
+@pytest.mark.parametrize("removed", [*WITH, "bootstrap port"])
+def test_a_removed_field_is_drift(removed: str) -> None:
+    """The live object keeps a field we stopped rendering: only the hash tells."""
+    before = {"prefill": WITH}
+    after = {"prefill": {k: v for k, v in WITH.items() if k != removed}}
+    if removed == "bootstrap port":  # an optional port: the bootstrap's moves, the old one stays
+        before, after = (
+            {**before, "kvTransfer": {"bootstrapPort": 8998}},
+            {**before, "kvTransfer": {"bootstrapPort": 8999}},
+        )
+    live = _applied(_prefill(before))
+    assert in_sync(_prefill(before), live)
+    assert not in_sync(_prefill(after), live)
+
+
+def test_a_change_by_someone_else_is_drift() -> None:
+    desired = _prefill({"prefill": WITH})
+    live = _applied(desired)
+    live["spec"]["template"]["spec"]["nodeSelector"] = {"pool": "a100"}
+    assert not in_sync(desired, live)
+    live = _applied(desired)
+    live["metadata"]["annotations"][C.ANNOTATION_RENDERED] = "0" * 16  # the hash itself edited
+    assert not in_sync(desired, live)
+
+
+def test_the_stamp_is_the_rendering_s_own() -> None:
+    a, b = _prefill({}), _prefill({})
+    assert (
+        a["metadata"]["annotations"][C.ANNOTATION_RENDERED]
+        == b["metadata"]["annotations"][C.ANNOTATION_RENDERED]
+    )
+    assert (
+        "annotations" not in a["spec"]["template"]["metadata"]
+        or C.ANNOTATION_RENDERED not in (a["spec"]["template"]["metadata"]["annotations"])
+    )  # on the object, not its pods: a new hash restarts nothing by itself

@@ -1,0 +1,158 @@
+"""One reconcile against an in-memory apiserver (fakekube.py): what it applies, what it
+leaves alone, its one status write and the events after it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from fakekube import FakeKube
+
+from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import PDClusterSpec
+from pdcluster.io.events import EventRecorder
+from pdcluster.io.kube import ApiError
+from pdcluster.reconcile import Context, reconcile
+from pdcluster.render import Owner, Replicas, render_all
+
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
+def pdcluster(kube: FakeKube, **spec: Any) -> dict[str, Any]:
+    body = {
+        "apiVersion": C.API_VERSION,
+        "kind": C.KIND,
+        "metadata": {"name": "c", "namespace": "ns"},
+        "spec": {"model": {"name": "m"}, **spec},
+    }
+    return kube.put(body)
+
+
+async def run(kube: FakeKube, body: dict[str, Any]) -> dict[str, Any]:
+    """One reconcile of the stored object; returns it as stored afterwards."""
+    ctx = Context(kube=kube, events=EventRecorder(kube), clock=lambda: NOW)  # type: ignore[arg-type]
+    await reconcile(ctx, kube.live(C.KIND, body["metadata"]["name"]) or body)
+    stored = kube.live(C.KIND, body["metadata"]["name"])
+    assert stored is not None
+    return stored
+
+
+def events(kube: FakeKube) -> list[str]:
+    return [name for verb, kind, name in kube.writes if kind == "Event"]
+
+
+def condition(body: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in body["status"]["conditions"] if c["type"] == type_)
+
+
+async def test_a_new_pdcluster_gets_its_children_then_one_status_write_then_events() -> None:
+    kube = FakeKube()
+    body = pdcluster(kube)
+    await run(kube, body)
+    spec = PDClusterSpec.model_validate(body["spec"])
+    children = render_all(spec, Owner("c", "ns", "uid-c"), Replicas.choose(spec, None))
+    assert {(k, n) for v, k, n in kube.written("apply")} == {
+        (o["kind"], o["metadata"]["name"]) for o in children
+    }
+    verbs = [v for v, k, _ in kube.writes if k != "Event"]
+    assert verbs.count("patch-status") == 1 and verbs[-1] == "patch-status"
+    status_at = kube.writes.index(("patch-status", C.KIND, "c"))
+    assert all(kube.writes.index(w) > status_at for w in kube.writes if w[1] == "Event")
+    assert len(events(kube)) == len(children)  # one Created per child
+
+
+async def test_at_rest_nothing_is_written() -> None:
+    kube = FakeKube()
+    body = pdcluster(kube)
+    await run(kube, body)
+    kube.writes.clear()
+    await run(kube, body)
+    assert kube.writes == []
+
+
+async def test_paused_applies_nothing() -> None:
+    kube = FakeKube()
+    body = await run(kube, pdcluster(kube, paused=True))
+    assert kube.written("apply") == []
+    assert condition(body, "Progressing")["reason"] == "Paused"
+
+
+async def test_suspended_scales_every_workload_to_zero() -> None:
+    kube = FakeKube()
+    body = await run(kube, pdcluster(kube, suspend=True))
+    workloads = [kube.live(k, n) for v, k, n in kube.written("apply") if k in ("StatefulSet", "Deployment")]
+    assert workloads and all(w["spec"]["replicas"] == 0 for w in workloads if w)
+    assert condition(body, "Ready")["reason"] == "Suspended"
+
+
+async def test_a_failed_status_write_sends_no_events_and_the_next_reconcile_writes_it() -> None:
+    kube = FakeKube()
+    body = pdcluster(kube)
+    kube.fail_status_writes = ApiError(500, "InternalError", "etcd timeout")
+    with pytest.raises(ApiError):
+        await run(kube, body)
+    assert events(kube) == []  # nothing described a state that was not stored
+    kube.fail_status_writes = None
+    stored = await run(kube, body)
+    assert stored["status"]["observedGeneration"] == 1
+
+
+async def test_a_removed_field_leaves_the_child() -> None:
+    kube = FakeKube()
+    body = pdcluster(kube, prefill={"nodeSelector": {"pool": "h200"}, "priorityClassName": "high"})
+    await run(kube, body)
+    sts = kube.live("StatefulSet", "c-prefill")
+    assert sts and sts["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "h200"}
+    kube.objects[(C.KIND, "ns", "c")].others["spec"]["prefill"] = {}
+    kube.writes.clear()
+    await run(kube, body)
+    assert ("apply", "StatefulSet", "c-prefill") in kube.writes
+    sts = kube.live("StatefulSet", "c-prefill")
+    assert sts and "nodeSelector" not in sts["spec"]["template"]["spec"]
+    assert "priorityClassName" not in sts["spec"]["template"]["spec"]
+
+
+async def test_drift_by_someone_else_is_put_back() -> None:
+    kube = FakeKube()
+    body = pdcluster(kube)
+    await run(kube, body)
+    await kube.merge_patch("apps/v1", "StatefulSet", "c-decode", "ns", {"spec": {"replicas": 5}})
+    kube.writes.clear()
+    await run(kube, body)
+    assert kube.written("apply") == [("apply", "StatefulSet", "c-decode")]
+    assert (kube.live("StatefulSet", "c-decode") or {})["spec"]["replicas"] == 1
+
+
+async def test_a_missing_secret_holds_the_engines_back_and_warns_after_the_status() -> None:
+    kube = FakeKube()
+    body = await run(kube, pdcluster(kube, engine={"hfTokenSecret": {"name": "hf"}}))
+    applied = {n for _, k, n in kube.written("apply") if k in ("StatefulSet", "Deployment")}
+    assert applied == {"c-router", "c-mooncake-master"}  # not the engines that need the Secret
+    degraded = condition(body, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "SecretNotFound")
+    warning = next(e for e in kube.list_sync("Event") if e["reason"] == "SecretNotFound")
+    assert warning["type"] == "Warning"
+    kube.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "hf", "namespace": "ns"},
+            "data": {"token": "eA=="},
+        }
+    )
+    await run(kube, body)
+    assert ("apply", "StatefulSet", "c-prefill") in kube.writes
+
+
+async def test_external_mode_follows_the_role_scalers() -> None:
+    kube = FakeKube()
+    autoscaling = {"enabled": True, "mode": "external"}
+    body = pdcluster(kube, autoscaling=autoscaling, prefill={"replicas": 2})
+    await run(kube, body)
+    scaler = kube.live(C.SCALER_KIND, "c-prefill")
+    assert scaler and scaler["spec"]["replicas"] == 2  # created from the spec
+    await kube.merge_patch(C.API_VERSION, C.SCALER_KIND, "c-prefill", "ns", {"spec": {"replicas": 4}})
+    await run(kube, body)
+    assert (kube.live("StatefulSet", "c-prefill") or {})["spec"]["replicas"] == 4
+    assert (kube.live(C.SCALER_KIND, "c-prefill") or {})["spec"]["replicas"] == 4  # never taken back
