@@ -17,11 +17,11 @@ from pdcluster import constants as C
 from pdcluster import metrics, perf
 from pdcluster.api.v1alpha1 import AutoscalingMode, PDClusterSpec, PDClusterStatus
 from pdcluster.control import Observed, RoleObserved, decide
-from pdcluster.control.law import parse_time
 from pdcluster.io.kube import Kube
 from pdcluster.io.prometheus import Prometheus, PrometheusUnavailable
 from pdcluster.reconcile import AutoscaleResult
 from pdcluster.render import Owner
+from pdcluster.timestamps import parse
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class PrometheusAutoscaler:
         previous = next((c for c in status.conditions if c.type == "Autoscaling"), None)
         held = (previous.status == "True", previous.reason, previous.message) if previous else None
         due = state is None or not state.last_run_time
-        if not due and now - parse_time(state.last_run_time) < timedelta(seconds=a.interval_seconds):
+        if not due and now - parse(state.last_run_time) < timedelta(seconds=a.interval_seconds):
             return AutoscaleResult(state, held, (status.ttft_p99_ms, status.itl_p99_ms))
         try:
             prior = await self._prior(spec, owner)

@@ -24,6 +24,7 @@ from pdcluster.api.v1alpha1 import (
     PDClusterStatus,
     RoleStatus,
 )
+from pdcluster.timestamps import time_s
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,6 @@ class Observation:
     problems: list[Problem] = field(default_factory=list)
     autoscaling: tuple[bool, str, str] | None = None  # (ok, reason, message)
     latency_p99_ms: tuple[int | None, int | None] = (None, None)  # router TTFT, ITL
-
-
-def timestamp(now: datetime) -> str:
-    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _workload_counts(obj: dict[str, Any] | None) -> tuple[int, int, int, bool]:
@@ -155,7 +152,7 @@ def compute_status(
     else:
         degraded, deg_reason, deg_msg = False, "AsExpected", "no problems found"
 
-    now_s = timestamp(now)
+    now_s = time_s(now)
     prev = previous.conditions
     conditions = [
         _condition(prev, "Ready", ready, ready_reason, ready_msg, now_s, generation),

@@ -13,7 +13,7 @@ from pdcluster import perf
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
 from pdcluster.control import MetricsSnapshot, Observed, RoleMetrics, RoleObserved, decide
 from pdcluster.control.cause import Cause
-from pdcluster.control.law import parse_time
+from pdcluster.timestamps import parse
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 PROFILE = perf.load()
@@ -291,8 +291,8 @@ def test_timers_from_a_long_gap_are_discarded() -> None:
     later = T0 + timedelta(hours=2)
     state, decision = run(s, quiet, state, seen, later)
     assert decision.action == "hold"
-    assert parse_time(state.down_wanted_since["prefill"]) == later
-    assert parse_time(since) == T0
+    assert parse(state.down_wanted_since["prefill"]) == later
+    assert parse(since) == T0
 
 
 def test_recommend_mode_records_without_acting() -> None:

@@ -44,20 +44,13 @@ from pdcluster.api.v1alpha1 import (
 from pdcluster.control import learn, models
 from pdcluster.control.cause import Cause, Figures, summary
 from pdcluster.control.types import MetricsSnapshot, Observed, TTFTBreakdown, breakdown
+from pdcluster.timestamps import parse, time_ms
 
 ROLES = ("prefill", "decode")
 # Without a reachable TTFT target (prompts whose own prefill exceeds it) prefill is
 # sized so that queueing adds at most this share of the target.
 QUEUEING_SHARE = 0.2
 MAX_GROWTH = 2.0  # the most a trend may grow the load in one window (start-up transients)
-
-
-def timestamp(t: datetime) -> str:
-    return t.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def parse_time(s: str) -> datetime:
-    return datetime.fromisoformat(s.replace("Z", "+00:00"))
 
 
 @dataclass
@@ -96,7 +89,7 @@ class _Run:
         self.prev = state or AutoscalingState()
         self.observed: Observed = observed
         self.now = now if now.tzinfo else now.replace(tzinfo=UTC)
-        self.now_s = timestamp(self.now)
+        self.now_s = time_ms(self.now)
         # The prior: the caller's (a ConfigMap's), else the named shipped one, else none.
         self.prior = profile or (perf.load(self.auto.profile) if self.auto.profile else None)
         self.capacity = self.prev.capacity
@@ -111,7 +104,7 @@ class _Run:
         self.down_since = {} if stale else dict(self.prev.down_wanted_since or {})
         self.history = [] if stale else list(self.prev.history or [])
         self.pending = dict(self.prev.pending_since or {})
-        self.blocked = {r: t for r, t in (self.prev.blocked_until or {}).items() if parse_time(t) > self.now}
+        self.blocked = {r: t for r, t in (self.prev.blocked_until or {}).items() if parse(t) > self.now}
         self.stored: dict[str, int] = {}
         self.events: dict[Cause, str] = {}  # what happened on the way, and to which role
         self.stages: TTFTBreakdown | None = None
@@ -122,7 +115,7 @@ class _Run:
         """Timers only mean "wanted continuously" if the law kept running."""
         if self.prev.last_run_time is None:
             return True
-        gap = (self.now - parse_time(self.prev.last_run_time)).total_seconds()
+        gap = (self.now - parse(self.prev.last_run_time)).total_seconds()
         return gap > max(3 * self.auto.interval_seconds, self.auto.window_seconds)
 
     def _bounds(self, role: str) -> tuple[int, int]:
@@ -222,7 +215,7 @@ class _Run:
             if self.current[role] <= obs.ready:
                 self.pending.pop(role, None)
                 continue
-            since = parse_time(self.pending.setdefault(role, self.now_s))
+            since = parse(self.pending.setdefault(role, self.now_s))
             waited = (self.now - since).total_seconds()
             if waited < timeout:
                 continue
@@ -231,7 +224,7 @@ class _Run:
             out[role] = max(low, obs.ready)
             self.pending.pop(role, None)
             self.up_since.pop(role, None)
-            self.blocked[role] = timestamp(self.now + timedelta(seconds=timeout))
+            self.blocked[role] = time_ms(self.now + timedelta(seconds=timeout))
             self.events.setdefault(Cause.scale_up_timed_out, role)
             stuck = f", {obs.unschedulable} unschedulable" if obs.unschedulable else ""
             self.notes.append(
@@ -252,7 +245,7 @@ class _Run:
     def _record(self, m: MetricsSnapshot) -> None:
         """Keep this run's demand with those of the last window (the trend's input)."""
         horizon = self.now - timedelta(seconds=self.auto.window_seconds)
-        self.history = [h for h in self.history if horizon <= parse_time(h.time) < self.now]
+        self.history = [h for h in self.history if horizon <= parse(h.time) < self.now]
         prefill, decode = demand(m)
         self.history.append(LoadSample(time=self.now_s, prefill=round(prefill), decode=round(decode)))
 
@@ -267,9 +260,7 @@ class _Run:
         scaling down stays cautious.
         """
         window = self.auto.window_seconds
-        points = [
-            ((parse_time(h.time) - self.now).total_seconds(), float(getattr(h, role))) for h in self.history
-        ]
+        points = [((parse(h.time) - self.now).total_seconds(), float(getattr(h, role))) for h in self.history]
         current = points[-1][1] if points else 0.0
         if len(points) >= 3 and current > 0:
             mean_t = sum(t for t, _ in points) / len(points)
@@ -582,7 +573,7 @@ class _Run:
         target = dict(self.current)
         cooling = False
         if self.prev.last_change_time and not self.recommend:
-            since = (now - parse_time(self.prev.last_change_time)).total_seconds()
+            since = (now - parse(self.prev.last_change_time)).total_seconds()
             cooling = since < auto.cooldown_seconds
         for role in ROLES:
             cur, want = self.current[role], wants[role]
@@ -592,7 +583,7 @@ class _Run:
                     self.notes.append(f"{role} scale-up blocked until {self.blocked[role]} (earlier timeout)")
                     self.events.setdefault(Cause.scale_up_blocked, role)
                     continue
-                since = parse_time(self.up_since.setdefault(role, self.now_s))
+                since = parse(self.up_since.setdefault(role, self.now_s))
                 wanted = (now - since).total_seconds()
                 if wanted < auto.scale_up_stabilization_seconds:
                     self.notes.append(f"{role} scale-up wanted for {wanted:.0f} s")
@@ -610,7 +601,7 @@ class _Run:
                 target[role] = cur + grow
             elif want < cur:
                 self.up_since.pop(role, None)
-                since = parse_time(self.down_since.setdefault(role, self.now_s))
+                since = parse(self.down_since.setdefault(role, self.now_s))
                 waited = (now - since).total_seconds()
                 # Giving engines to the other role moves capacity rather than removing it:
                 # headroom seen over a whole window is enough.
@@ -622,7 +613,7 @@ class _Run:
                 # The next step of the same scale-down waits for a window of metrics at the
                 # new count, and for the stabilization since the wish began.
                 settle = max(auto.scale_down_stabilization_seconds - auto.window_seconds, 0)
-                self.down_since[role] = timestamp(max(since, now - timedelta(seconds=settle)))
+                self.down_since[role] = time_ms(max(since, now - timedelta(seconds=settle)))
             else:
                 self.up_since.pop(role, None)
                 self.down_since.pop(role, None)

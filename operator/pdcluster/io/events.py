@@ -12,6 +12,7 @@ from typing import Any
 
 from pdcluster import constants as C
 from pdcluster.io.kube import ApiError, Kube
+from pdcluster.timestamps import time_s
 
 log = logging.getLogger(__name__)
 COMPONENT = "pdcluster-operator"
@@ -38,7 +39,7 @@ class EventRecorder:
         if len(self._last) >= self._prune_at:
             self._last = {k: t for k, t in self._last.items() if now - t < REPEAT_AFTER_SECONDS}
             self._prune_at = max(PRUNE_AT, 2 * len(self._last))  # amortized: prune rarely
-        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamp = time_s(datetime.now(UTC))
         event = {
             "apiVersion": "v1",
             "kind": "Event",

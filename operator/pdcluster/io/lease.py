@@ -11,6 +11,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from pdcluster.io.kube import ApiError, Kube
+from pdcluster.timestamps import micro_time, parse
 
 log = logging.getLogger(__name__)
 
@@ -19,14 +20,8 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _fmt(t: datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def _parse(s: str | None) -> datetime | None:
-    if not s:
-        return None
-    return datetime.strptime(s.replace("Z", "+0000"), "%Y-%m-%dT%H:%M:%S.%f%z")
+    return parse(s) if s else None
 
 
 class LeaderElector:
@@ -120,7 +115,7 @@ class LeaderElector:
         return {
             "holderIdentity": self.identity,
             "leaseDurationSeconds": self.duration,
-            "acquireTime": _fmt(acquired),
-            "renewTime": _fmt(renewed),
+            "acquireTime": micro_time(acquired),
+            "renewTime": micro_time(renewed),
             "leaseTransitions": transitions,
         }

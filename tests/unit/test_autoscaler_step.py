@@ -1,0 +1,120 @@
+"""The autoscaler hook (autoscaler.py) on the in-memory apiserver and a Prometheus that
+answers from memory: when it asks, what it does without answers, the pods it counts,
+the profile it reads, and the events it hands to reconcile."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from fakekube import FakeKube
+from test_control_law import T0, metrics, spec
+
+from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus, RoleStatus
+from pdcluster.autoscaler import PrometheusAutoscaler
+from pdcluster.io.prometheus import PrometheusUnavailable
+from pdcluster.perf import PROFILE_KEY, load, to_json
+from pdcluster.render import Owner
+
+OWNER = Owner("c", "ns", "uid")
+
+
+class FakePrometheus:
+    def __init__(self, snapshot: Any = None, fail: bool = False):
+        self.snapshot_value, self.fail, self.asked = snapshot, fail, 0
+
+    async def snapshot(self, *args: Any) -> Any:
+        self.asked += 1
+        if self.fail:
+            raise PrometheusUnavailable("connection refused")
+        return self.snapshot_value
+
+    async def router_p99_ms(self, *args: Any) -> tuple[int | None, int | None]:
+        return 900, 20
+
+
+def autoscaler(
+    kube: FakeKube, prom: FakePrometheus | None, url: str | None = "http://prom:9090"
+) -> PrometheusAutoscaler:
+    a = PrometheusAutoscaler(kube, url)  # type: ignore[arg-type]
+    a._prometheus = lambda _url: prom  # type: ignore[assignment,method-assign,return-value]
+    return a
+
+
+def status(prefill: int = 4, decode: int = 4) -> PDClusterStatus:
+    return PDClusterStatus(
+        prefill=RoleStatus(desired=prefill, replicas=prefill, ready=prefill),
+        decode=RoleStatus(desired=decode, replicas=decode, ready=decode),
+    )
+
+
+def auto(s: PDClusterSpec) -> PDClusterSpec:
+    return s.model_copy(update={"autoscaling": s.autoscaling.model_copy(update={"mode": "auto"})})
+
+
+async def test_a_ttft_miss_scales_prefill_and_says_so_in_an_event() -> None:
+    prom = FakePrometheus(metrics(rate=14.0, ttft=2400, wait=1800))
+    result = await autoscaler(FakeKube(), prom).step(
+        auto(spec(profile="h200-llama3.1-8b")), OWNER, status(), T0
+    )
+    assert result.state is not None and result.state.prefill > 4
+    assert result.condition and result.condition[0] is True and result.condition[1] == "TTFTOverTarget"
+    assert [e[:2] for e in result.events] == [("Normal", "Scaled")]
+    assert result.latency_p99_ms == (900, 20)
+
+
+async def test_between_intervals_it_asks_nobody() -> None:
+    prom = FakePrometheus(metrics())
+    a = autoscaler(FakeKube(), prom)
+    first = await a.step(spec(), OWNER, status(), T0)
+    held = status().model_copy(update={"autoscaling": first.state})
+    again = await a.step(spec(), OWNER, held, T0 + timedelta(seconds=5))  # interval 30 s
+    assert prom.asked == 1 and again.state == first.state and again.events == []
+
+
+async def test_without_answers_it_holds_and_says_why() -> None:
+    kube = FakeKube()
+    for prom, url, reason in [
+        (FakePrometheus(fail=True), "http://prom:9090", "MetricsUnavailable"),
+        (FakePrometheus(None), "http://prom:9090", "NoMetrics"),
+        (None, None, "NoPrometheus"),
+    ]:
+        result = await autoscaler(kube, prom, url).step(auto(spec()), OWNER, status(), T0)
+        assert result.condition and result.condition[:2] == (False, reason), result.condition
+        assert result.events == []
+        assert result.state is not None and (result.state.prefill, result.state.decode) == (4, 4)
+
+
+async def test_a_profile_from_a_config_map_or_a_clear_error() -> None:
+    kube = FakeKube()
+    s = spec(profileConfigMap="my-profile")
+    result = await autoscaler(kube, FakePrometheus(metrics())).step(s, OWNER, status(), T0)
+    assert result.condition and result.condition[1] == "UnknownProfile"
+    assert "ns/my-profile not found" in result.condition[2]
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "my-profile", "namespace": "ns"}}
+    kube.put({**cm, "data": {PROFILE_KEY: to_json(load("h200-llama3.1-8b"))}})
+    result = await autoscaler(kube, FakePrometheus(metrics())).step(s, OWNER, status(), T0)
+    assert result.condition and result.condition[1] != "UnknownProfile"
+
+
+async def test_pods_the_scheduler_cannot_place_are_counted() -> None:
+    kube = FakeKube()
+    for i in range(2):
+        kube.put(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": f"c-decode-{i}",
+                    "namespace": "ns",
+                    "labels": {C.LABEL_CLUSTER: "c", C.LABEL_ROLE: C.ROLE_DECODE},
+                },
+                "status": {
+                    "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]
+                },
+            }
+        )
+    a = autoscaler(kube, FakePrometheus(metrics()))
+    observed = await a._observed(OWNER, status())
+    assert (observed.decode.unschedulable, observed.prefill.unschedulable) == (2, 0)
