@@ -15,7 +15,10 @@ import copy
 import logging
 from typing import Any
 
+import aiohttp
+
 from pdcluster import metrics
+from pdcluster.io.kube import ApiError
 from pdcluster.io.lease import LeaderElector
 from pdcluster.reconcile import Context, reconcile
 
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 # Child events arrive in bursts (one per object we apply); reconcile once per burst.
 DEBOUNCE_SECONDS = 0.2
 MAX_BACKOFF_SECONDS = 60.0
+MAX_CONCURRENT_RECONCILES = 8  # a reconcile makes a few requests: well inside the client's pool of 32
 
 
 def wake_after(body: dict[str, Any], resync: float) -> float:
@@ -34,6 +38,13 @@ def wake_after(body: dict[str, Any], resync: float) -> float:
     if autoscaling.get("enabled"):
         return min(resync, float(autoscaling.get("intervalSeconds") or resync))
     return resync
+
+
+def transient(error: BaseException) -> bool:
+    """An apiserver that is busy, restarting or slow: a retry, not a bug to trace."""
+    if isinstance(error, ApiError):
+        return error.status in (409, 429, 500, 502, 503, 504)
+    return isinstance(error, (aiohttp.ClientError, TimeoutError, ConnectionError))
 
 
 class Worker:
@@ -58,12 +69,16 @@ class Worker:
             if self.controller.elector is not None:
                 await self.controller.elector.leading.wait()
             try:
-                status = await reconcile(self.controller.context, self.body)
+                async with self.controller.slots:
+                    status = await reconcile(self.controller.context, self.body)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # keep the worker alive; the next attempt may succeed
+            except Exception as e:  # keep the worker alive; the next attempt may succeed
                 metrics.RECONCILES.labels("error").inc()
-                log.exception("reconcile %s/%s failed; retrying in %.0fs", *self.key, backoff)
+                if transient(e):
+                    log.warning("reconcile %s/%s: %s; retrying in %.0fs", *self.key, e, backoff)
+                else:
+                    log.exception("reconcile %s/%s failed; retrying in %.0fs", *self.key, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
                 self.wakeup.set()
@@ -74,10 +89,20 @@ class Worker:
 
 
 class Controller:
-    def __init__(self, context: Context, *, resync: float = 30.0, elector: LeaderElector | None = None):
+    def __init__(
+        self,
+        context: Context,
+        *,
+        resync: float = 30.0,
+        elector: LeaderElector | None = None,
+        concurrency: int = MAX_CONCURRENT_RECONCILES,
+    ):
         self.context = context
         self.resync = resync
         self.elector = elector
+        # Thousands of wake-ups become at most this many reconciles (and their requests)
+        # at once; each worker still reconciles its own cluster one at a time.
+        self.slots = asyncio.Semaphore(concurrency)
         self.workers: dict[tuple[str, str], Worker] = {}
 
     # kopf handles each object's events in order, but objects (uids) concurrently: when a

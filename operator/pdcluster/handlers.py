@@ -1,8 +1,9 @@
 """Thin kopf wiring: watch PDClusters and their children, hand everything to the Controller.
 
-Only event handlers are used: they need no finalizers and write no progress annotations,
-so kopf itself never writes to our objects. They are async so that they run on the event
-loop the Controller's workers live on (kopf runs sync handlers in a thread pool).
+Only event and index handlers are used: they need no finalizers and write no progress
+annotations, so kopf itself never writes to our objects. They are async so that they run
+on the event loop the Controller's workers live on (kopf runs sync handlers in a thread
+pool). The indexes are the children cache reconcile reads (children.py).
 """
 
 from __future__ import annotations
@@ -13,25 +14,14 @@ from typing import Any
 import kopf
 
 from pdcluster import constants as C
+from pdcluster.children import KINDS, Children, owner_of
 from pdcluster.controller import Controller
 from pdcluster.io.kube import KubeConfig
 
-# Child kinds whose changes should wake their PDCluster's worker (drift repair, status).
-CHILD_RESOURCES = [
-    ("apps", "v1", "statefulsets"),
-    ("apps", "v1", "deployments"),
-    ("", "v1", "services"),
-    ("", "v1", "configmaps"),
-    ("", "v1", "serviceaccounts"),
-    ("policy", "v1", "poddisruptionbudgets"),
-    ("rbac.authorization.k8s.io", "v1", "roles"),
-    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
-    # HPA/KEDA scaling a role in `external` mode must take effect at once.
-    (C.GROUP, C.VERSION, C.SCALER_PLURAL),
-]
 
-
-def register(registry: kopf.OperatorRegistry, controller: Controller, config: KubeConfig) -> None:
+def register(
+    registry: kopf.OperatorRegistry, controller: Controller, config: KubeConfig, children: Children
+) -> None:
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         # Our own EventRecorder posts meaningful events; kopf's per-handler chatter is noise.
@@ -56,28 +46,32 @@ def register(registry: kopf.OperatorRegistry, controller: Controller, config: Ku
         )
 
     @kopf.on.event(C.GROUP, C.VERSION, C.PLURAL, registry=registry)
-    async def pdcluster_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+    async def pdcluster_event(event: dict[str, Any], body: kopf.Body, **kwargs: Any) -> None:
+        if not children.indexes:  # kopf hands its indexes to handlers only
+            children.indexes = {kind: kwargs[_index_id(plural)] for (_, _, plural), kind in KINDS.items()}
         meta = body["metadata"]
         if event.get("type") == "DELETED":
             controller.forget(meta["namespace"], meta["name"], meta.get("uid"))
         else:
             controller.observe(_plain(body))
 
-    for group, version, plural in CHILD_RESOURCES:
+    for (group, version, plural), _kind in KINDS.items():
+        managed = {C.LABEL_MANAGED_BY: C.MANAGED_BY}
 
-        @kopf.on.event(
-            group,
-            version,
-            plural,
-            labels={C.LABEL_MANAGED_BY: C.MANAGED_BY},
-            registry=registry,
-            id=f"child-{plural}",
-        )
+        @kopf.index(group, version, plural, labels=managed, registry=registry, id=_index_id(plural))
+        async def child(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+            owner = owner_of(body)
+            return {(body["metadata"]["namespace"], owner): _plain(body)} if owner else None
+
+        @kopf.on.event(group, version, plural, labels=managed, registry=registry, id=f"child-{plural}")
         async def child_event(body: kopf.Body, **_: Any) -> None:
-            meta = body["metadata"]
-            for ref in meta.get("ownerReferences") or []:
-                if ref.get("kind") == C.KIND and ref.get("apiVersion", "").startswith(f"{C.GROUP}/"):
-                    controller.wake(meta["namespace"], ref["name"])
+            owner = owner_of(body)
+            if owner:
+                controller.wake(body["metadata"]["namespace"], owner)
+
+
+def _index_id(plural: str) -> str:
+    return f"children_{plural}"
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import prometheus_client
 
 from pdcluster import __version__
 from pdcluster.autoscaler import PrometheusAutoscaler
+from pdcluster.children import Children
 from pdcluster.controller import Controller
 from pdcluster.handlers import register
 from pdcluster.io.events import EventRecorder
@@ -61,9 +62,10 @@ async def run(args: argparse.Namespace) -> None:
         if args.leader_election:
             elector = LeaderElector(kube, args.leader_election_namespace or config.namespace)
         autoscaler = PrometheusAutoscaler(kube, args.prometheus_url)
-        context = Context(kube=kube, events=EventRecorder(kube), autoscaler=autoscaler)
+        children = Children()
+        context = Context(kube=kube, events=EventRecorder(kube), autoscaler=autoscaler, children=children)
         controller = Controller(context, resync=args.resync_seconds, elector=elector)
-        register(registry, controller, config)
+        register(registry, controller, config, children)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pdcluster import constants as C
 from pdcluster import metrics
 from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingState, PDClusterSpec, PDClusterStatus
+from pdcluster.children import Children
 from pdcluster.drift import in_sync, merge_patch, stamp
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube
@@ -54,6 +55,13 @@ class Context:
     events: EventRecorder
     autoscaler: Autoscaler | None = None
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    children: Children | None = None  # the watch cache; None: read each child from the apiserver
+
+
+async def _live(ctx: Context, api_version: str, kind: str, name: str, owner: Owner) -> dict[str, Any] | None:
+    if ctx.children is not None and ctx.children.covers(kind):
+        return ctx.children.get(kind, owner.namespace, owner.name, name)
+    return await ctx.kube.get(api_version, kind, name, owner.namespace)
 
 
 def _key(obj: dict[str, Any]) -> tuple[str, str]:
@@ -144,9 +152,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     problems, blocked = await preflight(ctx.kube, spec, owner.namespace)
     live: dict[tuple[str, str], dict[str, Any] | None] = {}
     for obj in desired:
-        live[_key(obj)] = await ctx.kube.get(
-            obj["apiVersion"], obj["kind"], obj["metadata"]["name"], owner.namespace
-        )
+        live[_key(obj)] = await _live(ctx, obj["apiVersion"], obj["kind"], obj["metadata"]["name"], owner)
 
     applied: list[tuple[str, str, str]] = []  # events, sent once the status is stored
     if not spec.paused:
@@ -200,7 +206,7 @@ async def role_scalers(
     out = {}
     for role in C.ENGINE_ROLES:
         name = owner.child(role)
-        obj = await ctx.kube.get(C.API_VERSION, C.SCALER_KIND, name, owner.namespace)
+        obj = await _live(ctx, C.API_VERSION, C.SCALER_KIND, name, owner)
         if obj is None:
             # Create, never apply: after creation spec.replicas belongs to the scaler's
             # user, and an apply by us would take it back (two writers).

@@ -17,7 +17,7 @@ import yaml
 
 from localcluster import paths
 from pdcluster.api.v1alpha1 import PDClusterSpec
-from pdcluster.handlers import CHILD_RESOURCES
+from pdcluster.children import KINDS
 from pdcluster.render import Owner, Replicas, render_all
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,7 +192,7 @@ def test_rbac_covers_every_child_and_watch(name: str) -> None:
     ]
     assert roles
     for role in roles:
-        for group, resource in _rendered_children() | {(g, p) for g, _, p in CHILD_RESOURCES}:
+        for group, resource in _rendered_children() | {(g, p) for g, _, p in KINDS}:
             if resource == "pdrolescalers":
                 continue  # created once, never applied: checked below
             assert _grants(role["rules"], group, resource) >= VERBS_FOR_CHILDREN, (group, resource)

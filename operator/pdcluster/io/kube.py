@@ -2,27 +2,27 @@
 
 The operator, the router (membership) and the local cluster's pod runner need only a
 handful of verbs: get, list, watch, server-side apply, merge-patch (status), create and
-delete. A thin client over one keep-alive session does them with one dependency we
-already ship, and speaks server-side apply natively (kr8s and kopf's client do not).
+delete. A thin client over one keep-alive session does them on the event loop kopf
+already runs, and speaks server-side apply of any kind natively; the `kubernetes`
+package's client is synchronous (a thread per call) and kubernetes_asyncio's applies
+only through its typed models. Configuration and authentication, where users' setups
+vary most, come from the `kubernetes` package's loaders (KubeConfig below).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import os
 import re
 import ssl
-import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -99,19 +99,25 @@ def object_path(obj: dict[str, Any]) -> str:
 
 @dataclass
 class KubeConfig:
+    """Where the apiserver is and how to authenticate, as `kubectl` would: read by the
+    `kubernetes` package's loaders, which know every kubeconfig users have (client
+    certificates, tokens, exec credential plugins such as EKS', GKE's and AKS', OIDC
+    refresh, several files in $KUBECONFIG) and the in-cluster service account (whose
+    projected token rotates). Tokens that expire are refreshed by the loader's hook
+    before a request needs them."""
+
     server: str
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
-    token: str | None = None
-    token_file: str | None = None
     namespace: str = "default"
     insecure: bool = False
-    _tmp: list[str] = field(default_factory=list, repr=False)
+    auth: Any = field(default=None, repr=False)  # kubernetes.client.Configuration: the bearer token
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, context: str | None = None) -> KubeConfig:
-        """`path`, else $KUBECONFIG, else the in-cluster service account, else ~/.kube/config."""
+        """`path` (several, joined by os.pathsep), else $KUBECONFIG, else the in-cluster
+        service account, else ~/.kube/config."""
         if path is None:
             path = os.environ.get("KUBECONFIG") or None
         if (
@@ -124,47 +130,38 @@ class KubeConfig:
 
     @classmethod
     def in_cluster(cls) -> KubeConfig:
-        host = os.environ["KUBERNETES_SERVICE_HOST"]
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if ":" in host:
-            host = f"[{host}]"
-        return cls(
-            server=f"https://{host}:{port}",
-            ca_file=str(SERVICE_ACCOUNT_DIR / "ca.crt"),
-            token_file=str(SERVICE_ACCOUNT_DIR / "token"),
-            namespace=(SERVICE_ACCOUNT_DIR / "namespace").read_text().strip(),
-        )
+        from kubernetes import client, config
+
+        auth = client.Configuration()
+        config.load_incluster_config(client_configuration=auth)
+        namespace = (SERVICE_ACCOUNT_DIR / "namespace").read_text().strip()
+        return cls._from(auth, namespace)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], context: str | None = None) -> KubeConfig:
-        doc = yaml.safe_load(Path(path).read_text())
-        ctx_name = context or doc.get("current-context")
-        ctx = next(c["context"] for c in doc["contexts"] if c["name"] == ctx_name)
-        cluster = next(c["cluster"] for c in doc["clusters"] if c["name"] == ctx["cluster"])
-        user = next((u["user"] for u in doc.get("users", []) if u["name"] == ctx.get("user")), {})
-        cfg = cls(
-            server=cluster["server"],
-            namespace=ctx.get("namespace", "default"),
-            insecure=bool(cluster.get("insecure-skip-tls-verify")),
-            token=user.get("token"),
-            token_file=user.get("tokenFile"),
-        )
-        base = Path(path).parent
-        cfg.ca_file = cfg._file(cluster, "certificate-authority", base)
-        cfg.cert_file = cfg._file(user, "client-certificate", base)
-        cfg.key_file = cfg._file(user, "client-key", base)
-        return cfg
+        from kubernetes import client, config
 
-    def _file(self, section: dict[str, Any], key: str, base: Path) -> str | None:
-        if section.get(key):
-            return str(base / section[key])
-        data = section.get(f"{key}-data")
-        if not data:
-            return None
-        with tempfile.NamedTemporaryFile("wb", delete=False, prefix="pdcluster-kube-") as f:
-            f.write(base64.b64decode(data))
-        self._tmp.append(f.name)
-        return f.name
+        auth = client.Configuration()
+        config.load_kube_config(
+            config_file=str(path), context=context, client_configuration=auth, persist_config=False
+        )
+        _, active = config.list_kube_config_contexts(config_file=str(path))
+        if context is not None:
+            contexts, _ = config.list_kube_config_contexts(config_file=str(path))
+            active = next(c for c in contexts if c["name"] == context)
+        return cls._from(auth, (active.get("context") or {}).get("namespace") or "default")
+
+    @classmethod
+    def _from(cls, auth: Any, namespace: str) -> KubeConfig:
+        return cls(
+            server=auth.host,
+            ca_file=auth.ssl_ca_cert,
+            cert_file=auth.cert_file,
+            key_file=auth.key_file,
+            namespace=namespace,
+            insecure=not auth.verify_ssl,
+            auth=auth,
+        )
 
     def ssl_context(self) -> ssl.SSLContext | bool:
         if not self.server.startswith("https"):
@@ -178,10 +175,14 @@ class KubeConfig:
         return ctx
 
     def bearer(self) -> str | None:
-        if self.token_file:
-            # Projected tokens rotate; read the file on every request.
-            return Path(self.token_file).read_text().strip()
-        return self.token
+        """The current token; an expired one is renewed first (an exec plugin runs again,
+        a rotated service-account token is read again)."""
+        if self.auth is None:
+            return None
+        if self.auth.refresh_api_key_hook is not None:
+            self.auth.refresh_api_key_hook(self.auth)
+        value = self.auth.api_key.get("BearerToken") or self.auth.api_key.get("authorization") or ""
+        return value.removeprefix("Bearer ").strip() or None
 
 
 class Kube:
