@@ -86,6 +86,13 @@ async def test_mooncake_master_restart(
             both_mounted = m.get("master_total_capacity_bytes", 0) >= 2 * 64 * 2**20
             return m if both_mounted and m.get("master_put_end_requests_total", 0) >= at_least else {}
 
+        async def both_mounted() -> bool:
+            m = await master_metrics(http, kube, namespace, "kv")
+            return m.get("master_total_capacity_bytes", 0) >= 2 * 64 * 2**20
+
+        # Engines start beside the master and connect once it answers: a request served
+        # before that passes no KV through it.
+        await wait_until(both_mounted, timeout=60, message="both engines mounted their segments")
         assert await complete(5) == [200] * 5
         await wait_until(lambda: stored_by_master(5), timeout=30, message="KV passed through the master")
 

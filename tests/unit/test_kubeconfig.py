@@ -109,3 +109,18 @@ def test_an_exec_plugin_is_asked_again_once_its_token_expires(tmp_path: Path) ->
     while cfg.bearer() == "token-1" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert cfg.bearer() == "token-2"
+
+
+def test_in_cluster_the_service_account_token_is_read(tmp_path: Path, monkeypatch) -> None:
+    from kubernetes.config import incluster_config
+
+    (tmp_path / "token").write_text("sa-token\n")
+    (tmp_path / "ca.crt").write_text("ca")
+    (tmp_path / "namespace").write_text("serving")
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(tmp_path / "token"))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(tmp_path / "ca.crt"))
+    monkeypatch.setattr("pdcluster.io.kube.SERVICE_ACCOUNT_DIR", tmp_path)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    cfg = KubeConfig.in_cluster()
+    assert (cfg.server, cfg.namespace, cfg.bearer()) == ("https://127.0.0.1:443", "serving", "sa-token")

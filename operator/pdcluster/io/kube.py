@@ -181,8 +181,10 @@ class KubeConfig:
             return None
         if self.auth.refresh_api_key_hook is not None:
             self.auth.refresh_api_key_hook(self.auth)
+        # "Bearer x" from a kubeconfig, "bearer x" in a pod (incluster_config.py).
         value = self.auth.api_key.get("BearerToken") or self.auth.api_key.get("authorization") or ""
-        return value.removeprefix("Bearer ").strip() or None
+        scheme, _, token = value.strip().partition(" ")
+        return (token if scheme.lower() == "bearer" else value).strip() or None
 
 
 class Kube:
