@@ -23,6 +23,16 @@ from pdcluster.io.kube import Kube
 pytestmark = pytest.mark.cluster
 
 
+async def ready_and_converged(kube: Kube, pdc: Any, name: str) -> bool:
+    """Settled, and every child as rendered (a difference fails the test at once)."""
+    body = await pdc.get(name)
+    if not settled(body):
+        return False
+    problems = await convergence_problems(kube, body)
+    assert not problems, problems
+    return True
+
+
 async def master_metrics(
     http: aiohttp.ClientSession, kube: Kube, namespace: str, name: str
 ) -> dict[str, float]:
@@ -60,12 +70,7 @@ async def test_mooncake_master_restart(
     await pdc.apply(doc)
 
     async def converged() -> bool:
-        body = await pdc.get("kv")
-        if not settled(body):
-            return False
-        problems = await convergence_problems(kube, body)
-        assert not problems, problems
-        return True
+        return await ready_and_converged(kube, pdc, "kv")
 
     await wait_until(converged, timeout=180, message="Ready")
     svc = await kube.get("v1", "Service", "kv-router", namespace)
@@ -207,15 +212,7 @@ async def test_a_standby_master_takes_over(
         }
         await pdc.apply(sim_cluster("ha", mooncake=mooncake))
 
-        async def converged() -> bool:
-            body = await pdc.get("ha")
-            if not settled(body):
-                return False
-            problems = await convergence_problems(kube, body)
-            assert not problems, problems
-            return True
-
-        await wait_until(converged, timeout=180, message="Ready")
+        await wait_until(lambda: ready_and_converged(kube, pdc, "ha"), timeout=180, message="Ready")
         svc = await kube.get("v1", "Service", "ha-router", namespace)
         base = f"http://{svc['spec']['clusterIP']}:8000"
         system = "You answer questions about the storage fleet. " * 200  # about 2,300 tokens
