@@ -199,6 +199,17 @@ def _drift(desired: dict[str, Any], live: dict[str, Any]) -> list[str]:
     return differences(body, live) + differences(labels, live["metadata"].get("labels"), ".metadata.labels")
 
 
+async def converged(kube: Kube, pdc: Any, name: str) -> bool:
+    """The PDCluster settled with every child as rendered. A difference is an
+    AssertionError, which wait_until takes as "not yet" and reports if it lasts."""
+    body = await pdc.get(name)
+    if not settled(body):
+        return False
+    problems = await convergence_problems(kube, body)
+    assert not problems, problems
+    return True
+
+
 def condition(body: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
     for c in ((body or {}).get("status") or {}).get("conditions") or []:
         if c["type"] == type_:

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from harness import OperatorProcess, StreamLoad, convergence_problems, settled
+from harness import OperatorProcess, StreamLoad, converged
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import constants as C
@@ -28,15 +28,6 @@ def spec_with(sim_cluster: Any, name: str, decode: int) -> dict[str, Any]:
     # Keep each engine's request log so the test can tell which engine served whom.
     doc["spec"]["engine"]["args"] = [*doc["spec"]["engine"]["args"], "--sim-record=100000"]
     return doc
-
-
-async def converged(kube: Kube, pdc: Any, name: str) -> bool:
-    body = await pdc.get(name)
-    if not settled(body):
-        return False
-    problems = await convergence_problems(kube, body)
-    assert not problems, problems
-    return True
 
 
 async def decode_pods(kube: Kube, namespace: str, name: str) -> dict[str, dict[str, Any]]:

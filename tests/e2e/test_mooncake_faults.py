@@ -14,23 +14,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from harness import OperatorProcess, condition, convergence_problems, settled
+from harness import OperatorProcess, condition, converged
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import constants as C
 from pdcluster.io.kube import Kube
 
 pytestmark = pytest.mark.cluster
-
-
-async def ready_and_converged(kube: Kube, pdc: Any, name: str) -> bool:
-    """Settled, and every child as rendered (a difference fails the test at once)."""
-    body = await pdc.get(name)
-    if not settled(body):
-        return False
-    problems = await convergence_problems(kube, body)
-    assert not problems, problems
-    return True
 
 
 async def master_metrics(
@@ -69,10 +59,7 @@ async def test_mooncake_master_restart(
     ]
     await pdc.apply(doc)
 
-    async def converged() -> bool:
-        return await ready_and_converged(kube, pdc, "kv")
-
-    await wait_until(converged, timeout=180, message="Ready")
+    await wait_until(lambda: converged(kube, pdc, "kv"), timeout=180, message="Ready")
     svc = await kube.get("v1", "Service", "kv-router", namespace)
     url = f"http://{svc['spec']['clusterIP']}:8000/v1/completions"
 
@@ -130,7 +117,7 @@ async def test_mooncake_master_restart(
             )
 
         await wait_until(fresh, timeout=120, message="a new master pod is Ready")
-        await wait_until(converged, timeout=120, message="Ready again")
+        await wait_until(lambda: converged(kube, pdc, "kv"), timeout=120, message="Ready again")
         assert await complete(5) == [200] * 5
         new = await wait_until(
             lambda: stored_by_master(1), timeout=60, message="engines reconnected to the new master"
@@ -212,7 +199,7 @@ async def test_a_standby_master_takes_over(
         }
         await pdc.apply(sim_cluster("ha", mooncake=mooncake))
 
-        await wait_until(lambda: ready_and_converged(kube, pdc, "ha"), timeout=180, message="Ready")
+        await wait_until(lambda: converged(kube, pdc, "ha"), timeout=180, message="Ready")
         svc = await kube.get("v1", "Service", "ha-router", namespace)
         base = f"http://{svc['spec']['clusterIP']}:8000"
         system = "You answer questions about the storage fleet. " * 200  # about 2,300 tokens

@@ -14,22 +14,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from harness import OperatorProcess, convergence_problems, settled, start_operator
+from harness import OperatorProcess, converged, start_operator
 
 from localcluster import State, restart
 from pdcluster import constants as C
 from pdcluster.io.kube import Kube
 
 pytestmark = pytest.mark.cluster
-
-
-async def converged(kube: Kube, pdc: Any, name: str) -> bool:
-    body = await pdc.get(name)
-    if not settled(body):
-        return False
-    problems = await convergence_problems(kube, body)
-    assert not problems, problems  # "not yet" for wait_until, which reports the last one
-    return True
 
 
 async def completion(ip: str, prompt: str = "hello") -> int:
