@@ -324,6 +324,7 @@ async def test_a_stored_prefix_skips_prefill(env: Env) -> None:
 
         before = {"prefill": await by_source(http, prefill), "decode": await by_source(http, decode)}
         bypassed = await router_counter(http, env, "pdcluster_router_prefill_bypassed_total")
+        looked_up = await router_counter(http, env, "pdcluster_router_store_lookups_total", "outcome")
         status, via_router = await call(http, env.router, "/v1/completions", body)
         assert status == 200, via_router
         after = {"prefill": await by_source(http, prefill), "decode": await by_source(http, decode)}
@@ -345,7 +346,10 @@ async def test_a_stored_prefix_skips_prefill(env: Env) -> None:
         now = await router_counter(http, env, "pdcluster_router_prefill_bypassed_total")
         lookups = await router_counter(http, env, "pdcluster_router_store_lookups_total", "outcome")
     assert now[""] == bypassed.get("", 0.0) + 1, (bypassed, now)
-    assert lookups.get("hit", 0.0) >= 1 and lookups.get("error", 0.0) == 0, lookups
+    # This request's own lookup, and only it: earlier tests' lookups may have timed out on a
+    # busy machine (a fallback to prefill, which is the design), so totals prove nothing.
+    grown = {k: v - looked_up.get(k, 0.0) for k, v in lookups.items() if v != looked_up.get(k, 0.0)}
+    assert grown == {"hit": 1.0}, (looked_up, lookups)
     # What a lookup costs once the engine's facts are known: printed, not asserted.
     async with aiohttp.ClientSession() as http:
         spent = await router_counter(http, env, "pdcluster_router_store_lookup_seconds_sum")
