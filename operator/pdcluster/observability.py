@@ -83,6 +83,10 @@ ROUTER_STORE_LOOKUPS: Final = "pdcluster_router_store_lookups"  # counter{outcom
 ROUTER_STORE_LOOKUP_SECONDS: Final = "pdcluster_router_store_lookup_seconds"
 ROUTER_PREFILL_BYPASSED: Final = "pdcluster_router_prefill_bypassed"  # counter
 ROUTER_STORE_PREFIX_TOKENS: Final = "pdcluster_router_store_prefix_tokens"  # counter
+ROUTER_RETRIES: Final = "pdcluster_router_retries"  # counter{role}: attempts after one failed there
+ROUTER_RESUMED_STREAMS: Final = "pdcluster_router_resumed_streams"  # counter{outcome}
+ROUTER_RESUME_OUTCOMES: Final = ("resumed", "not_resumable")
+ROUTER_CIRCUIT_OPENS: Final = "pdcluster_router_circuit_opens"  # counter{role, backend}
 ROUTER_STORE_OUTCOMES: Final = ("hit", "partial", "miss", "short", "error", "unsupported")
 ROUTER_STORE_LOOKUP_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25,

@@ -84,6 +84,9 @@ def _secret_users(spec: PDClusterSpec) -> list[tuple[str, str, set[str]]]:
     if spec.router.api_key_secret:
         ref = spec.router.api_key_secret
         out.append((ref.name, ref.key, {C.ROLE_ROUTER}))
+    if spec.engine.api_key_secret:
+        ref = spec.engine.api_key_secret
+        out.append((ref.name, ref.key, {C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_ROUTER}))
     return out
 
 

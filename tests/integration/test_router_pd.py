@@ -222,17 +222,41 @@ async def test_prefill_refusal_is_relayed_and_decode_cancelled(http: aiohttp.Cli
     assert metric(router_metrics, obs.ROUTER_REQUESTS + "_total", outcome="client_error") == 1
 
 
-async def test_unreachable_prefill_fails_cleanly(http: aiohttp.ClientSession) -> None:
+async def test_an_unreachable_prefill_is_retried_and_decode_computes_the_prompt(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The only prefill cannot be reached: the request is not the client's error; the
+    one decode engine computes the prompt itself, and the router says what happened."""
     async with cluster() as c:
         assert c.service.pool is not None
         engine = c.service.pool.prefill[0]
-        dead = free_port()
-        object.__setattr__(engine, "origin", engine.origin.__class__("127.0.0.1", dead))
+        object.__setattr__(engine, "origin", engine.origin.__class__("127.0.0.1", free_port()))
+        status, body, _ = await post(http, f"{c.url}/v1/completions", {"prompt": "x" * 400, "max_tokens": 3})
+        text = await scrape(http, f"{c.url}/metrics")
+        decode_metrics = await scrape(http, f"{engine_url(c.decode)}/metrics")
+        sent = await recorded(http, c.decode)
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    assert metric(text, obs.ROUTER_UPSTREAM_ERRORS + "_total", role="prefill") == 1
+    assert metric(text, obs.ROUTER_RETRIES + "_total", role="prefill") == 1
+    assert metric(text, obs.ROUTER_REQUESTS + "_total", outcome="ok") == 1
+    # The first attempt's decode request (if it got out at all) was abandoned; the one
+    # that answered carried no KV hand-off.
+    assert sent[-1]["body"].get("kv_transfer_params") is None, sent
+    assert metric(decode_metrics, "vllm:prompt_tokens_by_source_total", source="local_compute") == 100
+    assert c.decode.cores[0].load == 0
+
+
+async def test_when_every_attempt_fails_the_client_learns_each_reason(http: aiohttp.ClientSession) -> None:
+    async with cluster() as c:
+        assert c.service.pool is not None
+        for engine in (c.service.pool.prefill[0], c.service.pool.decode[0]):
+            object.__setattr__(engine, "origin", engine.origin.__class__("127.0.0.1", free_port()))
         status, body, _ = await post(http, f"{c.url}/v1/completions", {"prompt": "x"})
         text = await scrape(http, f"{c.url}/metrics")
-    assert status == 502 and "prefill" in body["error"]["message"]
-    assert metric(text, obs.ROUTER_UPSTREAM_ERRORS + "_total", role="prefill") == 1
-    assert c.decode.cores[0].load == 0
+    message = body["error"]["message"]
+    assert status == 502 and message.startswith("every attempt failed (2): prefill "), message
+    assert "; decode " in message and "cannot connect" in message, message
+    assert metric(text, obs.ROUTER_REQUESTS + "_total", outcome="upstream_error") == 1
 
 
 async def test_client_disconnect_cancels_prefill_and_decode(http: aiohttp.ClientSession) -> None:
@@ -302,6 +326,24 @@ async def test_slo_admission_rejects_early(http: aiohttp.ClientSession) -> None:
     assert status == 429 and error["error"]["type"] == "RateLimitError"
     assert int(headers["Retry-After"]) >= 1
     assert metric(text, obs.ROUTER_REJECTIONS + "_total", reason="slo") == 1
+
+
+async def test_engines_behind_an_api_key(http: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """Engines started with --api-key refuse the router unless it sends their key."""
+    key_file = tmp_path / "engine-key"
+    key_file.write_text("engine-sekret\n")
+    locked = ("--sim-profile", "zero", "--api-key", "engine-sekret")
+    body = {"prompt": "x" * 100, "max_tokens": 2, "stream": True}
+    async with cluster("--engine-api-key-file", str(key_file), prefill_args=locked, decode_args=locked) as c:
+        status, raw, _ = await post(http, f"{c.url}/v1/completions", body)
+        assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw
+        direct, _, _ = await post(http, f"{engine_url(c.decode)}/v1/completions", body)
+    assert direct == 401
+    async with cluster(prefill_args=locked, decode_args=locked) as c:
+        status, answer, _ = await post(http, f"{c.url}/v1/completions", {**body, "stream": False})
+    # Not the client's fault: a 502 that says which engines refused the router.
+    assert status == 502 and "prefill" in answer["error"]["message"], answer
+    assert "HTTP 401" in answer["error"]["message"], answer
 
 
 async def test_api_key(http: aiohttp.ClientSession, tmp_path: Path) -> None:

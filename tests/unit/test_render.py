@@ -12,7 +12,8 @@ import yaml
 from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
 from pdcluster.render import Owner, Replicas, render_all
-from pdcluster.render.engine import engine_args
+from pdcluster.render import router as router_render
+from pdcluster.render.engine import engine_args, engine_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("pdcluster-*.yaml"))
@@ -98,6 +99,7 @@ def test_kv_transfer_config_matches_connector() -> None:
             "kv_connector": "MooncakeConnector",
             "kv_role": kv_role,
             "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+            "kv_load_failure_policy": "recompute",
         }
 
 
@@ -130,6 +132,7 @@ def test_the_store_runs_beside_the_handoff() -> None:
                     },
                 ]
             },
+            "kv_load_failure_policy": "recompute",
         }
     objects = _render(ROOT / "examples/pdcluster-rdma.yaml")
     config = next(o for o in objects if o["kind"] == "ConfigMap")
@@ -431,3 +434,34 @@ def test_the_mooncake_pods_restart_only_for_their_own_changes(change: dict) -> N
         {**base, "mooncake": {**base["mooncake"], "image": "pdcluster/mooncake:0.2.0"}}
     )
     assert _template(before, "c-mooncake-master") != _template(own, "c-mooncake-master")
+
+
+def test_an_engine_api_key_reaches_engines_and_the_router_only() -> None:
+    """Engines read VLLM_API_KEY (vLLM's serve middleware guards /v1 with it); the router
+    mounts the same Secret next to its own client key and sends it."""
+    spec = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "engine": {"apiKeySecret": {"name": "engine-key", "key": "token"}},
+            "router": {"apiKeySecret": {"name": "client-key", "key": "k"}, "retries": {"maxAttempts": 5}},
+        }
+    )
+    owner = Owner("pd", "serving", "uid-1")
+    for role in C.ENGINE_ROLES:
+        env = {e["name"]: e for e in engine_env(spec, owner, role)}
+        assert env["VLLM_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "engine-key", "key": "token"}}
+    args = router_render.router_args(spec, owner)
+    assert "--engine-api-key-file=/etc/pdcluster/engine-api-key/token" in args
+    assert "--api-key-file=/etc/pdcluster/api-key/k" in args
+    assert "--max-attempts=5" in args and "--prefill-timeout=120" in args
+    pod = router_render.deployment(spec, owner, 1)["spec"]["template"]["spec"]
+    assert {v["secret"]["secretName"] for v in pod["volumes"]} == {"engine-key", "client-key"}
+    mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts == {"/etc/pdcluster/engine-api-key", "/etc/pdcluster/api-key"}
+
+
+def test_prefill_keeps_kv_no_longer_than_the_router_waits() -> None:
+    spec = PDClusterSpec.model_validate({"model": {"name": "m"}, "router": {"requestTimeoutSeconds": 90}})
+    for role in C.ENGINE_ROLES:
+        env = {e["name"]: e.get("value") for e in engine_env(spec, Owner("pd", "serving", "uid-1"), role)}
+        assert env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] == "90"

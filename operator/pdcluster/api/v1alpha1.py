@@ -115,6 +115,11 @@ class EngineSpec(Model):
     hf_token_secret: SecretKeyRef | None = Field(
         None, description="Secret holding a Hugging Face token (HF_TOKEN)."
     )
+    api_key_secret: SecretKeyRef | None = Field(
+        None,
+        description="Secret holding an API key the engines require (VLLM_API_KEY) on their /v1 routes; "
+        "the router sends it. Other pods in the namespace then cannot use the engines directly.",
+    )
     shm_size: Quantity = Field("16Gi", description="Size of the in-memory /dev/shm volume.")
     python_hash_seed: int = Field(
         0, ge=0, description="PYTHONHASHSEED, identical on both roles so block hashes agree."
@@ -408,6 +413,28 @@ class StoreHitsSpec(Model):
     )
 
 
+class RetrySpec(Model):
+    """What the router does when an engine fails a request: another attempt on engines not
+    tried before for it, and a stream whose decode engine dies goes on from another."""
+
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        le=10,
+        description="Attempts per request. With no prefill engine left to try, the last goes to decode "
+        "alone, which computes the prompt itself.",
+    )
+    prefill_timeout_seconds: int = Field(
+        120, ge=1, description="A prefill that has not answered by then is abandoned and tried elsewhere."
+    )
+    resume_streams: bool = Field(
+        True,
+        description="Resume a completion stream on another decode engine when its engine dies mid-answer: "
+        "the prompt and the tokens already sent make the rest (loaded from the Mooncake store when it holds "
+        "the prefix). Chat streams, stop strings and echo are not resumable.",
+    )
+
+
 class RouterSpec(Model):
     """The OpenAI-compatible, PD-aware router in front of the pools."""
 
@@ -420,7 +447,13 @@ class RouterSpec(Model):
     policy: RouterPolicy = Field(RouterPolicy.prefix_aware)
     admission: AdmissionSpec = section(AdmissionSpec)
     store_hits: StoreHitsSpec = section(StoreHitsSpec)
-    request_timeout_seconds: int = Field(600, ge=1)
+    retries: RetrySpec = section(RetrySpec)
+    request_timeout_seconds: int = Field(
+        600,
+        ge=1,
+        description="Seconds per request, streams and retries included; prefill engines keep KV for a decode "
+        "that never pulls it for as long (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT).",
+    )
     api_key_secret: SecretKeyRef | None = Field(
         None, description="When set, clients must send this key as a Bearer token."
     )

@@ -40,6 +40,9 @@ _WORDS = (
 )  # fmt: skip
 _WORDS_JSON = tuple(orjson.dumps(w) for w in _WORDS)
 _DONE = b"data: [DONE]\n\n"
+# The id of generated word w is GENERATED_ID + w, above every id of UTF-8 text (whose
+# fourth bytes are never 0xFF), so a prompt ending in generated ids continues an answer.
+GENERATED_ID = 2**31 - 64
 VLLM_VERSION = "0.32.0"  # the version whose answers these are
 
 
@@ -56,10 +59,17 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 class _Request:
     """What the server needs of one validated generate request."""
 
-    __slots__ = ("chat", "created", "first_word", "id", "include_usage", "model", "seq")
+    __slots__ = ("chat", "created", "first_word", "id", "include_usage", "model", "prompt_ids", "seq")
 
     def __init__(
-        self, chat: bool, request_id: str, model: str, seq: Seq, first_word: int, include_usage: bool
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        seq: Seq,
+        first_word: int,
+        include_usage: bool,
+        prompt_ids: list[int] | None = None,
     ):
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -68,9 +78,13 @@ class _Request:
         self.seq = seq
         self.first_word = first_word
         self.include_usage = include_usage
+        self.prompt_ids = prompt_ids  # set when the client asked for token ids
 
     def words(self, start: int, stop: int) -> list[int]:
         return [(self.first_word + i) % len(_WORDS) for i in range(start, stop)]
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        return [GENERATED_ID + w for w in self.words(start, stop)]
 
     def usage(self) -> dict[str, int]:
         prompt, completion = self.seq.prompt_tokens, self.seq.generated
@@ -177,7 +191,9 @@ class OpenAIServer:
                 for k in ("X-Request-Id", "X-data-parallel-rank")
                 if k in request.headers
             }
-            self.recorded.append({"path": request.path, "headers": headers, "body": body})
+            self.recorded.append(
+                {"path": request.path, "headers": headers, "body": body, "received_at": time.time()}
+            )
         problem = openai.check_request(body, chat)
         if problem:
             return _error(400, *problem)
@@ -206,12 +222,13 @@ class OpenAIServer:
             return _error(
                 400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
             )
-        digest = zlib.crc32(
-            prompt.encode("utf-8", "surrogatepass")
-            if isinstance(prompt, str)
-            else array("q", prompt).tobytes()
-        )
-        digest ^= self.config.seed * 0x9E3779B1
+        ids = token_ids(prompt)
+        # Greedy and deterministic, as a model: the answer depends on the prompt alone, and
+        # a prompt that ends in k ids of an answer gets that answer from its token k on.
+        answered = 0
+        while answered < len(ids) and ids[-1 - answered] >= GENERATED_ID:
+            answered += 1
+        digest = zlib.crc32(array("q", ids[: len(ids) - answered]).tobytes()) ^ self.config.seed * 0x9E3779B1
         remote, hold = self._kv_params(body.get("kv_transfer_params"))
         # A hand-off brings the whole prompt (MultiConnector asks MooncakeConnector
         # first); without one, the store may hold a prefix.
@@ -221,7 +238,7 @@ class OpenAIServer:
             prompt_tokens,
             max_tokens,
             min_tokens=min_tokens,
-            eos_at=self._eos_at(digest, body),
+            eos_at=self._eos_at(digest, body, answered),
             remote=remote,
             hold_transfer_id=hold,
             stored=stored,
@@ -232,7 +249,13 @@ class OpenAIServer:
         include_usage = bool(options.get("include_usage")) or self.config.force_include_usage
         request_id = request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
         req = _Request(
-            chat, str(request_id), self.config.model_name, seq, digest % len(_WORDS), include_usage
+            chat,
+            str(request_id),
+            self.config.model_name,
+            seq,
+            (digest + answered) % len(_WORDS),
+            include_usage,
+            ids if body.get("return_token_ids") else None,
         )
         core.submit(seq)
         try:
@@ -260,11 +283,11 @@ class OpenAIServer:
         self._warned.add(message)
         log.log(level, message, *args)
 
-    def _eos_at(self, digest: int, body: dict[str, Any]) -> int | None:
+    def _eos_at(self, digest: int, body: dict[str, Any], answered: int = 0) -> int | None:
         mean = self.config.output_mean
         if mean <= 0 or body.get("ignore_eos"):
             return None
-        return 1 + ((digest * 2654435761) >> 7) % (2 * mean - 1)
+        return max(1 + ((digest * 2654435761) >> 7) % (2 * mean - 1) - answered, 1)
 
     def _kv_params(self, params: dict[str, Any] | None) -> tuple[RemotePrefill | None, str | None]:
         """(where decode pulls KV from, transfer_id prefill keeps KV for)."""
@@ -302,7 +325,11 @@ class OpenAIServer:
             payload["choices"] = [{"index": 0, "message": message, **end}]
         else:
             payload["object"] = "text_completion"
-            payload["choices"] = [{"index": 0, "text": text, **end, "prompt_logprobs": None}]
+            ids = req.prompt_ids is not None
+            payload["choices"] = [
+                {"index": 0, "text": text, **end, "token_ids": req.token_ids(0, seq.generated) if ids else None,
+                 "prompt_logprobs": None, "prompt_token_ids": req.prompt_ids}
+            ]  # fmt: skip
         payload |= {
             "service_tier": None,
             "system_fingerprint": self.fingerprint,
@@ -324,7 +351,10 @@ class OpenAIServer:
             tail = b',"logprobs":null,"finish_reason":%s%s}]%s}\n\n'
         else:
             open_, close = b"data: " + head + b',"choices":[{"index":0,"text":', b""
-            tail = b',"logprobs":null,"finish_reason":%s%s,"prompt_token_ids":null,"token_ids":null}]%s}\n\n'
+            tail = b',"logprobs":null,"finish_reason":%s%s,"prompt_token_ids":%s,"token_ids":%s}]%s}\n\n'
+        # vLLM sends the prompt's ids with the first token, each token's with it.
+        with_ids = req.prompt_ids is not None and not req.chat
+        prompt_ids = orjson.dumps(req.prompt_ids) if with_ids else b"null"
         # vLLM names itself in the last event before [DONE].
         fingerprint = b',"system_fingerprint":' + orjson.dumps(self.fingerprint)
         not_final = b',"stop_reason":null' if not req.chat else b""
@@ -343,17 +373,31 @@ class OpenAIServer:
                            b'"logprobs":null,"finish_reason":null}]}\n\n')  # fmt: skip
             # Relay-latency probe for benchmarks: when this batch of tokens left the engine.
             stamp = b',"sim_sent_at":%.6f' % time.monotonic() if self.config.stamp_tokens else b""
-            running = tail % (b"null", not_final, stamp)
+            running = (
+                tail % (b"null", not_final, stamp)
+                if req.chat
+                else tail % (b"null", not_final, b"null", b"null", stamp)
+            )
             words = req.words(sent, generated)
             for i, word in enumerate(words):
                 last = finished and i == len(words) - 1
+                ids: tuple[bytes, ...] = ()
+                if not req.chat:
+                    first = sent + i == 0
+                    ids = (
+                        prompt_ids if first else b"null",
+                        b"[%d]" % (GENERATED_ID + word) if with_ids else b"null",
+                    )
                 if last:
                     reason = orjson.dumps(seq.finish_reason)
                     end = tail % (
                         reason,
                         b',"stop_reason":null',
+                        *ids,
                         stamp + (b"" if req.include_usage else fingerprint),
                     )
+                elif with_ids:
+                    end = tail % (b"null", not_final, *ids, stamp)
                 else:
                     end = running
                 out.append(open_ + _WORDS_JSON[word] + close + end)

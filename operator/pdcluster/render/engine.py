@@ -48,8 +48,11 @@ def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any]:
         "kv_role": KV_ROLE[role],
         "kv_connector_extra_config": extra,
     }
+    # A KV pull that fails makes decode compute the prompt itself, not fail the request
+    # (vllm/config/kv_transfer.py; the scheduler reads it from the top-level config).
+    recompute = {"kv_load_failure_policy": "recompute"}
     if not spec.mooncake.store.enabled:
-        return handoff
+        return handoff | recompute
     store_extra: dict[str, Any] = {}
     tp = {spec.prefill.tensor_parallel_size, spec.decode.tensor_parallel_size}
     if len(tp) > 1:
@@ -65,6 +68,7 @@ def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any]:
         "kv_connector": "MultiConnector",
         "kv_role": KV_ROLE[role],
         "kv_connector_extra_config": {"connectors": [handoff, store]},
+        **recompute,
     }
 
 
@@ -107,9 +111,17 @@ def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, A
         env += mooncake.client_env(spec, owner)
     if role == C.ROLE_PREFILL:
         env.append({"name": "VLLM_MOONCAKE_BOOTSTRAP_PORT", "value": str(spec.kv_transfer.bootstrap_port)})
-    if spec.engine.hf_token_secret:
-        ref = spec.engine.hf_token_secret
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    # The router gives up on a request after its timeout: KV held longer for a decode
+    # that never pulls it is held for nobody (vLLM's default is 480 s).
+    env.append(
+        {"name": "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "value": str(spec.router.request_timeout_seconds)}
+    )
+    for name, ref in (
+        ("HF_TOKEN", spec.engine.hf_token_secret),
+        ("VLLM_API_KEY", spec.engine.api_key_secret),
+    ):
+        if ref is not None:
+            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     env += rdma.env(spec)
     # A name set twice is invalid in a server-side apply (env is a map keyed by name):
     # the user's entries replace ours, the role's replace the engine's.

@@ -19,6 +19,7 @@ from pdcluster.render.names import (
 )
 
 API_KEY_DIR = "/etc/pdcluster/api-key"
+ENGINE_KEY_DIR = "/etc/pdcluster/engine-api-key"
 
 
 def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
@@ -45,8 +46,14 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
             args.append("--admission-ttft-plus-prefill")  # the SLO's target, as the SLO means it
     else:
         args.append("--no-admission")
+    retries = r.retries
+    args += [f"--max-attempts={retries.max_attempts}", f"--prefill-timeout={retries.prefill_timeout_seconds}"]
+    if not retries.resume_streams:
+        args.append("--no-resume-streams")
     if r.api_key_secret:
         args.append(f"--api-key-file={API_KEY_DIR}/{r.api_key_secret.key}")
+    if spec.engine.api_key_secret:
+        args.append(f"--engine-api-key-file={ENGINE_KEY_DIR}/{spec.engine.api_key_secret.key}")
     return args + store_hit_args(spec, owner)
 
 
@@ -92,10 +99,15 @@ def deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, An
             }
         ],
     }
-    if r.api_key_secret:
-        pod["volumes"] = [{"name": "api-key", "secret": {"secretName": r.api_key_secret.name}}]
+    keys = [
+        ("api-key", r.api_key_secret, API_KEY_DIR),
+        ("engine-api-key", spec.engine.api_key_secret, ENGINE_KEY_DIR),
+    ]
+    mounted = [(name, ref, path) for name, ref, path in keys if ref is not None]
+    if mounted:
+        pod["volumes"] = [{"name": name, "secret": {"secretName": ref.name}} for name, ref, _ in mounted]
         pod["containers"][0]["volumeMounts"] = [
-            {"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}
+            {"name": name, "mountPath": path, "readOnly": True} for name, _, path in mounted
         ]
     return {
         "apiVersion": "apps/v1",

@@ -104,6 +104,24 @@ def parser() -> argparse.ArgumentParser:
         "--api-key-file", type=Path, help="require `Authorization: Bearer <key>` with the key in this file"
     )
     p.add_argument(
+        "--engine-api-key-file", type=Path, help="send engines `Authorization: Bearer <key>` (vLLM --api-key)"
+    )
+    retry = p.add_argument_group("retries")
+    retry.add_argument(
+        "--max-attempts", type=int, default=3, help="attempts per request, each on engines not tried before"
+    )
+    retry.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a prefill may take before another is tried",
+    )
+    retry.add_argument(
+        "--no-resume-streams",
+        action="store_true",
+        help="end a completion stream with an error when its decode engine dies, instead of resuming it",
+    )
+    p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
     )
     p.add_argument("--log-level", default="INFO")
@@ -126,6 +144,7 @@ class RouterService:
     async def start(self) -> None:
         args = self.args
         api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
+        engine_key = args.engine_api_key_file.read_text().strip() if args.engine_api_key_file else None
         # For the few calls off the hot path (bootstrap /query, /v1/models).
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         admission = None
@@ -144,10 +163,19 @@ class RouterService:
                 hash_seed=args.store_hash_seed,
                 max_computed_tokens=args.store_max_computed_tokens,
                 timeout_s=args.store_lookup_timeout,
+                engine_headers=f"Authorization: Bearer {engine_key}\r\n".encode() if engine_key else b"",
             )
         self.pool = Pool(self.session, on_forget=self._forget)
         self.router = Router(
-            RouterConfig(model=args.model, request_timeout_s=args.request_timeout, api_key=api_key),
+            RouterConfig(
+                model=args.model,
+                request_timeout_s=args.request_timeout,
+                api_key=api_key,
+                engine_api_key=engine_key,
+                max_attempts=max(args.max_attempts, 1),
+                prefill_timeout_s=args.prefill_timeout,
+                resume_streams=not args.no_resume_streams,
+            ),
             self.pool,
             self.session,
             make_policy(args.policy, BLOCK_TOKENS),

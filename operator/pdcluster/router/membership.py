@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 
 REQUERY_INTERVAL_S = 30.0
 RETRY_INTERVAL_S = 0.5
+# The circuit breaker: an engine that failed is skipped for COOLDOWN_S, doubled with
+# every failure in a row up to COOLDOWN_MAX_S; one success closes it again.
+COOLDOWN_S = 2.0
+COOLDOWN_MAX_S = 30.0
+OPEN_AFTER_FAILURES = 3  # when the breaker counts as open, for the metric
 
 
 @dataclass(eq=False)
@@ -52,11 +57,21 @@ class Upstream(Backend):
 
     url: str = ""
     engine: PrefillEngine | None = None  # prefill only
-    cooldown_until: float = 0.0  # set after a connection failure
+    cooldown_until: float = 0.0  # not routable before this (monotonic) time
+    failures: int = 0  # in a row
     origin: Origin = field(init=False)
 
     def __post_init__(self) -> None:
         self.origin = Origin.parse(self.url)
+
+    def failed(self, now: float) -> bool:
+        """Count a failure; True when it opens the breaker."""
+        self.failures += 1
+        self.cooldown_until = now + min(COOLDOWN_S * 2 ** (self.failures - 1), COOLDOWN_MAX_S)
+        return self.failures == OPEN_AFTER_FAILURES
+
+    def succeeded(self) -> None:
+        self.failures = 0
 
 
 @dataclass(frozen=True)

@@ -110,4 +110,18 @@ class RouterMetrics:
             obs.ROUTER_STORE_PREFIX_TOKENS, "Prompt tokens decode loaded from the store instead of prefill.",
             registry=r,
         )  # fmt: skip
+        retries = Counter(
+            obs.ROUTER_RETRIES, "Attempts made after an attempt failed, by the role that failed.", ("role",),
+            registry=r,
+        )  # fmt: skip
+        self.retries = {role: retries.labels(role) for role in ("prefill", "decode")}
+        resumed = Counter(
+            obs.ROUTER_RESUMED_STREAMS, "Streams whose decode engine died mid-answer: resumed on another "
+            "engine, or not resumable (ended with an error event).", ("outcome",), registry=r,
+        )  # fmt: skip
+        self.resumed = {outcome: resumed.labels(outcome) for outcome in obs.ROUTER_RESUME_OUTCOMES}
+        self.circuit_opens = Counter(
+            obs.ROUTER_CIRCUIT_OPENS, "Times an engine was taken out of rotation after failing in a row.",
+            ("role", "backend"), registry=r,
+        )  # fmt: skip
         r.register(_LoadCollector(snapshot))

@@ -18,12 +18,14 @@ approximate tokens (4 * BLOCK_TOKENS bytes); token-id prompts use BLOCK_TOKENS i
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from typing import Any
 
 BYTES_PER_TOKEN = 4
 BLOCK_TOKENS = 64
 _BLOCK_BYTES = BLOCK_TOKENS * BYTES_PER_TOKEN
+_LOW7 = bytes(b & 0x7F for b in range(256))
 
 
 def text_tokens(text: str) -> int:
@@ -61,14 +63,18 @@ def count_tokens(prompt: str | list[int]) -> int:
 
 
 def token_ids(prompt: str | list[int]) -> list[int]:
-    """The engine simulator's tokenizer: one id per BYTES_PER_TOKEN bytes of UTF-8, so
-    it agrees with `count_tokens` and a shared text prefix is a shared token prefix."""
+    """The engine simulator's tokenizer: one id per BYTES_PER_TOKEN bytes of UTF-8 (their
+    low 31 bits), so it agrees with `count_tokens` and a shared text prefix is a shared
+    token prefix."""
     if not isinstance(prompt, str):
         return list(prompt)
-    data = prompt.encode("utf-8", "surrogatepass")
-    return [
-        int.from_bytes(data[i : i + BYTES_PER_TOKEN], "little") for i in range(0, len(data), BYTES_PER_TOKEN)
-    ]
+    data = bytearray(prompt.encode("utf-8", "surrogatepass"))
+    data += b"\0" * (-len(data) % BYTES_PER_TOKEN)
+    data[3::4] = data[3::4].translate(_LOW7)  # 31-bit ids, as a vocabulary's fit an int32
+    ids = array("I", data)  # little-endian 4-byte words
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
 
 
 def block_hashes(prompt: str | list[int]) -> list[int]:

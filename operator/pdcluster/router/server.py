@@ -33,6 +33,7 @@ from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policy import Admission, LeastLoaded, Policy
 from pdcluster.router.prompt import block_hashes, count_tokens, prompt_of
 from pdcluster.router.protocol import MooncakeProtocol
+from pdcluster.router.resume import TokenTrail, fix_usage, resumable
 from pdcluster.router.store import Lookup, StoreIndex
 from pdcluster.router.upstream import Response as UpstreamResponse
 from pdcluster.router.upstream import UpstreamError, UpstreamPool
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 
 # When a request does not bound its output, assume this many tokens for decode load.
 DEFAULT_OUTPUT_TOKENS = 256
-COOLDOWN_S = 2.0
 MAX_BODY_BYTES = 64 * 1024 * 1024
 # Request and transfer ids need only be unique: a generator seeded from os.urandom
 # costs no system call per id.
@@ -49,6 +49,8 @@ _ids = random.Random()
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _SSE_HEADERS = [("Content-Type", "text/event-stream; charset=utf-8"), ("Cache-Control", "no-cache")]
 _JSON = "application/json"
+# An engine refusing the router's credentials is the deployment's fault, not the client's.
+_NOT_THE_CLIENTS = (401, 403)
 
 
 @dataclass
@@ -56,19 +58,16 @@ class RouterConfig:
     model: str | None = None
     request_timeout_s: float = 600.0
     api_key: str | None = None
+    engine_api_key: str | None = None  # sent to engines started with --api-key
+    max_attempts: int = 3  # per request, across prefill and decode engines
+    prefill_timeout_s: float = 120.0
+    resume_streams: bool = True
 
 
 def _error(
     status: int, message: str, param: str | None = None, headers: list[tuple[str, str]] | None = None
 ) -> Response:
     return Response(status, openai.error_body(status, message, param), _JSON, headers)
-
-
-class _UpstreamFailed(Exception):
-    def __init__(self, role: str, upstream: Upstream, response: Response):
-        self.role = role
-        self.upstream = upstream
-        self.response = response
 
 
 class Router:
@@ -96,6 +95,12 @@ class Router:
         self.idle = asyncio.Event()
         self.idle.set()
         self._bearer = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._engine_key_header = (
+            {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
+        )
+        self._engine_auth = (
+            f"Authorization: Bearer {config.engine_api_key}\r\n".encode() if config.engine_api_key else b""
+        )
         self._routes: dict[str, dict[str, Any]] = {
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
@@ -105,6 +110,9 @@ class Router:
             "/metrics": {"GET": self.prometheus},
             "/backends": {"GET": self.backends},
         }
+
+    def engine_headers(self, headers: list[tuple[str, str]]) -> bytes:
+        return _header_lines(headers) + self._engine_auth
 
     def _load_snapshot(self) -> tuple[list[Upstream], dict[str, int]]:
         return self.pool.all_upstreams(), {"prefill": len(self.pool.prefill), "decode": len(self.pool.decode)}
@@ -153,7 +161,9 @@ class Router:
         for upstream in self.pool.decode:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with self.session.get(
-                    f"{upstream.url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)
+                    f"{upstream.url}/v1/models",
+                    headers=self._engine_key_header,
+                    timeout=aiohttp.ClientTimeout(total=5),
                 ) as resp:
                     if resp.status == 200:
                         return Response(body=await resp.read(), content_type=_JSON)
@@ -222,8 +232,6 @@ class Router:
         if lookup is not None and lookup.outcome == "hit":
             # Decode loads the stored prefix and computes the rest: no prefill, so no
             # prefill queue to predict either.
-            self.metrics.prefill_bypassed.inc()
-            self.metrics.store_prefix_tokens.inc(lookup.stored_tokens)
             prefill, prompt_tokens = None, lookup.prompt_tokens
         elif self.admission is not None:
             decision = self.admission.decide(prefill, prompt_tokens)
@@ -241,43 +249,52 @@ class Router:
         request_id = (
             header_id if header_id and _REQUEST_ID.fullmatch(header_id) else f"{_ids.getrandbits(128):032x}"
         )
-        transfer_id = f"xfer-{_ids.getrandbits(128):032x}"
-        kv_tokens = prompt_tokens + (openai.max_tokens_of(body, chat) or DEFAULT_OUTPUT_TOKENS)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-
-        if prefill is not None:
-            if self.admission is not None:
-                self.admission.started(prefill.id, started, prefill.inflight_requests == 0)
-            prefill.inflight_requests += 1
-            prefill.inflight_tokens += prompt_tokens
-        decode.inflight_requests += 1
-        decode.inflight_tokens += kv_tokens
         self.inflight += 1
         self.idle.clear()
-        flow = _Flow(self, request, path, body, prefill, decode, prompt_tokens, started)
+        job = _Job(self, request, path, chat, body, request_id, started)
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
-                return await flow.run(request_id, transfer_id)
+                return await job.run(prefill, decode, prompt_tokens)
         except TimeoutError:
             self.metrics.requests["timeout"].inc()
-            if flow.response is not None:  # mid-stream: the status is sent already
+            if job.response is not None:  # mid-stream: the status is sent already
                 with contextlib.suppress(ConnectionError):
-                    await flow.response.write(
+                    await job.response.write(
                         b"data: " + openai.error_body(504, "request timed out") + b"\n\ndata: [DONE]\n\n"
                     )
-                    await flow.response.write_eof()
-                return flow.response
+                    await job.response.write_eof()
+                return job.response
             return _error(504, f"no answer within {self.config.request_timeout_s:g} s")
         except asyncio.CancelledError:
             self.metrics.requests["cancelled"].inc()
             raise
         finally:
-            flow.prefill_done()
-            decode.inflight_requests -= 1
-            decode.inflight_tokens -= kv_tokens
             self.inflight -= 1
             if self.inflight == 0:
                 self.idle.set()
+
+    async def _route_again(
+        self, body: dict[str, Any], chat: bool, avoid: set[str]
+    ) -> tuple[Upstream | None, Upstream | None, int]:
+        """(prefill, decode, prompt tokens) for another attempt, avoiding the engines that
+        failed this request. No prefill left: decode computes the prompt itself."""
+        now = time.monotonic()
+        prompt = prompt_of(body, chat)
+        tokens = count_tokens(prompt)
+        decodes = [u for u in self.pool.routable(self.pool.decode, now) if u.id not in avoid]
+        decode = self.decode_policy.pick(decodes, tokens)
+        if decode is None:
+            return None, None, tokens
+        lookup = await self._look_up(decode, body, chat, tokens)
+        if lookup is not None and lookup.outcome == "hit":
+            return None, decode, lookup.prompt_tokens
+        prefills = [u for u in self.pool.routable(self.pool.prefill, now) if u.id not in avoid]
+        hashes = block_hashes(prompt) if self.policy.needs_block_hashes else ()
+        prefill = self.policy.pick(prefills, tokens, hashes)
+        if prefill is not None:
+            self.policy.record(prefill.id, hashes)
+        return prefill, decode, tokens
 
     async def _look_up(
         self, decode: Upstream, body: dict[str, Any], chat: bool, estimate: int
@@ -290,25 +307,38 @@ class Router:
         self.metrics.store_lookups[lookup.outcome].inc()
         if lookup.outcome == "error":
             log.debug("store lookup failed: %s", lookup.reason)
+        elif lookup.outcome == "hit":
+            self.metrics.prefill_bypassed.inc()
+            self.metrics.store_prefix_tokens.inc(lookup.stored_tokens)
         return lookup
 
 
-class _Flow:
-    """One client request's prefill and decode exchanges (decode alone when its prompt's
-    prefix is stored: `prefill` is None)."""
+class _Retry(Exception):
+    """An attempt failed where another engine may succeed."""
+
+    def __init__(self, role: str, upstream: Upstream, reason: str, mid_stream: bool = False):
+        super().__init__(reason)
+        self.role = role
+        self.upstream = upstream
+        self.reason = reason
+        self.mid_stream = mid_stream
+
+
+class _Refused(Exception):
+    """An engine refused the request itself (e.g. too long for max_model_len): that is
+    the client's answer, on any engine."""
+
+    def __init__(self, response: Response):
+        self.response = response
+
+
+class _Job:
+    """One client request across its attempts: what the next attempt sends, the stream
+    once the client's answer has started, what it has delivered, the failures so far."""
 
     __slots__ = (
-        "_prefill_open",
-        "body",
-        "decode",
-        "path",
-        "prefill",
-        "prefilled_at",
-        "prompt_tokens",
-        "request",
-        "response",
-        "router",
-        "started",
+        "body", "chat", "failures", "last_token_at", "original", "path", "request",
+        "request_id", "response", "resumed_tokens", "router", "sent", "started", "tokens", "trail",
     )  # fmt: skip
 
     def __init__(
@@ -316,22 +346,104 @@ class _Flow:
         router: Router,
         request: Request,
         path: str,
+        chat: bool,
         body: dict[str, Any],
-        prefill: Upstream | None,
-        decode: Upstream,
-        prompt_tokens: int,
+        request_id: str,
         started: float,
     ):
         self.router = router
         self.request = request
         self.path = path
-        self.body = body
+        self.chat = chat
+        self.original = body
+        self.body = body  # a continuation once a stream has been resumed
+        self.request_id = request_id
+        self.started = started
+        self.trail = (
+            TokenTrail(client_wants_ids=bool(body.get("return_token_ids")))
+            if router.config.resume_streams and resumable(body, chat)
+            else None
+        )
+        self.response: Stream | None = None
+        self.sent = False  # any event relayed to the client
+        self.tokens = 0
+        self.last_token_at = 0.0
+        self.resumed_tokens = 0
+        self.failures: list[str] = []
+
+    async def run(self, prefill: Upstream | None, decode: Upstream, prompt_tokens: int) -> Response | Stream:
+        router = self.router
+        avoid: set[str] = set()
+        while True:
+            flow = _Flow(self, prefill, decode, prompt_tokens)
+            try:
+                return await flow.run(f"xfer-{_ids.getrandbits(128):032x}")
+            except _Refused as refused:
+                if self.response is None:
+                    router.metrics.requests["client_error"].inc()
+                    return refused.response
+                # A continuation refused: the client's request was fine; say why in the stream.
+                self.failures.append(f"resumed request refused: {refused.response.body[:300]!r}")
+                router.metrics.resumed["not_resumable"].inc()
+                return await self._give_up()
+            except _Retry as failure:
+                retry = failure
+            finally:
+                flow.release()
+            self.failures.append(retry.reason)
+            avoid.add(retry.upstream.id)
+            if retry.mid_stream and self.sent:
+                continuation = self.trail.continuation(self.original) if self.trail is not None else None
+                if continuation is None:
+                    router.metrics.resumed["not_resumable"].inc()
+                    return await self._give_up()
+                assert self.trail is not None
+                self.body, self.resumed_tokens = continuation, len(self.trail.generated)
+            if len(self.failures) >= router.config.max_attempts:
+                return await self._give_up()
+            prefill, decode_or_none, prompt_tokens = await router._route_again(self.body, self.chat, avoid)
+            if decode_or_none is None:
+                return await self._give_up()
+            decode = decode_or_none
+            router.metrics.retries[retry.role].inc()
+            if self.resumed_tokens and retry.mid_stream:
+                router.metrics.resumed["resumed"].inc()
+            log.info("request %s: %s; attempt %d", self.request_id, retry.reason, len(self.failures) + 1)
+
+    async def _give_up(self) -> Response | Stream:
+        metrics = self.router.metrics
+        metrics.requests["upstream_error"].inc()
+        message = f"every attempt failed ({len(self.failures)}): " + "; ".join(self.failures)
+        log.warning("request %s: %s", self.request_id, message)
+        if self.response is None:
+            return _error(502, message)
+        with contextlib.suppress(ConnectionError):
+            await self.response.write(b"data: " + openai.error_body(502, message) + b"\n\ndata: [DONE]\n\n")
+            await self.response.write_eof()
+        return self.response
+
+
+class _Flow:
+    """One attempt: its prefill and decode exchanges (decode alone when the prompt's
+    prefix is stored, or when no prefill is left to try: `prefill` is None)."""
+
+    __slots__ = ("_prefill_open", "decode", "job", "kv_tokens", "prefill", "prefilled_at", "prompt_tokens")
+
+    def __init__(self, job: _Job, prefill: Upstream | None, decode: Upstream, prompt_tokens: int):
+        self.job = job
         self.prefill = prefill
         self.decode = decode
         self.prompt_tokens = prompt_tokens
-        self.started = started
-        self.response: Stream | None = None
         self.prefilled_at: float | None = None
+        self.kv_tokens = prompt_tokens + (openai.max_tokens_of(job.body, job.chat) or DEFAULT_OUTPUT_TOKENS)
+        admission = job.router.admission
+        if prefill is not None:
+            if admission is not None:
+                admission.started(prefill.id, time.monotonic(), prefill.inflight_requests == 0)
+            prefill.inflight_requests += 1
+            prefill.inflight_tokens += prompt_tokens
+        decode.inflight_requests += 1
+        decode.inflight_tokens += self.kv_tokens
         self._prefill_open = prefill is not None
 
     def prefill_done(self, ok: bool = False) -> None:
@@ -340,174 +452,170 @@ class _Flow:
         self._prefill_open = False
         self.prefill.inflight_requests -= 1
         self.prefill.inflight_tokens -= self.prompt_tokens
-        admission = self.router.admission
+        admission = self.job.router.admission
         if ok and admission is not None:
             admission.completed(self.prefill.id, self.prompt_tokens, time.monotonic())
 
-    async def run(self, request_id: str, transfer_id: str) -> Response | Stream:
-        router = self.router
+    def release(self) -> None:
+        self.prefill_done()
+        self.decode.inflight_requests -= 1
+        self.decode.inflight_tokens -= self.kv_tokens
+
+    def _failed(self, role: str, upstream: Upstream, reason: str, mid_stream: bool = False) -> _Retry:
+        metrics = self.job.router.metrics
+        metrics.upstream_errors.labels(role, upstream.id).inc()
+        if upstream.failed(time.monotonic()):
+            metrics.circuit_opens.labels(role, upstream.id).inc()
+        return _Retry(role, upstream, f"{role} {upstream.id}: {reason}", mid_stream)
+
+    async def run(self, transfer_id: str) -> Response | Stream:
+        job = self.job
+        router = job.router
         protocol = router.protocol
+        body = job.body
+        decode_body = body if job.trail is None else {**body, "return_token_ids": True}
         if self.prefill is None:
-            decode_bytes = orjson.dumps(self.body)  # a plain request: decode's store loads the prefix
+            decode_bytes = orjson.dumps(decode_body)  # plain: decode loads a stored prefix or computes
         else:
             engine = self.prefill.engine
             assert engine is not None
-            prefill_bytes = orjson.dumps(protocol.prefill_body(self.body, transfer_id))
-            decode_bytes = orjson.dumps(protocol.decode_body(self.body, transfer_id, engine))
-        path = self.path.encode()
+            prefill_bytes = orjson.dumps(protocol.prefill_body(body, transfer_id))
+            decode_bytes = orjson.dumps(protocol.decode_body(decode_body, transfer_id, engine))
+        path = job.path.encode()
         decode_task = asyncio.get_running_loop().create_task(
             router.upstream.request(
                 self.decode.origin,
                 b"POST",
                 path,
-                _header_lines(protocol.decode_headers(request_id)),
+                router.engine_headers(protocol.decode_headers(job.request_id)),
                 decode_bytes,
             )
         )
         try:
             if self.prefill is not None:
                 await self._run_prefill(
-                    path, prefill_bytes, _header_lines(protocol.prefill_headers(request_id, engine))
+                    path,
+                    prefill_bytes,
+                    router.engine_headers(protocol.prefill_headers(job.request_id, engine)),
                 )
             upstream = await self._await_decode(decode_task)
-        except _UpstreamFailed as failure:
-            _discard(decode_task)
-            return self._fail(failure)
         except BaseException:
             _discard(decode_task)
             raise
         try:
             if upstream.status != 200:
                 payload = await upstream.read()
-                status = upstream.status
-                if status >= 500:
-                    self._count_upstream_error("decode", self.decode)
-                    router.metrics.requests["upstream_error"].inc()
-                    # Perhaps the KV could not be found: the prefill may have restarted
-                    # under a new engine_id.
-                    if self.prefill is not None:
-                        router.pool.invalidate(self.prefill)
-                else:
-                    router.metrics.requests["client_error"].inc()
-                return Response(status, payload, _JSON)
-            if self.body.get("stream"):
+                if upstream.status < 500 and upstream.status not in _NOT_THE_CLIENTS:
+                    raise _Refused(Response(upstream.status, payload, _JSON))
+                # Perhaps the KV could not be found: the prefill may have restarted
+                # under a new engine_id.
+                if self.prefill is not None:
+                    router.pool.invalidate(self.prefill)
+                raise self._failed("decode", self.decode, f"HTTP {upstream.status}")
+            if body.get("stream"):
                 return await self._relay_stream(upstream)
             return await self._relay_body(upstream)
         except UpstreamError as e:  # decode broke off mid-answer
-            self._count_upstream_error("decode", self.decode)
-            router.metrics.requests["upstream_error"].inc()
-            if self.response is None:
-                return _error(502, f"decode backend failed: {e}")
-            with contextlib.suppress(ConnectionError):
-                await self.response.write(
-                    b"data: " + openai.error_body(502, str(e)) + b"\n\ndata: [DONE]\n\n"
-                )
-                await self.response.write_eof()
-            return self.response
+            raise self._failed("decode", self.decode, str(e), mid_stream=job.response is not None) from e
         finally:
             upstream.close()  # keeps a finished connection, drops an unfinished one
 
     async def _run_prefill(self, path: bytes, body: bytes, headers: bytes) -> None:
-        router = self.router
+        router = self.job.router
+        prefill = self.prefill
+        assert prefill is not None
+        timeout = router.config.prefill_timeout_s
         try:
-            response = await router.upstream.request(self.prefill.origin, b"POST", path, headers, body)
-            try:
-                payload = await response.read()
-            finally:
-                response.close()
+            async with asyncio.timeout(timeout):
+                response = await router.upstream.request(prefill.origin, b"POST", path, headers, body)
+                try:
+                    payload = await response.read()
+                finally:
+                    response.close()
         except UpstreamError as e:
-            self.prefill.cooldown_until = time.monotonic() + COOLDOWN_S
-            router.pool.invalidate(self.prefill)
-            raise _UpstreamFailed("prefill", self.prefill, _error(502, f"prefill backend failed: {e}")) from e
+            router.pool.invalidate(prefill)
+            raise self._failed("prefill", prefill, str(e)) from e
+        except TimeoutError as e:
+            raise self._failed("prefill", prefill, f"no answer within {timeout:g} s") from e
         status = response.status
         if status == 200:
             self.prefilled_at = time.monotonic()
+            prefill.succeeded()
             self.prefill_done(ok=True)
             return
-        if status < 500:
-            # The engine refused the request itself (e.g. too long for max_model_len).
-            raise _UpstreamFailed(
-                "client",
-                self.prefill,
-                Response(status, payload, _JSON),
-            )
-        raise _UpstreamFailed(
-            "prefill", self.prefill, _error(502, f"prefill backend failed with HTTP {status}")
-        )
+        if status < 500 and status not in _NOT_THE_CLIENTS:
+            raise _Refused(Response(status, payload, _JSON))
+        raise self._failed("prefill", prefill, f"HTTP {status}")
 
     async def _await_decode(self, task: asyncio.Task[UpstreamResponse]) -> UpstreamResponse:
         try:
             return await task
         except UpstreamError as e:
-            self.decode.cooldown_until = time.monotonic() + COOLDOWN_S
-            raise _UpstreamFailed("decode", self.decode, _error(502, f"decode backend failed: {e}")) from e
-
-    def _fail(self, failure: _UpstreamFailed) -> Response:
-        metrics = self.router.metrics
-        if failure.role == "client":
-            metrics.requests["client_error"].inc()
-        else:
-            self._count_upstream_error(failure.role, failure.upstream)
-            metrics.requests["upstream_error"].inc()
-        return failure.response
-
-    def _count_upstream_error(self, role: str, upstream: Upstream) -> None:
-        self.router.metrics.upstream_errors.labels(role, upstream.id).inc()
+            raise self._failed("decode", self.decode, str(e)) from e
 
     async def _relay_body(self, upstream: UpstreamResponse) -> Response:
+        job = self.job
         payload = await upstream.read()
-        metrics = self.router.metrics
+        metrics = job.router.metrics
         with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             metrics.generation_tokens.inc(orjson.loads(payload)["usage"]["completion_tokens"])
-        metrics.e2e.observe(time.monotonic() - self.started)
+        metrics.e2e.observe(time.monotonic() - job.started)
         metrics.requests["ok"].inc()
+        self.decode.succeeded()
         return Response(body=payload, content_type=_JSON)
 
     async def _relay_stream(self, upstream: UpstreamResponse) -> Stream:
-        metrics = self.router.metrics
-        response = self.request.stream(200, _SSE_HEADERS)
-        self.response = response
-        last_token_at = 0.0
-        tokens = 0
-        failed = False
+        job = self.job
+        metrics = job.router.metrics
+        if job.response is None:
+            job.response = job.request.stream(200, _SSE_HEADERS)
+        response = job.response
+        trail, resumed = job.trail, job.resumed_tokens
+        failed = done = False
         async for chunk in upstream.iter_chunks():
+            if trail is not None:
+                chunk = trail.relay(chunk, continuation=resumed > 0)
+                if resumed:
+                    chunk = fix_usage(chunk, resumed)
             events = chunk.count(b"data: ")
             if events:
                 now = time.monotonic()
                 # Not tokens: the chat role chunk, the usage chunk, [DONE], errors.
-                n = (
-                    events
-                    - chunk.count(b'{"role":')
-                    - chunk.count(b'"choices":[]')
-                    - chunk.count(b"data: [DONE]")
-                )
+                ends = chunk.count(b"data: [DONE]")
+                n = events - chunk.count(b'{"role":') - chunk.count(b'"choices":[]') - ends
+                done = done or ends > 0
                 if b'"error"' in chunk:
                     failed = True
                 if n > 0:
-                    if tokens == 0:
-                        metrics.ttft.observe(now - self.started)
+                    if job.tokens == 0:
+                        metrics.ttft.observe(now - job.started)
                         if self.prefilled_at is not None:
-                            metrics.prefill.observe(self.prefilled_at - self.started)
+                            metrics.prefill.observe(self.prefilled_at - job.started)
                             metrics.after_prefill.observe(now - self.prefilled_at)
                         gaps, gap = n - 1, 0.0
                     else:
-                        gaps, gap = n, (now - last_token_at) / n
+                        gaps, gap = n, (now - job.last_token_at) / n
                     for _ in range(gaps):
                         metrics.itl.observe(gap)
-                    tokens += n
-                    last_token_at = now
+                    job.tokens += n
+                    job.last_token_at = now
+                job.sent = True
             try:
                 await response.write(chunk)
             except ConnectionResetError:  # the client left; closing upstream aborts decode
                 metrics.requests["cancelled"].inc()
                 return response
+        if not done and trail is not None:
+            # Ended without [DONE]: an engine that died between two chunks.
+            raise self._failed("decode", self.decode, "the stream ended early", mid_stream=True)
         await response.write_eof()
-        metrics.generation_tokens.inc(tokens)
+        metrics.generation_tokens.inc(job.tokens)
         if failed:
-            self._count_upstream_error("decode", self.decode)
+            metrics.upstream_errors.labels("decode", self.decode.id).inc()
             metrics.requests["upstream_error"].inc()
         else:
-            metrics.e2e.observe(time.monotonic() - self.started)
+            self.decode.succeeded()
+            metrics.e2e.observe(time.monotonic() - job.started)
             metrics.requests["ok"].inc()
         return response
 

@@ -123,8 +123,10 @@ class StoreIndex:
         hash_seed: str | None,
         max_computed_tokens: int,
         timeout_s: float,
+        engine_headers: bytes = b"",
     ):
         self.upstream = upstream
+        self.engine_headers = engine_headers  # an engine API key, for its /v1 routes
         # Any master: under HA a Service over all of them, where a standby answers 503
         # and names the leader (/leader), whose HTTP port is the same.
         self.master = Origin.parse(master_url)
@@ -137,8 +139,8 @@ class StoreIndex:
     def forget(self, url: str) -> None:
         self._facts.pop(url, None)
 
-    async def _get(self, origin: Origin, path: str) -> tuple[int, bytes]:
-        response = await self.upstream.request(origin, b"GET", path.encode(), b"", b"")
+    async def _get(self, origin: Origin, path: str, headers: bytes = b"") -> tuple[int, bytes]:
+        response = await self.upstream.request(origin, b"GET", path.encode(), headers, b"")
         try:
             return response.status, await response.read()
         finally:
@@ -148,7 +150,7 @@ class StoreIndex:
         if url in self._facts:
             return self._facts[url]
         origin = Origin.parse(url)
-        status, models = await self._get(origin, "/v1/models")
+        status, models = await self._get(origin, "/v1/models", self.engine_headers)
         if status != 200:
             raise LookupFailed(f"{url}/v1/models answered HTTP {status}")
         status, metrics = await self._get(origin, "/metrics")

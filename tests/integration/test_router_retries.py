@@ -1,0 +1,228 @@
+"""Requests that survive engine deaths, on loopback: engine simulators as processes
+(killed with SIGKILL, as a node loss or an OOM kill ends them) behind the real router.
+
+- a decode engine killed mid-stream: the stream goes on from another decode engine and
+  equals an unbroken one, token for token, usage included;
+- prefill engines killed at random points, twenty times, and started again under a new
+  engine id: every request completes, and no decode request names a dead engine id
+  once the router has seen the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from loopback import CONSUMER, PRODUCER, free_port, router
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdcluster import observability as obs
+
+SIM = str(Path(sys.executable).parent / "pdcluster-engine-sim")
+MODEL = "sim-model"
+# Ten times slower than the H200 profile: tens of ms per token, so a stream can be
+# killed in its middle; recompute, as the operator renders it.
+SLOW = ("--sim-time-scale", "0.1", "--sim-record", "400")
+KV = {
+    "prefill": PRODUCER,
+    "decode": CONSUMER.removesuffix("}") + ',"kv_load_failure_policy":"recompute"}',
+}
+
+
+class Engine:
+    """An engine simulator process on fixed ports, so it can die and come back."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.port, self.bootstrap = free_port(), free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [SIM, "serve", MODEL, "--host", "127.0.0.1", "--port", str(self.port),
+             "--kv-transfer-config", KV[self.role], *SLOW],
+            env={**os.environ, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap),
+                 "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "30"},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    async def healthy(self) -> None:
+        async with aiohttp.ClientSession() as http, asyncio.timeout(60):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"{self.url}/health") as resp:
+                        if resp.status == 200:
+                            return
+                await asyncio.sleep(0.05)
+
+
+@contextlib.contextmanager
+def engines(*roles: str) -> Iterator[list[Engine]]:
+    out = [Engine(role) for role in roles]
+    try:
+        for e in out:
+            e.start()
+        yield out
+    finally:
+        for e in out:
+            if e.proc is not None and e.proc.poll() is None:
+                e.proc.terminate()
+                e.proc.wait(timeout=30)
+
+
+@contextlib.asynccontextmanager
+async def routed(prefills: list[Engine], decodes: list[Engine], *args: str) -> AsyncIterator[str]:
+    for e in prefills + decodes:
+        await e.healthy()
+    flags = [f for p in prefills for f in ("--prefill", f"{p.url}#bootstrap={p.bootstrap}")]
+    flags += [f for d in decodes for f in ("--decode", d.url)]
+    async with router(*flags, *args) as service:
+        yield f"http://127.0.0.1:{service.args.port}"
+
+
+def counter(text: str, name: str, **labels: str) -> float:
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def stream_events(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        buffer = b""
+        async for chunk in resp.content.iter_any():
+            buffer += chunk
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                payload = event.removeprefix(b"data: ")
+                yield "[DONE]" if payload == b"[DONE]" else orjson.loads(payload)
+
+
+async def test_a_decode_killed_mid_stream_is_resumed_token_for_token() -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Resume me exactly where I stopped. " * 30,
+        "max_tokens": 60,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with engines("prefill", "decode", "decode") as (prefill, *decodes):
+        async with routed([prefill], decodes) as url, aiohttp.ClientSession() as http:
+            # The unbroken answer, from a decode engine on its own.
+            unbroken = [e async for e in stream_events(http, decodes[1].url, body)]
+            events: list[Any] = []
+            killed: Engine | None = None
+            async for event in stream_events(http, url, body):
+                events.append(event)
+                if killed is None and len(events) == 10:
+                    async with http.get(f"{url}/backends") as resp:
+                        backends = await resp.json()
+                    busy = next(b for b in backends["decode"] if b["inflight_requests"])
+                    killed = next(d for d in decodes if d.url == busy["url"])
+                    killed.kill()
+            async with http.get(f"{url}/metrics") as resp:
+                metrics = await resp.text()
+    assert killed is not None
+    text = "".join(e["choices"][0]["text"] for e in events if e != "[DONE]" and e["choices"])
+    assert text == "".join(e["choices"][0]["text"] for e in unbroken if e != "[DONE]" and e["choices"])
+    tokens = [e for e in events if e != "[DONE]" and e["choices"]]
+    assert len(tokens) == 60 and events[-1] == "[DONE]"
+    assert all(
+        e["choices"][0]["token_ids"] is None and e["choices"][0]["prompt_token_ids"] is None for e in tokens
+    )
+    assert len({e["id"] for e in tokens}) == 1, "one request id across both engines"
+    usage = next(e["usage"] for e in events if e != "[DONE]" and not e["choices"])
+    assert usage == next(e["usage"] for e in unbroken if e != "[DONE]" and not e["choices"])
+    assert counter(metrics, obs.ROUTER_RESUMED_STREAMS + "_total", outcome="resumed") == 1
+    assert counter(metrics, obs.ROUTER_REQUESTS + "_total", outcome="ok") == 1
+
+
+async def backends(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with http.get(f"{url}/backends") as resp:
+        return await resp.json()
+
+
+async def recorded(http: aiohttp.ClientSession, engine: Engine) -> list[dict[str, Any]]:
+    async with http.get(f"{engine.url}/sim/requests") as resp:
+        return await resp.json()
+
+
+@pytest.mark.parametrize("seed", [0])
+async def test_prefills_killed_at_random_points_lose_no_request(seed: int) -> None:
+    """Twenty rounds: six requests in flight, one prefill SIGKILLed after a random delay
+    and started again (a new random engine id, as vLLM's). Every request completes with
+    all its tokens; after the router has the new id, decode is never told the old one."""
+    rng = random.Random(seed)
+    body = {"model": MODEL, "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    with engines("prefill", "prefill", "decode") as (*prefills, decode):
+        async with routed(prefills, [decode], "--no-admission") as url, aiohttp.ClientSession() as http:
+
+            async def one(i: int) -> dict[str, Any]:
+                prompt = f"request {i}: " + "a long prompt to prefill " * rng.randint(20, 400)
+                async with http.post(f"{url}/v1/completions", json={**body, "prompt": prompt}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
+
+            dead: dict[str, float] = {}  # engine id -> when the router had its successor
+            answers = 0
+            for round_ in range(20):
+                victim = prefills[round_ % 2]
+                batch = [asyncio.ensure_future(one(round_ * 10 + i)) for i in range(6)]
+                await asyncio.sleep(rng.uniform(0.0, 0.3))
+                old = {
+                    b["engine_id"] for b in (await backends(http, url))["prefill"] if b["url"] == victim.url
+                }
+                victim.kill()
+                for answer in await asyncio.gather(*batch):
+                    assert answer["usage"]["completion_tokens"] == 12, answer
+                    answers += 1
+                victim.start()
+                await victim.healthy()
+                async with asyncio.timeout(30):
+                    while True:
+                        now = {b["engine_id"] for b in (await backends(http, url))["prefill"]}
+                        if now and not now & old and len(now) == 2:
+                            break
+                        await asyncio.sleep(0.05)
+                for engine_id in old:
+                    dead[engine_id] = time.time()
+                await one(round_ * 10 + 9)  # one through the new engine
+                answers += 1
+            sent = await recorded(http, decode)
+            async with http.get(f"{url}/metrics") as resp:
+                metrics = await resp.text()
+    assert answers == 20 * 7
+    stale = [
+        r for r in sent
+        if (r["body"].get("kv_transfer_params") or {}).get("remote_engine_id") in dead
+        and r["received_at"] > dead[r["body"]["kv_transfer_params"]["remote_engine_id"]]
+    ]  # fmt: skip
+    assert not stale, stale[:3]
+    assert counter(metrics, obs.ROUTER_REQUESTS + "_total", outcome="upstream_error") == 0
+    print(f"prefill retries: {counter(metrics, obs.ROUTER_RETRIES + '_total', role='prefill'):.0f}")
