@@ -25,6 +25,7 @@ from pdcluster.drift import in_sync, merge_patch, stamp
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube
 from pdcluster.render import Owner, Replicas, render_all
+from pdcluster.render.router import state_configmap_name
 from pdcluster.render.scaler import role_scaler, scaler_status
 from pdcluster.status import Observation, Problem, compute_status
 
@@ -182,12 +183,14 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         C.ROLE_ROUTER: 0 if spec.suspend else spec.router.replicas,
         C.ROLE_MOONCAKE_MASTER: 0 if spec.suspend else spec.mooncake.master_replicas,
     }
+    verdicts = live.get(("ConfigMap", state_configmap_name(owner)))
     obs = Observation(
         workloads=workloads,
         desired=desired_counts,
         problems=problems,
         autoscaling=result.condition,
         latency_p99_ms=result.latency_p99_ms,
+        kv_verdicts=(verdicts or {}).get("data") if spec.router.kv_probe.enabled else None,
     )
     status = compute_status(spec, generation, obs, previous, result.state, now)
     for role, scaler in scalers.items():
@@ -198,6 +201,14 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         await ctx.events.emit(body, type_, reason, message)
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
+    handoff = next((c for c in status.conditions if c.type == "KVTransfer"), None)
+    before = next((c for c in previous.conditions if c.type == "KVTransfer"), None)
+    if (
+        handoff is not None
+        and handoff.status == "False"
+        and (before is None or before.message != handoff.message)
+    ):
+        await ctx.events.warning(body, "KVTransferFailed", handoff.message)
     metrics.observe_reconcile("degraded" if problems else "ok", time.monotonic() - started)
     return status
 

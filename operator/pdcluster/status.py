@@ -7,10 +7,13 @@ Conditions follow Kubernetes conventions and are what GitOps tools read:
                that cannot schedule); the message says what to fix.
 - Autoscaling: present when autoscaling is on; False when the control law is holding
                because it cannot trust its inputs (e.g. Prometheus is down).
+- KVTransfer:  present once a router has probed a prefill -> decode pair; False names
+               each pair whose KV hand-off failed (router/probe.py), which takes no traffic.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -42,6 +45,27 @@ class Observation:
     problems: list[Problem] = field(default_factory=list)
     autoscaling: tuple[bool, str, str] | None = None  # (ok, reason, message)
     latency_p99_ms: tuple[int | None, int | None] = (None, None)  # router TTFT, ITL
+    kv_verdicts: dict[str, str] | None = None  # the router-state ConfigMap's data
+
+
+def kv_transfer(verdicts: dict[str, str] | None) -> tuple[bool, str, str] | None:
+    """(ok, reason, message) from every router's verdicts; None before any probe."""
+    failed: dict[tuple[str, str], str] = {}
+    passed = 0
+    for text in (verdicts or {}).values():
+        try:
+            entry = json.loads(text)
+            passed = max(passed, int(entry.get("passed", 0)))
+            for pair in entry.get("failed") or []:
+                failed[(str(pair["prefill"]), str(pair["decode"]))] = str(pair.get("reason", ""))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue  # not ours to judge: a router of another version, or a hand edit
+    if failed:
+        named = "; ".join(f"{p} -> {d}: {why}" for (p, d), why in sorted(failed.items()))
+        return False, "HandOffFailed", f"{len(failed)} pair(s) out of rotation: {named}"
+    if passed:
+        return True, "Verified", f"{passed} prefill -> decode pair(s) verified: decode loads prefill's KV"
+    return None
 
 
 def _workload_counts(obj: dict[str, Any] | None) -> tuple[int, int, int, bool]:
@@ -162,6 +186,10 @@ def compute_status(
     if obs.autoscaling is not None:
         ok, reason, message = obs.autoscaling
         conditions.append(_condition(prev, "Autoscaling", ok, reason, message, now_s, generation))
+    handoff = kv_transfer(obs.kv_verdicts)
+    if handoff is not None:
+        ok, reason, message = handoff
+        conditions.append(_condition(prev, "KVTransfer", ok, reason, message, now_s, generation))
 
     ttft, itl = obs.latency_p99_ms
     return PDClusterStatus(

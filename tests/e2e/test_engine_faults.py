@@ -169,3 +169,70 @@ async def test_decode_scale_down_drops_no_stream(
     print(f"{len(outcomes)} streams, 0 dropped; {len(held)} on the removed pods, {len(drained)} past SIGTERM")
     await wait_until(lambda: converged(kube, pdc, "drain"), timeout=60, message="converged at 1 decode")
     assert operator.failures() == []
+
+
+# ------------------------------------------------------------------ 10. a KV hand-off broken for one pair
+async def test_a_broken_kv_hand_off_is_named_in_the_status_and_routed_around(
+    kube: Kube,
+    namespace: str,
+    operator: OperatorProcess,
+    pdc: Any,
+    sim_cluster: Any,
+    wait_until: Any,
+) -> None:
+    """One prefill's KV transfers start failing (the simulator's fault switch): within a
+    probe interval the router takes the pair out of rotation, the PDCluster's KVTransfer
+    condition names both pods, a Warning event says so, and requests keep succeeding."""
+    doc = sim_cluster(
+        "kvcheck",
+        prefill={
+            "replicas": 2,
+            "minReplicas": 1,
+            "maxReplicas": 6,
+            "args": ["--sim-faults", "--sim-record=1000"],
+        },
+        router={"image": "pdcluster/router:0.1.0", "kvProbe": {"intervalSeconds": 5}},
+    )
+    await pdc.apply(doc)
+    await wait_until(lambda: converged(kube, pdc, "kvcheck"), timeout=180, message="Ready")
+
+    async def handoff(status: str) -> dict[str, Any] | None:
+        condition = await pdc.condition("kvcheck", "KVTransfer")
+        return condition if condition and condition["status"] == status else None
+
+    verified = await wait_until(lambda: handoff("True"), timeout=60, message="KVTransfer verified")
+    assert verified["reason"] == "Verified" and "2 prefill -> decode pair(s)" in verified["message"]
+    pods = await kube.list(
+        "v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}=kvcheck,{C.LABEL_ROLE}={C.ROLE_PREFILL}"
+    )
+    bad = next(p for p in pods if p["metadata"]["name"] == "kvcheck-prefill-1")
+    bad_url = f"http://{bad['status']['podIP']}:8000"
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{bad_url}/sim/faults", json={"kv_send": "fail"}) as r:
+            assert r.status == 200
+        broken_at = time.monotonic()
+        failed = await wait_until(lambda: handoff("False"), timeout=60, message="KVTransfer False")
+        detected_s = time.monotonic() - broken_at
+        assert failed["reason"] == "HandOffFailed"
+        assert "kvcheck-prefill-1 -> kvcheck-decode-0" in failed["message"], failed
+        assert "kvcheck-prefill-0" not in failed["message"], failed
+        url = await router_url(kube, namespace, "kvcheck")
+        checked = time.time()
+        body = {"model": "llama-3.1-8b", "prompt": "x" * 2000, "max_tokens": 4}
+        for _ in range(10):
+            async with http.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+        async with http.get(f"{bad_url}/sim/requests") as r:
+            routed = [
+                rec for rec in await r.json()
+                if rec["received_at"] > checked and not rec["headers"].get("X-Request-Id", "").startswith("kv-probe-")
+            ]  # fmt: skip
+        assert not routed, routed[:2]
+        async with http.post(f"{bad_url}/sim/faults", json={"kv_send": "ok"}) as r:
+            assert r.status == 200
+        await wait_until(lambda: handoff("True"), timeout=60, message="KVTransfer verified again")
+    events = await kube.list("v1", "Event", namespace)
+    warned = [e for e in events if e.get("reason") == "KVTransferFailed"]
+    assert warned and "kvcheck-prefill-1" in warned[0]["message"], warned
+    print(f"broken hand-off named in the status {detected_s:.1f} s after it broke (probe interval 5 s)")
+    assert operator.failures() == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -291,6 +292,27 @@ async def router_counter(
         return counters(await r.text(), name, label)
 
 
+async def store_prompt(http: aiohttp.ClientSession, env: Env, body: dict[str, Any], tokens: list[int]) -> Any:
+    """Prefill computes the prompt (asked directly, as for any client), which writes its
+    full blocks to the store; returns its answer once the master holds them all."""
+    prefill, decode = await env.engine_url(C.ROLE_PREFILL), await env.engine_url(C.ROLE_DECODE)
+    status, answer = await call(http, prefill, "/v1/completions", {**body, "stream": False})
+    assert status == 200, answer
+    async with http.get(f"{decode}/v1/models") as r:
+        model = (await r.json())["data"][0]["root"].rstrip("/").split("/")[-1]
+    keys = store.block_keys(tokens, 128, model, "0")
+    master = await env.kube.get("v1", "Service", f"{NAME}-mooncake-master", env.namespace)
+    query = f"http://{master['spec']['clusterIP']}:9003/batch_query_keys?keys={','.join(keys)}"
+
+    async def stored() -> bool:
+        async with http.get(yarl.URL(query, encoded=True)) as r:
+            data = (await r.json())["data"]
+        return all(data[k]["ok"] for k in keys)
+
+    await poll(stored, 30, f"the prompt's {len(keys)} blocks in the master, under the router's keys")
+    return answer
+
+
 async def test_a_stored_prefix_skips_prefill(env: Env) -> None:
     """The Mooncake store for real: prefill writes the blocks it computes to the real
     master's pool under the keys the router computes too; the same prompt through the
@@ -307,20 +329,7 @@ async def test_a_stored_prefix_skips_prefill(env: Env) -> None:
         body = {"model": env.model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
 
         # Prefill computes the prompt for someone else (here: asked directly).
-        status, first = await call(http, prefill, "/v1/completions", body)
-        assert status == 200, first
-        async with http.get(f"{decode}/v1/models") as r:
-            model = (await r.json())["data"][0]["root"].rstrip("/").split("/")[-1]
-        keys = store.block_keys(tokens, 128, model, "0")
-        master = await env.kube.get("v1", "Service", f"{NAME}-mooncake-master", env.namespace)
-        query = f"http://{master['spec']['clusterIP']}:9003/batch_query_keys?keys={','.join(keys)}"
-
-        async def stored() -> bool:
-            async with http.get(yarl.URL(query, encoded=True)) as r:
-                data = (await r.json())["data"]
-            return all(data[k]["ok"] for k in keys)
-
-        await poll(stored, 30, "the prompt's two blocks in the master, under the router's keys")
+        first = await store_prompt(http, env, body, tokens)
 
         before = {"prefill": await by_source(http, prefill), "decode": await by_source(http, decode)}
         bypassed = await router_counter(http, env, "pdcluster_router_prefill_bypassed_total")
@@ -473,27 +482,96 @@ async def test_decode_scales_up_and_down_under_traffic(env: Env) -> None:
 
     # A light load while the new engine starts: on two cores, engines that stream back to
     # back (vLLM's workers busy-poll for a second after each step) starve its start-up.
-    async with aiohttp.ClientSession() as http, StreamLoad(env.router, 1, 16, pause_s=3.0) as light:
-        await set_decode_replicas(env, 2)
+    async with aiohttp.ClientSession() as http:
+        async with StreamLoad(env.router, 1, 16, pause_s=3.0) as light:
+            await set_decode_replicas(env, 2)
 
-        async def second_engine_ready() -> bool:
-            return is_ready(
-                next(
-                    (p for p in await env.pods(C.ROLE_DECODE) if p["metadata"]["name"] == f"{NAME}-decode-1"),
-                    None,
+            async def second_engine_ready() -> bool:
+                return is_ready(
+                    next(
+                        (
+                            p
+                            for p in await env.pods(C.ROLE_DECODE)
+                            if p["metadata"]["name"] == f"{NAME}-decode-1"
+                        ),
+                        None,
+                    )
                 )
-            )
 
-        await poll(second_engine_ready, STARTUP_S, "the new decode engine Ready", interval=2)
-        # Two streams at a time: the router spreads them over both engines.
-        async with StreamLoad(env.router, 2, 16, pause_s=0.2) as heavy:
-            await poll(lambda: second_engine_serves(http), 120, "the router sends to the new decode engine")
+            await poll(second_engine_ready, STARTUP_S, "the new decode engine Ready", interval=2)
+            # Two streams at a time: the router spreads them over both engines.
+            async with StreamLoad(env.router, 2, 16, pause_s=0.2) as heavy:
+                await poll(
+                    lambda: second_engine_serves(http), 120, "the router sends to the new decode engine"
+                )
+        # Alone on the engines, so its arithmetic is the plain engine's.
+        await decode_dies_mid_stream(http, env)
+        async with StreamLoad(env.router, 2, 16, pause_s=0.2) as down:
             await set_decode_replicas(env, 1)
             await poll(scaled_down, 180, "decode back to one pod")
             await asyncio.sleep(2)  # streams sent just before the deletion finish on the survivor
     assert len(heavy.outcomes) > 10, "too little traffic to prove anything"
-    failures = light.failures() + heavy.failures()
+    failures = light.failures() + heavy.failures() + down.failures()
     assert not failures, failures[:5]
+
+
+async def decode_dies_mid_stream(http: aiohttp.ClientSession, env: Env) -> None:
+    """With two decode engines: the one serving a stream is SIGKILLed in its middle; the
+    router resumes the stream on the other from the prompt's and the sent tokens' ids,
+    and the client's stream equals the plain engine's unbroken one, token for token. The
+    prompt's two full blocks are in the Mooncake store by then (prefill wrote them), so
+    the rest goes to the surviving decode alone, which loads them instead of a prefill."""
+    prompt = await prompt_of_length(http, env, 300)
+    status, answer = await call(http, env.plain, "/tokenize", {"model": env.model, "prompt": prompt})
+    assert status == 200, answer
+    body = {
+        "model": env.model, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+        "stream": True,
+    }  # fmt: skip
+    await store_prompt(http, env, body, answer["tokens"])
+    bypassed = (await router_counter(http, env, "pdcluster_router_prefill_bypassed_total")).get("", 0)
+    resumed = (await router_counter(http, env, "pdcluster_router_resumed_streams_total", "outcome")).get(
+        "resumed", 0
+    )
+    events: list[Any] = []
+    victim = ""
+    async with http.post(f"{env.router}/v1/completions", json=body, timeout=REQUEST_TIMEOUT) as r:
+        assert r.status == 200, await r.text()
+        buffer = b""
+        async for chunk in r.content.iter_any():
+            buffer += chunk
+            *whole, buffer = buffer.split(b"\n\n")
+            for event in whole:
+                payload = event.removeprefix(b"data: ")
+                events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+            if not victim and len(events) >= 5:
+                async with http.get(f"{env.router}/backends") as b:
+                    busy = next(d for d in (await b.json())["decode"] if d["inflight_requests"])
+                victim = busy["name"]
+                pod = await env.kube.get("v1", "Pod", victim, env.namespace)
+                # The runner's container id is its process id: SIGKILL it, as an OOM kill would.
+                pid = int(pod["status"]["containerStatuses"][0]["containerID"].rpartition("/")[2])
+                os.killpg(pid, signal.SIGKILL)
+    status, plain = await call(http, env.plain, "/v1/completions", body)
+    assert status == 200, plain
+    assert len(events) == 201 and events[-1] == "[DONE]", events[-3:]
+    assert text_of("/v1/completions", events) == text_of("/v1/completions", plain)
+    choices = [e["choices"][0] for e in events[:-1]]
+    assert all(c["token_ids"] is None and c["prompt_token_ids"] is None for c in choices), "ids hidden"
+    now_bypassed = (await router_counter(http, env, "pdcluster_router_prefill_bypassed_total")).get("", 0)
+    # The stream and its rest both went to decode alone, which loaded the stored blocks.
+    assert now_bypassed == bypassed + 2, (bypassed, now_bypassed)
+    now = (await router_counter(http, env, "pdcluster_router_resumed_streams_total", "outcome")).get(
+        "resumed", 0
+    )
+    assert now == resumed + 1, f"{victim} finished the stream before it died: nothing was resumed"
+
+    async def back() -> bool:  # the StatefulSet brings the victim back; later tests need it
+        return is_ready(
+            next((p for p in await env.pods(C.ROLE_DECODE) if p["metadata"]["name"] == victim), None)
+        )
+
+    await poll(back, STARTUP_S, f"{victim} Ready again", interval=2)
 
 
 @pytest.mark.parametrize(

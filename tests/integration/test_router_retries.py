@@ -1,11 +1,13 @@
-"""Requests that survive engine deaths, on loopback: engine simulators as processes
+"""Requests that survive engine faults, on loopback: engine simulators as processes
 (killed with SIGKILL, as a node loss or an OOM kill ends them) behind the real router.
 
 - a decode engine killed mid-stream: the stream goes on from another decode engine and
   equals an unbroken one, token for token, usage included;
 - prefill engines killed at random points, twenty times, and started again under a new
   engine id: every request completes, and no decode request names a dead engine id
-  once the router has seen the new one.
+  once the router has seen the new one;
+- one prefill's KV hand-off broken: the router's probes find the pair, it takes no
+  more traffic, every request completes, and it is used again once it works.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ KV = {
 class Engine:
     """An engine simulator process on fixed ports, so it can die and come back."""
 
-    def __init__(self, role: str):
+    def __init__(self, role: str, *args: str):
         self.role = role
+        self.args = args
         self.port, self.bootstrap = free_port(), free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -56,7 +59,7 @@ class Engine:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [SIM, "serve", MODEL, "--host", "127.0.0.1", "--port", str(self.port),
-             "--kv-transfer-config", KV[self.role], *SLOW],
+             "--kv-transfer-config", KV[self.role], *SLOW, *self.args],
             env={**os.environ, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap),
                  "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "30"},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -79,7 +82,11 @@ class Engine:
 
 @contextlib.contextmanager
 def engines(*roles: str) -> Iterator[list[Engine]]:
-    out = [Engine(role) for role in roles]
+    """Engines of these roles; "prefill+faults" is a prefill that serves /sim/faults."""
+    out = [
+        Engine(role.partition("+")[0], *(("--sim-faults",) if role.endswith("+faults") else ()))
+        for role in roles
+    ]
     try:
         for e in out:
             e.start()
@@ -226,3 +233,44 @@ async def test_prefills_killed_at_random_points_lose_no_request(seed: int) -> No
     assert not stale, stale[:3]
     assert counter(metrics, obs.ROUTER_REQUESTS + "_total", outcome="upstream_error") == 0
     print(f"prefill retries: {counter(metrics, obs.ROUTER_RETRIES + '_total', role='prefill'):.0f}")
+
+
+async def test_a_broken_hand_off_is_found_and_routed_around() -> None:
+    body = {"model": MODEL, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    with engines("prefill", "prefill+faults", "decode") as (good, bad, decode):
+        async with (
+            routed([good, bad], [decode], "--no-admission", "--kv-probe-interval", "1") as url,
+            aiohttp.ClientSession() as http,
+        ):
+
+            async def pairs(verdict: str) -> float:
+                async with http.get(f"{url}/metrics") as resp:
+                    return counter(await resp.text(), obs.ROUTER_KV_PAIRS, verdict=verdict)
+
+            async def until(verdict: str, count: int) -> None:
+                async with asyncio.timeout(30):
+                    while await pairs(verdict) != count:
+                        await asyncio.sleep(0.1)
+
+            await until("passed", 2)
+            async with http.post(f"{bad.url}/sim/faults", json={"kv_send": "fail"}) as resp:
+                assert resp.status == 200
+            await until("failed", 1)
+            found = time.time()
+
+            for i in range(20):
+                prompt = f"request {i}: " + "routed around a broken pair " * 20
+                async with http.post(f"{url}/v1/completions", json={**body, "prompt": prompt}) as resp:
+                    assert resp.status == 200, await resp.text()
+            sent_to_bad = [
+                r for r in await recorded(http, bad)
+                if r["received_at"] > found and not r["headers"].get("X-Request-Id", "").startswith("kv-probe-")
+            ]  # fmt: skip
+            assert not sent_to_bad, sent_to_bad[:2]  # only probes went through the broken pair
+            async with http.post(f"{bad.url}/sim/faults", json={"kv_send": "ok"}) as resp:
+                assert resp.status == 200
+            await until("passed", 2)
+            async with http.get(f"{url}/metrics") as resp:
+                text = await resp.text()
+    assert counter(text, obs.ROUTER_KV_PROBES + "_total", outcome="failed") >= 2
+    assert counter(text, obs.ROUTER_REQUESTS + "_total", outcome="ok") == 20

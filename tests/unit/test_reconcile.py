@@ -15,6 +15,8 @@ from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError
 from pdcluster.reconcile import Context, reconcile
 from pdcluster.render import Owner, Replicas, render_all
+from pdcluster.router.state import StatePublisher
+from pdcluster.status import kv_transfer
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
@@ -156,3 +158,47 @@ async def test_external_mode_follows_the_role_scalers() -> None:
     await run(kube, body)
     assert (kube.live("StatefulSet", "c-prefill") or {})["spec"]["replicas"] == 4
     assert (kube.live(C.SCALER_KIND, "c-prefill") or {})["spec"]["replicas"] == 4  # never taken back
+
+
+async def test_router_verdicts_become_the_kv_transfer_condition_and_one_warning() -> None:
+    """Routers write their probe verdicts into the router-state ConfigMap (router/state.py);
+    the operator's own apply of that ConfigMap keeps them, and its status says what they say."""
+    kube = FakeKube()
+    body = pdcluster(kube)
+    stored = await run(kube, body)
+    assert not [c for c in stored["status"]["conditions"] if c["type"] == "KVTransfer"], "nothing probed yet"
+
+    router = StatePublisher(kube, "ns", "c-router-state", "c-router-abc")  # type: ignore[arg-type]
+    router.routers = {"c-router-abc"}
+    await router.publish({"pairs": 2, "passed": 2, "failed": []})
+    stored = await run(kube, body)
+    assert condition(stored, "KVTransfer")["status"] == "True"
+    assert "2 prefill -> decode pair(s) verified" in condition(stored, "KVTransfer")["message"]
+
+    bad = {"prefill": "c-prefill-1", "decode": "c-decode-0", "reason": "decode computed the prompt itself"}
+    await router.publish({"pairs": 2, "passed": 1, "failed": [bad]})
+    kube.writes.clear()
+    stored = await run(kube, body)
+    handoff = condition(stored, "KVTransfer")
+    assert (handoff["status"], handoff["reason"]) == ("False", "HandOffFailed")
+    assert "c-prefill-1 -> c-decode-0: decode computed the prompt itself" in handoff["message"]
+    assert [k for _, k, _ in kube.writes].count("Event") == 1, "one Warning, after the status write"
+    kube.writes.clear()
+    await run(kube, body)
+    assert [k for _, k, _ in kube.writes] == [], "at rest: no second warning, no write"
+
+    # A router that is gone: the next one to write removes its verdicts.
+    successor = StatePublisher(kube, "ns", "c-router-state", "c-router-def")  # type: ignore[arg-type]
+    successor.routers = {"c-router-def"}
+    await successor.publish({"pairs": 2, "passed": 2, "failed": []})
+    data = kube.live("ConfigMap", "c-router-state", "ns")["data"]  # type: ignore[index]
+    assert set(data) == {"c-router-def"}
+    stored = await run(kube, body)
+    assert condition(stored, "KVTransfer")["status"] == "True"
+
+
+def test_verdicts_that_are_not_ours_are_ignored() -> None:
+    assert kv_transfer(None) is None
+    assert kv_transfer({"r1": "not json", "r2": '{"passed": "x"}'}) is None
+    ok = kv_transfer({"r1": '{"passed": 3, "failed": []}', "r2": '{"passed": 1, "failed": []}'})
+    assert ok is not None and ok[0] is True and "3 prefill" in ok[2]

@@ -128,4 +128,6 @@ def test_ready_pods_become_backends() -> None:
             "http://127.1.0.2:8000": "http://127.1.0.2:8998",
         },
         decode=frozenset({"http://127.1.0.5:8000"}),
+        names={"http://127.1.0.1:9000": "p0", "http://127.1.0.2:8000": "p1", "http://127.1.0.5:8000": "d0"},
+        routers=frozenset({"r0"}),
     )

@@ -122,14 +122,21 @@ def test_namespaced_install_holds_nothing_cluster_wide_but_discovery() -> None:
     assert namespaces == {"team-a", "team-b", RELEASE_NAMESPACE}
 
 
-def test_router_role_only_reads_pods() -> None:
+def test_router_role_reads_pods_and_writes_only_its_verdicts() -> None:
     objs = router_roles()
     roles = [o for o in objs if o["kind"] == "Role"]
     assert roles
     for role in roles:
         assert rule_problems(role) == []
+        state = role["metadata"]["name"] + "-state"
         assert role["rules"] == [
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [state],
+                "verbs": ["get", "patch"],
+            },
         ]
     for binding in (o for o in objs if o["kind"] == "RoleBinding"):
         assert binding["roleRef"]["kind"] == "Role"

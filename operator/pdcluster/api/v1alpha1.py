@@ -435,6 +435,19 @@ class RetrySpec(Model):
     )
 
 
+class KvProbeSpec(Model):
+    """KV hand-off verification: the router sends a one-token request through each
+    prefill -> decode pair before it takes traffic and then at intervals, and checks on
+    decode's counters that the prompt's KV arrived rather than being recomputed. A pair
+    that fails takes no traffic and is named in the KVTransfer condition."""
+
+    enabled: bool = Field(True)
+    interval_seconds: int = Field(
+        60, ge=5, le=3600, description="Failed pairs and a sample of the others are probed again this often."
+    )
+    prompt_tokens: int = Field(64, ge=1, le=8192, description="Prompt length of a probe, in tokens.")
+
+
 class RouterSpec(Model):
     """The OpenAI-compatible, PD-aware router in front of the pools."""
 
@@ -448,6 +461,7 @@ class RouterSpec(Model):
     admission: AdmissionSpec = section(AdmissionSpec)
     store_hits: StoreHitsSpec = section(StoreHitsSpec)
     retries: RetrySpec = section(RetrySpec)
+    kv_probe: KvProbeSpec = section(KvProbeSpec)
     request_timeout_seconds: int = Field(
         600,
         ge=1,

@@ -60,6 +60,7 @@ class SimConfig:
     output_mean: int
     record: int
     stamp_tokens: bool
+    faults: bool = False
 
     @property
     def role(self) -> str:
@@ -179,6 +180,11 @@ def _parser() -> argparse.ArgumentParser:
         "--sim-stamp-tokens",
         action="store_true",
         help="add sim_sent_at (CLOCK_MONOTONIC seconds) to streamed token chunks, to measure relay latency",
+    )
+    sim.add_argument(
+        "--sim-faults",
+        action="store_true",
+        help='serve POST /sim/faults {"kv_send": "fail" | "ok"}: a prefill whose KV hand-offs fail (tests)',
     )
     return p
 
@@ -314,4 +320,5 @@ def parse(argv: list[str]) -> SimConfig:
         output_mean=args.sim_output_mean,
         record=args.sim_record,
         stamp_tokens=args.sim_stamp_tokens,
+        faults=args.sim_faults,
     )

@@ -339,6 +339,7 @@ class SideChannel:
         self.store = store
         self._pulls: dict[tuple[_Lines, int], asyncio.Task[None]] = {}
         self._server: asyncio.Server | None = None
+        self.failing = False  # a broken hand-off (tests): every pull fails after the wait
 
     async def start(self, host: str) -> int:
         """Listen on a random port, as vLLM's ZMQ side channel does; returns the port."""
@@ -382,6 +383,12 @@ class SideChannel:
             return
         except NotProcessed:
             conn.send(reply | {"error": f"transfer {transfer_id} was not kept for decode"})
+            return
+        if self.failing:
+            self.table.pulled(transfer_id)
+            conn.send(
+                reply | {"error": f"transfer {transfer_id} failed: the KV transfer is broken (--sim-faults)"}
+            )
             return
         if self.engine_ids[engine] != engine_id:
             self.table.pulled(transfer_id)

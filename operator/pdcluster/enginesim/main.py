@@ -130,7 +130,10 @@ class Simulator:
         if c.store_config is not None:
             self.prefix_store = await self._prefix_store(c.store_config)
         api = OpenAIServer(c, self.cores, self.families.registry, self.prefix_store)
-        await self._serve(api.app(), c.host or "0.0.0.0", c.port)
+        app = api.app()
+        if c.faults:
+            app.router.add_post("/sim/faults", self._faults)
+        await self._serve(app, c.host or "0.0.0.0", c.port)
         if c.serves_bootstrap:
             # vLLM binds 0.0.0.0; binding the advertised address instead lets several
             # simulated pods share one host's loopback network.
@@ -149,6 +152,16 @@ class Simulator:
             log.info("bootstrap server on %s:%d, engine ids %s", bind, c.bootstrap_port, self.engine_ids)
         log.info("role %s, profile %s, time scale %g", c.role, self.profile.name, c.time_scale)
         log.info("Application startup complete.")
+
+    async def _faults(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if self.side_channel is None or body.get("kv_send") not in ("fail", "ok"):
+            return web.json_response(
+                {"error": 'expected {"kv_send": "fail" | "ok"} on a prefill'}, status=400
+            )
+        self.side_channel.failing = body["kv_send"] == "fail"
+        log.warning("KV hand-offs %s", "fail from now on" if self.side_channel.failing else "work again")
+        return web.json_response({"kv_send": body["kv_send"]})
 
     def _worker_addrs(self, port: int) -> list[dict[str, dict[str, str]]]:
         """vLLM lists each worker's ZMQ address; every simulated worker shares the one

@@ -50,6 +50,15 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     args += [f"--max-attempts={retries.max_attempts}", f"--prefill-timeout={retries.prefill_timeout_seconds}"]
     if not retries.resume_streams:
         args.append("--no-resume-streams")
+    probe = r.kv_probe
+    if probe.enabled:
+        args += [
+            f"--kv-probe-interval={probe.interval_seconds}",
+            f"--kv-probe-tokens={probe.prompt_tokens}",
+            f"--state-configmap={state_configmap_name(owner)}",
+        ]
+    else:
+        args.append("--kv-probe-interval=0")
     if r.api_key_secret:
         args.append(f"--api-key-file={API_KEY_DIR}/{r.api_key_secret.key}")
     if spec.engine.api_key_secret:
@@ -90,7 +99,10 @@ def deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, An
                 "imagePullPolicy": r.image_pull_policy,
                 "command": ["pdcluster-router"],
                 "args": router_args(spec, owner),
-                "env": [env_field("POD_NAMESPACE", "metadata.namespace")],
+                "env": [
+                    env_field("POD_NAMESPACE", "metadata.namespace"),
+                    env_field("POD_NAME", "metadata.name"),
+                ],
                 "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
                 "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
                 "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
@@ -139,6 +151,20 @@ def service(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
     }
 
 
+def state_configmap_name(owner: Owner) -> str:
+    return f"{owner.child(C.ROLE_ROUTER)}-state"
+
+
+def state_configmap(owner: Owner) -> dict[str, Any]:
+    """Where routers report their KV hand-off verdicts (router/state.py). Rendered
+    without data: each router owns its own key, and the operator's apply never touches it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(owner, C.ROLE_ROUTER, state_configmap_name(owner)),
+    }
+
+
 def rbac(owner: Owner) -> list[dict[str, Any]]:
     role = C.ROLE_ROUTER
     name = owner.child(role)
@@ -153,8 +179,16 @@ def rbac(owner: Owner) -> list[dict[str, Any]]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": metadata(owner, role),
-            # Membership only: the router reads which engine pods are ready, nothing else.
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+            # Membership: which engine pods are ready; and its one ConfigMap of verdicts.
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                {
+                    "apiGroups": [""],
+                    "resources": ["configmaps"],
+                    "resourceNames": [state_configmap_name(owner)],
+                    "verbs": ["get", "patch"],
+                },
+            ],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -168,4 +202,4 @@ def rbac(owner: Owner) -> list[dict[str, Any]]:
 
 def build_router(spec: PDClusterSpec, owner: Owner, *, suspended: bool) -> list[dict[str, Any]]:
     replicas = 0 if suspended else spec.router.replicas
-    return [*rbac(owner), deployment(spec, owner, replicas), service(spec, owner)]
+    return [*rbac(owner), state_configmap(owner), deployment(spec, owner, replicas), service(spec, owner)]

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -18,8 +19,10 @@ from pdcluster.router import openai
 from pdcluster.router.http import HttpServer
 from pdcluster.router.membership import Members, Pool, parse_static, watch_kube
 from pdcluster.router.policy import Admission, make_policy
+from pdcluster.router.probe import KvProber
 from pdcluster.router.prompt import BLOCK_TOKENS
 from pdcluster.router.server import MAX_BODY_BYTES, Router, RouterConfig
+from pdcluster.router.state import StatePublisher
 from pdcluster.router.store import StoreIndex
 from pdcluster.router.upstream import UpstreamPool
 
@@ -106,6 +109,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-api-key-file", type=Path, help="send engines `Authorization: Bearer <key>` (vLLM --api-key)"
     )
+    probe = p.add_argument_group("KV hand-off verification")
+    probe.add_argument(
+        "--kv-probe-interval",
+        type=float,
+        default=60.0,
+        help="seconds between re-checks of failed and sampled prefill -> decode pairs; 0: no probes",
+    )
+    probe.add_argument("--kv-probe-tokens", type=int, default=64, help="prompt tokens per probe")
+    probe.add_argument(
+        "--state-configmap", help="ConfigMap to write the probe verdicts to (needs --kube and --pod-name)"
+    )
+    probe.add_argument("--pod-name", default=os.environ.get("POD_NAME", ""), help="this router's pod")
     retry = p.add_argument_group("retries")
     retry.add_argument(
         "--max-attempts", type=int, default=3, help="attempts per request, each on engines not tried before"
@@ -140,6 +155,8 @@ class RouterService:
         self._http: HttpServer | None = None
         self._kube: Kube | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
+        self._publishing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         args = self.args
@@ -182,16 +199,30 @@ class RouterService:
             admission,
             store,
         )
+        loop = asyncio.get_running_loop()
+        publisher: StatePublisher | None = None
         if self.members is None:
             config = KubeConfig.load(args.kubeconfig)
             self._kube = Kube(config)
             await self._kube.__aenter__()
             namespace = args.namespace or config.namespace
-            self._watcher = asyncio.get_running_loop().create_task(
+            self._watcher = loop.create_task(
                 watch_kube(self._kube, namespace, args.cluster, self.pool, args.discovery)
             )
+            if args.state_configmap and args.pod_name:
+                publisher = StatePublisher(self._kube, namespace, args.state_configmap, args.pod_name)
         else:
             self.pool.update(self.members)
+        if args.kv_probe_interval > 0:
+            self.router.prober = KvProber(
+                self.router,
+                args.kv_probe_interval,
+                args.kv_probe_tokens,
+                on_change=(lambda: self._publish(publisher)) if publisher is not None else lambda: None,
+            )
+            self._prober = loop.create_task(self.router.prober.run())
+            if publisher is not None:
+                self._publish(publisher)
         self._http = HttpServer(self.router.handle, openai.error_body, MAX_BODY_BYTES)
         await self._http.start(args.host, args.port)
         log.info(
@@ -202,6 +233,21 @@ class RouterService:
             "off" if admission is None else "on",
             args.store_master or "off",
         )
+
+    def _publish(self, publisher: StatePublisher) -> None:
+        """Write the verdicts in the background; a newer change waits for the write before."""
+        router, pool = self.router, self.pool
+        assert router is not None and router.prober is not None and pool is not None
+        publisher.routers = set(pool.routers) | {publisher.pod}
+        summary = router.prober.summary()
+        previous = self._publishing
+
+        async def write() -> None:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
+            await publisher.publish(summary)
+
+        self._publishing = asyncio.get_running_loop().create_task(write())
 
     def _forget(self, backend_id: str) -> None:
         if self.router is not None:
@@ -221,9 +267,10 @@ class RouterService:
     async def stop(self) -> None:
         if self._http is not None:  # the drain has waited for in-flight requests: cut the rest
             await self._http.close()
-        if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
+        for task in (self._watcher, self._prober, self._publishing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._kube is not None:
             await self._kube.close()
         if self.pool is not None:

@@ -34,6 +34,7 @@ from pdcluster.constants import (
     LABEL_ROLE,
     ROLE_DECODE,
     ROLE_PREFILL,
+    ROLE_ROUTER,
 )
 from pdcluster.io.kube import ApiError, Kube
 from pdcluster.router.policy import Backend
@@ -56,6 +57,7 @@ class Upstream(Backend):
     """A routable engine: a prefill DP rank or a decode instance."""
 
     url: str = ""
+    name: str = ""  # its pod's name where known, else its URL
     engine: PrefillEngine | None = None  # prefill only
     cooldown_until: float = 0.0  # not routable before this (monotonic) time
     failures: int = 0  # in a row
@@ -63,6 +65,7 @@ class Upstream(Backend):
 
     def __post_init__(self) -> None:
         self.origin = Origin.parse(self.url)
+        self.name = self.name or self.url
 
     def failed(self, now: float) -> bool:
         """Count a failure; True when it opens the breaker."""
@@ -80,6 +83,8 @@ class Members:
 
     prefill: dict[str, str] = field(default_factory=dict)
     decode: frozenset[str] = frozenset()
+    names: dict[str, str] = field(default_factory=dict)  # engine URL -> pod name
+    routers: frozenset[str] = frozenset()  # router pod names (pod discovery only)
 
 
 def parse_static(prefill: Iterable[str], decode: Iterable[str]) -> Members:
@@ -134,9 +139,13 @@ def members_from_slices(slices: Iterable[dict[str, Any]]) -> Members:
 def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
     prefill: dict[str, str] = {}
     decode: set[str] = set()
+    names: dict[str, str] = {}
+    routers: set[str] = set()
     for pod in pods:
         meta = pod.get("metadata") or {}
         role = (meta.get("labels") or {}).get(LABEL_ROLE)
+        if role == ROLE_ROUTER and not meta.get("deletionTimestamp"):
+            routers.add(meta.get("name", ""))
         status = pod.get("status") or {}
         ip = status.get("podIP")
         if role not in (ROLE_PREFILL, ROLE_DECODE) or not ip or meta.get("deletionTimestamp"):
@@ -151,11 +160,12 @@ def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
         }
         host = _host(ip)
         url = f"http://{host}:{ports.get('http') or ENGINE_PORT}"
+        names[url] = meta.get("name", url)
         if role == ROLE_PREFILL:
             prefill[url] = f"http://{host}:{ports.get('bootstrap') or BOOTSTRAP_PORT}"
         else:
             decode.add(url)
-    return Members(prefill, frozenset(decode))
+    return Members(prefill, frozenset(decode), names, frozenset(routers))
 
 
 _DISCOVERY = {
@@ -186,9 +196,13 @@ class Pool:
         self.prefill: list[Upstream] = []  # routable prefill ranks
         self.decode: list[Upstream] = []
         self.changed = asyncio.Event()  # set on every change (tests, readiness)
+        self.names: dict[str, str] = {}
+        self.routers: frozenset[str] = frozenset()
 
     # ---------------------------------------------------------------- membership
     def update(self, members: Members) -> None:
+        self.names = members.names
+        self.routers = members.routers
         for url in set(self._prefill) - set(members.prefill):
             self._drop_prefill(url)
         for url, bootstrap_addr in members.prefill.items():
@@ -203,7 +217,7 @@ class Pool:
         for url in set(self._decode) - members.decode:
             self.on_forget(self._decode.pop(url).id)
         for url in members.decode - set(self._decode):
-            self._decode[url] = Upstream(url, ROLE_DECODE, url=url)
+            self._decode[url] = Upstream(url, ROLE_DECODE, url=url, name=members.names.get(url, ""))
         self._publish()
 
     def _drop_prefill(self, url: str) -> None:
@@ -256,6 +270,7 @@ class Pool:
                 f"{instance.url}#dp{e.dp_rank}" if many else instance.url,
                 ROLE_PREFILL,
                 url=instance.url,
+                name=self.names.get(instance.url, instance.url) + (f"#dp{e.dp_rank}" if many else ""),
                 engine=e,
             )
             for e in engines
@@ -278,6 +293,7 @@ class Pool:
         def one(u: Upstream) -> dict[str, Any]:
             out = {
                 "id": u.id,
+                "name": u.name,
                 "url": u.url,
                 "inflight_requests": u.inflight_requests,
                 "inflight_tokens": u.inflight_tokens,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -123,5 +123,14 @@ class RouterMetrics:
         self.circuit_opens = Counter(
             obs.ROUTER_CIRCUIT_OPENS, "Times an engine was taken out of rotation after failing in a row.",
             ("role", "backend"), registry=r,
+        )  # fmt: skip
+        probes = Counter(
+            obs.ROUTER_KV_PROBES, "KV hand-off probes through prefill -> decode pairs, by outcome.", ("outcome",),
+            registry=r,
+        )  # fmt: skip
+        self.kv_probes = {outcome: probes.labels(outcome) for outcome in ("passed", "failed")}
+        self.kv_pairs = Gauge(
+            obs.ROUTER_KV_PAIRS, "Prefill -> decode pairs by probe verdict (failed ones take no traffic).",
+            ("verdict",), registry=r,
         )  # fmt: skip
         r.register(_LoadCollector(snapshot))

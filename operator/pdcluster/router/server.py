@@ -31,6 +31,7 @@ from pdcluster.router.http import Request, Response, Stream
 from pdcluster.router.membership import Pool, Upstream
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policy import Admission, LeastLoaded, Policy
+from pdcluster.router.probe import KvProber
 from pdcluster.router.prompt import block_hashes, count_tokens, prompt_of
 from pdcluster.router.protocol import MooncakeProtocol
 from pdcluster.router.resume import TokenTrail, fix_usage, resumable
@@ -88,6 +89,7 @@ class Router:
         self.policy = policy
         self.decode_policy = LeastLoaded()
         self.admission = admission
+        self.prober: KvProber | None = None  # set by the service when hand-offs are verified
         self.protocol = MooncakeProtocol()
         self.metrics = RouterMetrics(self._load_snapshot)
         self.draining = False
@@ -224,8 +226,12 @@ class Router:
         prompt = prompt_of(body, chat)
         prompt_tokens = count_tokens(prompt)
         hashes = block_hashes(prompt) if self.policy.needs_block_hashes else ()
-        prefill = self.policy.pick(self.pool.routable(self.pool.prefill, started), prompt_tokens, hashes)
-        decode = self.decode_policy.pick(self.pool.routable(self.pool.decode, started), prompt_tokens)
+        prefills = self._usable(self.pool.routable(self.pool.prefill, started))
+        decodes = self._usable(self.pool.routable(self.pool.decode, started))
+        prefill = self.policy.pick(prefills, prompt_tokens, hashes)
+        if prefill is not None and self.prober is not None:
+            decodes = [d for d in decodes if not self.prober.broken(prefill, d)] or decodes
+        decode = self.decode_policy.pick(decodes, prompt_tokens)
         if prefill is None or decode is None:
             return self._reject("no_backend", 503, "no ready prefill and decode backends")
         lookup = await self._look_up(decode, body, chat, prompt_tokens)
@@ -282,19 +288,24 @@ class Router:
         now = time.monotonic()
         prompt = prompt_of(body, chat)
         tokens = count_tokens(prompt)
-        decodes = [u for u in self.pool.routable(self.pool.decode, now) if u.id not in avoid]
+        decodes = [u for u in self._usable(self.pool.routable(self.pool.decode, now)) if u.id not in avoid]
         decode = self.decode_policy.pick(decodes, tokens)
         if decode is None:
             return None, None, tokens
         lookup = await self._look_up(decode, body, chat, tokens)
         if lookup is not None and lookup.outcome == "hit":
             return None, decode, lookup.prompt_tokens
-        prefills = [u for u in self.pool.routable(self.pool.prefill, now) if u.id not in avoid]
+        prefills = [u for u in self._usable(self.pool.routable(self.pool.prefill, now)) if u.id not in avoid]
+        if self.prober is not None:
+            prefills = [p for p in prefills if not self.prober.broken(p, decode)]
         hashes = block_hashes(prompt) if self.policy.needs_block_hashes else ()
         prefill = self.policy.pick(prefills, tokens, hashes)
         if prefill is not None:
             self.policy.record(prefill.id, hashes)
         return prefill, decode, tokens
+
+    def _usable(self, upstreams: list[Upstream]) -> list[Upstream]:
+        return upstreams if self.prober is None else self.prober.usable(upstreams)
 
     async def _look_up(
         self, decode: Upstream, body: dict[str, Any], chat: bool, estimate: int

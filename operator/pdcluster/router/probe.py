@@ -1,0 +1,229 @@
+"""KV hand-off verification: the router proves that each prefill -> decode pair really
+moves KV before trusting it, and keeps checking.
+
+A probe is one request through the pair as the router sends any other (a prefill of a
+random token-id prompt, then decode with the hand-off parameters and one output token),
+judged by decode's own counters: `vllm:prompt_tokens_by_source_total` (vLLM 0.32
+v1/metrics/loggers.py) must have grown by the whole prompt under
+`source="external_kv_transfer"` and by less than it under `local_compute`. A decode that
+recomputed the prompt instead (a failed pull under `kv_load_failure_policy: recompute`,
+a connector silently off) grows `local_compute` by the whole prompt; that, a failed
+request, or too small a growth fails the probe. Other requests on the same decode move
+the same counters, but they can only make a good pair's probe fail (by computing at the
+same time), never a bad pair's pass: its own prompt is always among the computed tokens.
+
+New pairs are probed as soon as both engines are known, and an engine takes traffic only
+once one of its pairs has passed (unless no engine has yet, so a router never refuses
+to serve at start). Then, every interval, the failed pairs and a few sampled others. A
+passing pair fails after three failed probes in a row, and is left out of rotation
+until one probe passes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdcluster.router.membership import Upstream
+from pdcluster.router.upstream import UpstreamError
+
+if TYPE_CHECKING:
+    from pdcluster.router.server import Router
+
+log = logging.getLogger(__name__)
+
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+PROBE_TIMEOUT_S = 60.0
+FAIL_AFTER = 3  # failed probes in a row that take a pair out of rotation
+RETRY_AFTER_S = 0.2
+
+
+@dataclass
+class Verdict:
+    ok: bool | None = None  # None: not probed yet
+    reason: str = ""
+    checked_at: float = 0.0
+
+
+class KvProber:
+    """Probes and their verdicts, by (prefill id, decode id)."""
+
+    def __init__(
+        self,
+        router: Router,
+        interval_s: float,
+        prompt_tokens: int,
+        sample: int = 4,
+        on_change: Callable[[], None] = lambda: None,
+        rng: random.Random | None = None,
+    ):
+        self.router = router
+        self.interval_s = interval_s
+        self.prompt_tokens = prompt_tokens
+        self.sample = sample
+        self.on_change = on_change
+        self.rng = rng or random.Random()
+        self.verdicts: dict[tuple[str, str], Verdict] = {}
+        self._last_round = 0.0
+
+    # ------------------------------------------------------------------ routing
+    def broken(self, prefill: Upstream, decode: Upstream) -> bool:
+        verdict = self.verdicts.get((prefill.id, decode.id))
+        return verdict is not None and verdict.ok is False
+
+    def usable(self, upstreams: list[Upstream]) -> list[Upstream]:
+        """Engines with a passed pair; all of them while none has passed."""
+        passed = {engine for (p, d), v in self.verdicts.items() if v.ok for engine in (p, d)}
+        chosen = [u for u in upstreams if u.id in passed]
+        return chosen or upstreams
+
+    def summary(self) -> dict[str, object]:
+        """What the operator's KVTransfer condition says: counts, and each failed pair."""
+        names = {u.id: u.name for u in self.router.pool.all_upstreams()}
+        failed = [
+            {"prefill": names.get(p, p), "decode": names.get(d, d), "reason": v.reason}
+            for (p, d), v in sorted(self.verdicts.items())
+            if v.ok is False
+        ]
+        passed = sum(1 for v in self.verdicts.values() if v.ok)
+        return {"pairs": len(self.verdicts), "passed": passed, "failed": failed}
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        pool = self.router.pool
+        while True:
+            pool.changed.clear()
+            await self.round(time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pool.changed.wait(), 1.0)
+
+    async def round(self, now: float) -> None:
+        """Probe the pairs due: new ones always, failed and sampled ones each interval."""
+        pool = self.router.pool
+        pairs = {(p.id, d.id): (p, d) for p in pool.prefill for d in pool.decode}
+        before = self.summary()
+        for key in set(self.verdicts) - set(pairs):
+            del self.verdicts[key]
+        due = [key for key in pairs if key not in self.verdicts]
+        if now - self._last_round >= self.interval_s:
+            self._last_round = now
+            failed = [key for key, v in self.verdicts.items() if v.ok is False and key not in due]
+            others = [key for key, v in self.verdicts.items() if v.ok and key not in due]
+            due += failed + self.rng.sample(others, min(self.sample, len(others)))
+        for key in due:
+            await self.check(*pairs[key])
+        verdicts = [v.ok for v in self.verdicts.values()]
+        for name, value in (("passed", True), ("failed", False), ("unverified", None)):
+            self.router.metrics.kv_pairs.labels(name).set(verdicts.count(value))
+        if self.summary() != before:
+            self.on_change()
+
+    async def check(self, prefill: Upstream, decode: Upstream) -> Verdict:
+        verdict = self.verdicts.setdefault((prefill.id, decode.id), Verdict())
+        ok, reason = await self.probe(prefill, decode)
+        for _ in range(FAIL_AFTER - 1 if verdict.ok is not False else 0):
+            if ok:
+                break
+            # Other requests on this decode computing at the same time can fail a good
+            # pair's probe, never pass a bad one's (its own prompt is recomputed).
+            self.router.metrics.kv_probes["failed"].inc()
+            await asyncio.sleep(RETRY_AFTER_S)
+            ok, reason = await self.probe(prefill, decode)
+        self.router.metrics.kv_probes["passed" if ok else "failed"].inc()
+        if ok != verdict.ok:
+            log.log(
+                logging.INFO if ok else logging.WARNING,
+                "KV hand-off %s -> %s: %s",
+                prefill.name,
+                decode.name,
+                "verified" if ok else reason,
+            )
+        verdict.ok, verdict.reason, verdict.checked_at = ok, reason, time.monotonic()
+        return verdict
+
+    async def probe(self, prefill: Upstream, decode: Upstream) -> tuple[bool, str]:
+        """One hand-off through the pair; (passed, why not)."""
+        router = self.router
+        engine = prefill.engine
+        if engine is None:
+            return False, "the prefill engine has no engine id yet"
+        tokens = [self.rng.randrange(10, 1000) for _ in range(self.prompt_tokens)]
+        body: dict[str, object] = {"prompt": tokens, "max_tokens": 1, "temperature": 0}
+        if router.config.model:
+            body["model"] = router.config.model
+        transfer_id = f"probe-{self.rng.getrandbits(96):024x}"
+        request_id = f"kv-probe-{transfer_id[6:]}"
+        protocol = router.protocol
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                before = await self._by_source(decode)
+                decode_body = orjson.dumps(protocol.decode_body(body, transfer_id, engine))
+                decode_task = asyncio.get_running_loop().create_task(
+                    self._post(decode, decode_body, protocol.decode_headers(request_id))
+                )
+                try:
+                    status, payload = await self._post(
+                        prefill, orjson.dumps(protocol.prefill_body(body, transfer_id)),
+                        protocol.prefill_headers(request_id, engine),
+                    )  # fmt: skip
+                except BaseException:
+                    decode_task.cancel()
+                    raise
+                if status != 200:
+                    decode_task.cancel()
+                    return False, f"prefill answered HTTP {status}: {payload[:200]!r}"
+                status, payload = await decode_task
+                if status != 200:
+                    return False, f"decode answered HTTP {status}: {payload[:200]!r}"
+                after = await self._by_source(decode)
+        except (UpstreamError, TimeoutError) as e:
+            return False, f"probe failed: {e or 'no answer'}"
+        if before is None or after is None:
+            return True, f"decode has no {BY_SOURCE}: the hand-off cannot be verified"
+        moved = after.get("external_kv_transfer", 0.0) - before.get("external_kv_transfer", 0.0)
+        computed = after.get("local_compute", 0.0) - before.get("local_compute", 0.0)
+        if computed >= self.prompt_tokens:
+            return (
+                False,
+                f"decode computed the prompt itself ({computed:.0f} tokens computed, {moved:.0f} moved)",
+            )
+        if moved < self.prompt_tokens:
+            return False, f"decode loaded {moved:.0f} of {self.prompt_tokens} prompt tokens over the hand-off"
+        return True, ""
+
+    async def _post(
+        self, upstream: Upstream, body: bytes, headers: list[tuple[str, str]]
+    ) -> tuple[int, bytes]:
+        router = self.router
+        response = await router.upstream.request(
+            upstream.origin, b"POST", b"/v1/completions", router.engine_headers(headers), body
+        )
+        try:
+            return response.status, await response.read()
+        finally:
+            response.close()
+
+    async def _by_source(self, decode: Upstream) -> dict[str, float] | None:
+        response = await self.router.upstream.request(decode.origin, b"GET", b"/metrics", b"", b"")
+        try:
+            text = (await response.read()).decode("utf-8", "replace")
+        finally:
+            response.close()
+        if BY_SOURCE.removesuffix("_total") not in text:
+            return None
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == BY_SOURCE:
+                    source = s.labels.get("source", "")
+                    out[source] = out.get(source, 0.0) + s.value
+        return out
