@@ -25,8 +25,10 @@ from pdcluster.drift import in_sync, merge_patch, stamp
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube
 from pdcluster.render import Owner, Replicas, render_all
+from pdcluster.render.engine import kv_revision
 from pdcluster.render.router import state_configmap_name
 from pdcluster.render.scaler import role_scaler, scaler_status
+from pdcluster.rollout import plan as plan_rollout
 from pdcluster.status import Observation, Problem, compute_status
 
 log = logging.getLogger(__name__)
@@ -151,7 +153,11 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     replicas = Replicas.choose(spec, result.state, external)
     for role in C.ENGINE_ROLES:
         metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name, role).set(replicas.of(role))
-    desired = [stamp(obj) for obj in render_all(spec, owner, replicas)]
+    engines = {
+        role: await _live(ctx, "apps/v1", "StatefulSet", owner.child(role), owner) for role in C.ENGINE_ROLES
+    }
+    rollout = plan_rollout(kv_revision(spec), engines, {role: replicas.of(role) for role in C.ENGINE_ROLES})
+    desired = [stamp(obj) for obj in render_all(spec, owner, replicas, rollout.partitions)]
 
     problems, blocked = await preflight(ctx.kube, spec, owner.namespace)
     live: dict[tuple[str, str], dict[str, Any] | None] = {}
@@ -191,6 +197,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         autoscaling=result.condition,
         latency_p99_ms=result.latency_p99_ms,
         kv_verdicts=(verdicts or {}).get("data") if spec.router.kv_probe.enabled else None,
+        rollout=rollout.progress,
     )
     status = compute_status(spec, generation, obs, previous, result.state, now)
     for role, scaler in scalers.items():

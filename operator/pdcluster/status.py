@@ -2,7 +2,8 @@
 
 Conditions follow Kubernetes conventions and are what GitOps tools read:
 - Ready:       every component serves (>= 1 ready pod each); False while suspended.
-- Progressing: a rollout or scale is under way (workloads not yet at their desired state).
+- Progressing: a rollout or scale is under way (workloads not yet at their desired state);
+               `RollingOut` while prefill and decode move to a new engine revision.
 - Degraded:    something needs a person (an apply error, a missing Secret, a scale-up
                that cannot schedule); the message says what to fix.
 - Autoscaling: present when autoscaling is on; False when the control law is holding
@@ -46,6 +47,7 @@ class Observation:
     autoscaling: tuple[bool, str, str] | None = None  # (ok, reason, message)
     latency_p99_ms: tuple[int | None, int | None] = (None, None)  # router TTFT, ITL
     kv_verdicts: dict[str, str] | None = None  # the router-state ConfigMap's data
+    rollout: str | None = None  # a coordinated rollout's progress (rollout.py)
 
 
 def kv_transfer(verdicts: dict[str, str] | None) -> tuple[bool, str, str] | None:
@@ -160,6 +162,8 @@ def compute_status(
     ]
     if spec.paused:
         progressing, prog_reason, prog_msg = False, "Paused", "spec.paused is true: changes are not applied"
+    elif obs.rollout:
+        progressing, prog_reason, prog_msg = True, "RollingOut", f"prefill and decode together: {obs.rollout}"
     elif moving:
         progressing, prog_reason, prog_msg = (
             True,
@@ -203,4 +207,5 @@ def compute_status(
         ttft_p99_ms=ttft if ttft is not None else previous.ttft_p99_ms,
         itl_p99_ms=itl if itl is not None else previous.itl_p99_ms,
         autoscaling=autoscaling,
+        rollout=obs.rollout,
     )

@@ -5,6 +5,7 @@ down while streams are in flight. Every client request must complete."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -235,4 +236,120 @@ async def test_a_broken_kv_hand_off_is_named_in_the_status_and_routed_around(
     warned = [e for e in events if e.get("reason") == "KVTransferFailed"]
     assert warned and "kvcheck-prefill-1" in warned[0]["message"], warned
     print(f"broken hand-off named in the status {detected_s:.1f} s after it broke (probe interval 5 s)")
+    assert operator.failures() == []
+
+
+# ------------------------------------------------------------------ 12. an engine change under load
+async def test_an_engine_change_rolls_both_roles_and_never_pairs_revisions(
+    kube: Kube,
+    namespace: str,
+    operator: OperatorProcess,
+    pdc: Any,
+    sim_cluster: Any,
+    wait_until: Any,
+) -> None:
+    """A change both roles must agree on (the engines' arguments) under streaming load: one
+    pod of each role first, then both roles together; no decode request ever names a
+    prefill engine of the other revision; no stream fails; `status.rollout` says how far
+    it is; the autoscaler keeps deciding throughout."""
+    record = ["--sim-record=100000"]
+    doc = sim_cluster(
+        "roll",
+        # Three of each: old and new pods of both roles serve side by side for a while.
+        prefill={"replicas": 3, "minReplicas": 1, "maxReplicas": 4, "args": record},
+        decode={"replicas": 3, "minReplicas": 1, "maxReplicas": 4, "args": record},
+        autoscaling={
+            "enabled": True,
+            "mode": "recommend",
+            "gpuBudget": 8,
+            "intervalSeconds": 5,
+            "windowSeconds": 30,
+        },
+    )
+    await pdc.apply(doc)
+    await wait_until(lambda: converged(kube, pdc, "roll"), timeout=180, message="Ready")
+    selector = f"{C.LABEL_CLUSTER}=roll"
+    prefill_ids: dict[str, str] = {}  # engine id -> its pod's revision
+    decode_seen: dict[str, tuple[str, set[str]]] = {}  # decode pod uid -> (revision, prefill ids named)
+    rollout_seen: list[str] = []
+    runs_during_rollout: set[str] = set()
+    done = asyncio.Event()
+
+    async def sample(http: aiohttp.ClientSession) -> None:
+        while not done.is_set():
+            for pod in await kube.list("v1", "Pod", namespace, label_selector=selector):
+                labels, ip = pod["metadata"]["labels"], pod.get("status", {}).get("podIP")
+                revision, role = labels.get(C.LABEL_KV_REVISION, ""), labels.get(C.LABEL_ROLE)
+                if not ip or role not in C.ENGINE_ROLES:
+                    continue
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    if role == C.ROLE_PREFILL:
+                        async with http.get(
+                            f"http://{ip}:8998/query", timeout=aiohttp.ClientTimeout(total=2)
+                        ) as r:
+                            for entry in (await r.json()).values():
+                                prefill_ids[entry["engine_id"]] = revision
+                    else:
+                        async with http.get(
+                            f"http://{ip}:8000/sim/requests", timeout=aiohttp.ClientTimeout(total=2)
+                        ) as r:
+                            named = {
+                                (rec["body"].get("kv_transfer_params") or {}).get("remote_engine_id")
+                                for rec in await r.json()
+                            } - {None}
+                        uid = pod["metadata"]["uid"]
+                        decode_seen[uid] = (revision, decode_seen.get(uid, (revision, set()))[1] | named)
+            status = (await pdc.get("roll") or {}).get("status") or {}
+            if status.get("rollout"):
+                rollout_seen.append(status["rollout"])
+                runs_during_rollout.add((status.get("autoscaling") or {}).get("lastRunTime") or "")
+            await asyncio.sleep(0.3)
+
+    url = await router_url(kube, namespace, "roll")
+    async with aiohttp.ClientSession() as http, StreamLoad(url, 4, 40) as load:
+        sampler = asyncio.create_task(sample(http))
+        await asyncio.sleep(3)
+        doc["spec"]["engine"]["args"] = [
+            a.replace("--sim-kv-gbps=100", "--sim-kv-gbps=200") for a in doc["spec"]["engine"]["args"]
+        ]
+        assert "--sim-kv-gbps=200" in doc["spec"]["engine"]["args"]
+        await pdc.apply(doc)
+
+        async def rolled() -> bool:
+            body = await pdc.get("roll")
+            pods = await kube.list("v1", "Pod", namespace, label_selector=selector)
+            revisions = {
+                p["metadata"]["labels"].get(C.LABEL_KV_REVISION)
+                for p in pods
+                if p["metadata"]["labels"].get(C.LABEL_ROLE) in C.ENGINE_ROLES
+            }
+            return (
+                len(revisions) == 1
+                and not (body or {}).get("status", {}).get("rollout")
+                and await converged(kube, pdc, "roll")
+            )
+
+        await wait_until(rolled, timeout=240, message="both roles on the new revision")
+        await asyncio.sleep(2)
+        done.set()
+        await sampler
+        outcomes = await load.stop()
+    assert not load.failures(), load.failures()[:5]
+    mixed = {
+        uid: sorted(prefill_ids.get(e, "unknown") for e in named if prefill_ids.get(e) != revision)
+        for uid, (revision, named) in decode_seen.items()
+    }
+    assert not any(mixed.values()), mixed
+    revisions = {revision for revision, named in decode_seen.values() if named}
+    assert len(revisions) == 2, (
+        f"both revisions must have served for the check to mean anything: {decode_seen}"
+    )
+    assert rollout_seen and rollout_seen[0].startswith("prefill 0/3, decode 0/3"), rollout_seen[:3]
+    assert len(runs_during_rollout - {""}) >= 2, (
+        f"the autoscaler ran {runs_during_rollout} during the rollout"
+    )
+    print(
+        f"{len(outcomes)} streams, 0 failed; {len(decode_seen)} decode pods over both revisions, 0 mixed pairs; "
+        f"progress seen: {' | '.join(dict.fromkeys(rollout_seen))}"
+    )
     assert operator.failures() == []

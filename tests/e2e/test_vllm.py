@@ -510,7 +510,7 @@ async def test_decode_scales_up_and_down_under_traffic(env: Env) -> None:
             await set_decode_replicas(env, 1)
             await poll(scaled_down, 180, "decode back to one pod")
             await asyncio.sleep(2)  # streams sent just before the deletion finish on the survivor
-    assert len(heavy.outcomes) > 10, "too little traffic to prove anything"
+    assert len(heavy.outcomes) + len(down.outcomes) > 10, "too little traffic to prove anything"
     failures = light.failures() + heavy.failures() + down.failures()
     assert not failures, failures[:5]
 

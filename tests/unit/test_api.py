@@ -78,7 +78,7 @@ def test_cel_rules_and_columns() -> None:
     role_rules = spec["properties"]["prefill"]["x-kubernetes-validations"]
     assert {r["fieldPath"] for r in role_rules} == {".minReplicas", ".replicas", ".gpusPerPod"}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Ready", "Prefill", "Decode", "Ratio", "TTFT-p99", "ITL-p99", "Age",
+        "Ready", "Prefill", "Decode", "Ratio", "TTFT-p99", "ITL-p99", "Rollout", "Age",
     ]  # fmt: skip
     assert version["subresources"] == {"status": {}}
     # Sections default to their full defaults, so CEL rules that read them always apply.

@@ -122,6 +122,7 @@ def test_ready_pods_become_backends() -> None:
         pod("d1", "decode", None, True),
         pod("r0", "router", "127.1.0.6", True),
     ]
+    pods[0]["metadata"]["labels"]["pdcluster.io/kv-revision"] = "3f2a9c81d0e4"
     assert members_from_pods(pods) == Members(
         prefill={
             "http://127.1.0.1:9000": "http://127.1.0.1:9998",
@@ -129,5 +130,10 @@ def test_ready_pods_become_backends() -> None:
         },
         decode=frozenset({"http://127.1.0.5:8000"}),
         names={"http://127.1.0.1:9000": "p0", "http://127.1.0.2:8000": "p1", "http://127.1.0.5:8000": "d0"},
+        revisions={
+            "http://127.1.0.1:9000": "3f2a9c81d0e4",
+            "http://127.1.0.2:8000": "",
+            "http://127.1.0.5:8000": "",
+        },
         routers=frozenset({"r0"}),
     )

@@ -38,6 +38,12 @@ PRINTER_COLUMNS = [
         "jsonPath": ".status.itlP99Ms",
         "description": "Router ITL p99 (ms)",
     },
+    {
+        "name": "Rollout",
+        "type": "string",
+        "jsonPath": ".status.rollout",
+        "description": "Pods on the new engine revision",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

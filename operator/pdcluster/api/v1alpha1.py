@@ -779,6 +779,11 @@ class PDClusterStatus(Model):
     ttft_p99_ms: int | None = None
     itl_p99_ms: int | None = None
     autoscaling: AutoscalingState | None = None
+    rollout: str | None = Field(
+        None,
+        description="While prefill and decode move to a new engine revision: pods updated per role, e.g. "
+        "`prefill 1/2, decode 1/3 at revision 3f2a9c81d0e4`.",
+    )
 
 
 Name = Annotated[str, Field(max_length=C.MAX_CLUSTER_NAME_LEN)]

@@ -51,11 +51,14 @@ class Replicas:
         return cls(*counts)
 
 
-def render_all(spec: PDClusterSpec, owner: Owner, replicas: Replicas) -> list[dict[str, Any]]:
-    """Every child of one PDCluster, in apply order (config and services before workloads)."""
+def render_all(
+    spec: PDClusterSpec, owner: Owner, replicas: Replicas, partitions: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """Every child of one PDCluster, in apply order (config and services before workloads).
+    `partitions`: the engine StatefulSets' rollout partitions (rollout.py), 0 if absent."""
     objects = build_mooncake(spec, owner, suspended=spec.suspend)
     for role in C.ENGINE_ROLES:
-        objects += build_role(spec, owner, role, replicas.of(role))
+        objects += build_role(spec, owner, role, replicas.of(role), (partitions or {}).get(role, 0))
     objects += build_router(spec, owner, suspended=spec.suspend)
     order = {
         "ConfigMap": 0,

@@ -16,6 +16,7 @@ computes (kv_both); decode only reads (kv_consumer).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from typing import Any
@@ -70,6 +71,22 @@ def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any]:
         "kv_connector_extra_config": {"connectors": [handoff, store]},
         **recompute,
     }
+
+
+def kv_revision(spec: PDClusterSpec) -> str:
+    """What both roles must share to exchange KV, as a short hash (a label value)."""
+    engine = spec.engine
+    shared = {
+        "model": spec.model.name,
+        "served": spec.served_model_name,
+        "maxModelLen": spec.model.max_model_len,
+        "image": engine.image,
+        "command": engine.command,
+        "args": engine.args,
+        "hashSeed": engine.python_hash_seed,
+        "kv": [kv_transfer_config(spec, role) for role in C.ENGINE_ROLES],
+    }
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
@@ -229,13 +246,16 @@ def pod_template(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]
         pod["topologySpreadConstraints"] = r.topology_spread_constraints
     if r.priority_class_name:
         pod["priorityClassName"] = r.priority_class_name
-    return {
-        "metadata": {"labels": {**labels(owner, role), **(r.pod_labels or {})}, "annotations": annotations},
-        "spec": pod,
-    }
+    pod_labels = {**labels(owner, role), **(r.pod_labels or {}), C.LABEL_KV_REVISION: kv_revision(spec)}
+    return {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod}
 
 
-def statefulset(spec: PDClusterSpec, owner: Owner, role: str, replicas: int) -> dict[str, Any]:
+def statefulset(
+    spec: PDClusterSpec, owner: Owner, role: str, replicas: int, partition: int = 0
+) -> dict[str, Any]:
+    update: dict[str, Any] = {"type": "RollingUpdate"}
+    if partition:  # pods below this ordinal keep the old revision for now (rollout.py)
+        update["rollingUpdate"] = {"partition": partition}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -246,7 +266,7 @@ def statefulset(spec: PDClusterSpec, owner: Owner, role: str, replicas: int) -> 
             # Engines are independent of each other: start and stop them in parallel.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(owner, role)},
-            "updateStrategy": {"type": "RollingUpdate"},
+            "updateStrategy": update,
             "template": pod_template(spec, owner, role),
         },
     }
@@ -281,9 +301,11 @@ def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
     }
 
 
-def build_role(spec: PDClusterSpec, owner: Owner, role: str, replicas: int) -> list[dict[str, Any]]:
+def build_role(
+    spec: PDClusterSpec, owner: Owner, role: str, replicas: int, partition: int = 0
+) -> list[dict[str, Any]]:
     return [
-        statefulset(spec, owner, role, replicas),
+        statefulset(spec, owner, role, replicas, partition),
         headless_service(spec, owner, role),
         disruption_budget(owner, role),
     ]

@@ -31,6 +31,7 @@ from pdcluster.constants import (
     BOOTSTRAP_PORT,
     ENGINE_PORT,
     LABEL_CLUSTER,
+    LABEL_KV_REVISION,
     LABEL_ROLE,
     ROLE_DECODE,
     ROLE_PREFILL,
@@ -58,6 +59,7 @@ class Upstream(Backend):
 
     url: str = ""
     name: str = ""  # its pod's name where known, else its URL
+    revision: str = ""  # pdcluster.io/kv-revision: only equal revisions exchange KV
     engine: PrefillEngine | None = None  # prefill only
     cooldown_until: float = 0.0  # not routable before this (monotonic) time
     failures: int = 0  # in a row
@@ -84,6 +86,7 @@ class Members:
     prefill: dict[str, str] = field(default_factory=dict)
     decode: frozenset[str] = frozenset()
     names: dict[str, str] = field(default_factory=dict)  # engine URL -> pod name
+    revisions: dict[str, str] = field(default_factory=dict)  # engine URL -> its kv-revision label
     routers: frozenset[str] = frozenset()  # router pod names (pod discovery only)
 
 
@@ -140,6 +143,7 @@ def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
     prefill: dict[str, str] = {}
     decode: set[str] = set()
     names: dict[str, str] = {}
+    revisions: dict[str, str] = {}
     routers: set[str] = set()
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -161,11 +165,12 @@ def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
         host = _host(ip)
         url = f"http://{host}:{ports.get('http') or ENGINE_PORT}"
         names[url] = meta.get("name", url)
+        revisions[url] = (meta.get("labels") or {}).get(LABEL_KV_REVISION, "")
         if role == ROLE_PREFILL:
             prefill[url] = f"http://{host}:{ports.get('bootstrap') or BOOTSTRAP_PORT}"
         else:
             decode.add(url)
-    return Members(prefill, frozenset(decode), names, frozenset(routers))
+    return Members(prefill, frozenset(decode), names, revisions, frozenset(routers))
 
 
 _DISCOVERY = {
@@ -175,9 +180,10 @@ _DISCOVERY = {
 
 
 class _PrefillInstance:
-    def __init__(self, url: str, bootstrap_addr: str):
+    def __init__(self, url: str, bootstrap_addr: str, revision: str = ""):
         self.url = url
         self.bootstrap_addr = bootstrap_addr
+        self.revision = revision
         self.ranks: list[Upstream] = []
         self.task: asyncio.Task[None] | None = None
         self.stale = asyncio.Event()
@@ -197,27 +203,42 @@ class Pool:
         self.decode: list[Upstream] = []
         self.changed = asyncio.Event()  # set on every change (tests, readiness)
         self.names: dict[str, str] = {}
+        self.revisions: dict[str, str] = {}
         self.routers: frozenset[str] = frozenset()
 
     # ---------------------------------------------------------------- membership
     def update(self, members: Members) -> None:
         self.names = members.names
+        self.revisions = members.revisions
         self.routers = members.routers
         for url in set(self._prefill) - set(members.prefill):
             self._drop_prefill(url)
         for url, bootstrap_addr in members.prefill.items():
             instance = self._prefill.get(url)
-            if instance is not None and instance.bootstrap_addr != bootstrap_addr:
-                self._drop_prefill(url)
+            revision = members.revisions.get(url, "")
+            if instance is not None and (instance.bootstrap_addr, instance.revision) != (
+                bootstrap_addr,
+                revision,
+            ):
+                self._drop_prefill(url)  # another engine at this address
                 instance = None
             if instance is None:
-                instance = _PrefillInstance(url, bootstrap_addr)
+                instance = _PrefillInstance(url, bootstrap_addr, revision)
                 self._prefill[url] = instance
                 instance.task = asyncio.get_running_loop().create_task(self._resolve(instance))
         for url in set(self._decode) - members.decode:
             self.on_forget(self._decode.pop(url).id)
+        for url in set(self._decode) & members.decode:
+            if self._decode[url].revision != members.revisions.get(url, ""):
+                self.on_forget(self._decode.pop(url).id)  # a new engine at the same address
         for url in members.decode - set(self._decode):
-            self._decode[url] = Upstream(url, ROLE_DECODE, url=url, name=members.names.get(url, ""))
+            self._decode[url] = Upstream(
+                url,
+                ROLE_DECODE,
+                url=url,
+                name=members.names.get(url, ""),
+                revision=members.revisions.get(url, ""),
+            )
         self._publish()
 
     def _drop_prefill(self, url: str) -> None:
@@ -271,6 +292,7 @@ class Pool:
                 ROLE_PREFILL,
                 url=instance.url,
                 name=self.names.get(instance.url, instance.url) + (f"#dp{e.dp_rank}" if many else ""),
+                revision=instance.revision,
                 engine=e,
             )
             for e in engines
@@ -294,6 +316,7 @@ class Pool:
             out = {
                 "id": u.id,
                 "name": u.name,
+                "revision": u.revision,
                 "url": u.url,
                 "inflight_requests": u.inflight_requests,
                 "inflight_tokens": u.inflight_tokens,

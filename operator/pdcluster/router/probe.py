@@ -109,7 +109,7 @@ class KvProber:
     async def round(self, now: float) -> None:
         """Probe the pairs due: new ones always, failed and sampled ones each interval."""
         pool = self.router.pool
-        pairs = {(p.id, d.id): (p, d) for p in pool.prefill for d in pool.decode}
+        pairs = {(p.id, d.id): (p, d) for p in pool.prefill for d in pool.decode if p.revision == d.revision}
         before = self.summary()
         for key in set(self.verdicts) - set(pairs):
             del self.verdicts[key]

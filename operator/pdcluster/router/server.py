@@ -228,9 +228,11 @@ class Router:
         hashes = block_hashes(prompt) if self.policy.needs_block_hashes else ()
         prefills = self._usable(self.pool.routable(self.pool.prefill, started))
         decodes = self._usable(self.pool.routable(self.pool.decode, started))
-        prefill = self.policy.pick(prefills, prompt_tokens, hashes)
-        if prefill is not None and self.prober is not None:
-            decodes = [d for d in decodes if not self.prober.broken(prefill, d)] or decodes
+        # Only engines of one revision exchange KV (rollout.py): a prefill needs a partner.
+        revisions = {d.revision for d in decodes}
+        prefill = self.policy.pick([p for p in prefills if p.revision in revisions], prompt_tokens, hashes)
+        if prefill is not None:
+            decodes = self._partners(prefill, decodes)
         decode = self.decode_policy.pick(decodes, prompt_tokens)
         if prefill is None or decode is None:
             return self._reject("no_backend", 503, "no ready prefill and decode backends")
@@ -295,14 +297,25 @@ class Router:
         lookup = await self._look_up(decode, body, chat, tokens)
         if lookup is not None and lookup.outcome == "hit":
             return None, decode, lookup.prompt_tokens
-        prefills = [u for u in self._usable(self.pool.routable(self.pool.prefill, now)) if u.id not in avoid]
-        if self.prober is not None:
-            prefills = [p for p in prefills if not self.prober.broken(p, decode)]
+        prefills = [
+            p
+            for p in self._usable(self.pool.routable(self.pool.prefill, now))
+            if p.id not in avoid and p.revision == decode.revision
+            and (self.prober is None or not self.prober.broken(p, decode))
+        ]  # fmt: skip
         hashes = block_hashes(prompt) if self.policy.needs_block_hashes else ()
         prefill = self.policy.pick(prefills, tokens, hashes)
         if prefill is not None:
             self.policy.record(prefill.id, hashes)
         return prefill, decode, tokens
+
+    def _partners(self, prefill: Upstream, decodes: list[Upstream]) -> list[Upstream]:
+        """Decode engines that can take this prefill's KV: its revision, and not a pair
+        whose hand-off failed (unless every such pair has)."""
+        same = [d for d in decodes if d.revision == prefill.revision]
+        if self.prober is None:
+            return same
+        return [d for d in same if not self.prober.broken(prefill, d)] or same
 
     def _usable(self, upstreams: list[Upstream]) -> list[Upstream]:
         return upstreams if self.prober is None else self.prober.usable(upstreams)
