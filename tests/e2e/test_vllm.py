@@ -715,6 +715,20 @@ CONFORMANCE_REQUESTS = {
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True},
     ),
+    # What resuming a stream reads (router/resume.py): the prompt's and each token's ids.
+    "completion stream with token ids": (
+        "/v1/completions",
+        {"prompt": "def f(x):", "max_tokens": 4, "stream": True, "return_token_ids": True},
+    ),
+    "chat stream with token ids": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+            "return_token_ids": True,
+        },
+    ),
     "unknown model": ("/v1/completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}),
     "bad max_tokens": ("/v1/completions", {"prompt": "hi", "max_tokens": -1}),
 }

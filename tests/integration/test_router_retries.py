@@ -117,8 +117,10 @@ def counter(text: str, name: str, **labels: str) -> float:
     )
 
 
-async def stream_events(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-    async with http.post(f"{url}/v1/completions", json=body) as resp:
+async def stream_events(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], path: str = "/v1/completions"
+) -> AsyncIterator[Any]:
+    async with http.post(f"{url}{path}", json=body) as resp:
         assert resp.status == 200, await resp.text()
         buffer = b""
         async for chunk in resp.content.iter_any():
@@ -129,41 +131,58 @@ async def stream_events(http: aiohttp.ClientSession, url: str, body: dict[str, A
                 yield "[DONE]" if payload == b"[DONE]" else orjson.loads(payload)
 
 
-async def test_a_decode_killed_mid_stream_is_resumed_token_for_token() -> None:
-    body = {
+def tokens_of(events: list[Any], chat: bool) -> list[str]:
+    """The text of each token event: `text`, or a chat delta's `content` (not the role's)."""
+    out = []
+    for e in events:
+        if e == "[DONE]" or not e["choices"]:
+            continue
+        choice = e["choices"][0]
+        if chat and "role" in choice["delta"]:
+            continue
+        out.append(choice["delta"].get("content", "") if chat else choice["text"])
+    return out
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+async def test_a_decode_killed_mid_stream_is_resumed_token_for_token(chat: bool) -> None:
+    body: dict[str, Any] = {
         "model": MODEL,
-        "prompt": "Resume me exactly where I stopped. " * 30,
         "max_tokens": 60,
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Resume me exactly where I stopped. " * 30}]
+    else:
+        body["prompt"] = "Resume me exactly where I stopped. " * 30
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     with engines("prefill", "decode", "decode") as (prefill, *decodes):
         async with routed([prefill], decodes) as url, aiohttp.ClientSession() as http:
             # The unbroken answer, from a decode engine on its own.
-            unbroken = [e async for e in stream_events(http, decodes[1].url, body)]
+            unbroken = [e async for e in stream_events(http, decodes[1].url, body, path)]
             events: list[Any] = []
             killed: Engine | None = None
-            async for event in stream_events(http, url, body):
+            async for event in stream_events(http, url, body, path):
                 events.append(event)
                 if killed is None and len(events) == 10:
-                    async with http.get(f"{url}/backends") as resp:
-                        backends = await resp.json()
-                    busy = next(b for b in backends["decode"] if b["inflight_requests"])
+                    busy = next(b for b in (await backends(http, url))["decode"] if b["inflight_requests"])
                     killed = next(d for d in decodes if d.url == busy["url"])
                     killed.kill()
             async with http.get(f"{url}/metrics") as resp:
                 metrics = await resp.text()
     assert killed is not None
-    text = "".join(e["choices"][0]["text"] for e in events if e != "[DONE]" and e["choices"])
-    assert text == "".join(e["choices"][0]["text"] for e in unbroken if e != "[DONE]" and e["choices"])
-    tokens = [e for e in events if e != "[DONE]" and e["choices"]]
-    assert len(tokens) == 60 and events[-1] == "[DONE]"
-    assert all(
-        e["choices"][0]["token_ids"] is None and e["choices"][0]["prompt_token_ids"] is None for e in tokens
-    )
-    assert len({e["id"] for e in tokens}) == 1, "one request id across both engines"
+    assert tokens_of(events, chat) == tokens_of(unbroken, chat)
+    assert len(tokens_of(events, chat)) == 60 and events[-1] == "[DONE]"
+    choices = [e["choices"][0] for e in events if e != "[DONE]" and e["choices"]]
+    assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None for c in choices)
+    assert all(e.get("prompt_token_ids") is None for e in events if e != "[DONE]")
+    assert len({e["id"] for e in events if e != "[DONE]"}) == 1, "one request id across both engines"
+    assert {e["object"] for e in events if e != "[DONE]"} == {
+        "chat.completion.chunk" if chat else "text_completion"
+    }
     usage = next(e["usage"] for e in events if e != "[DONE]" and not e["choices"])
     assert usage == next(e["usage"] for e in unbroken if e != "[DONE]" and not e["choices"])
     assert counter(metrics, obs.ROUTER_RESUMED_STREAMS + "_total", outcome="resumed") == 1

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from pdcluster.router.membership import COOLDOWN_MAX_S, COOLDOWN_S, OPEN_AFTER_FAILURES, Upstream
-from pdcluster.router.resume import TokenTrail, fix_usage, resumable
+from pdcluster.router.resume import TokenTrail, as_chat, fix_usage, resumable
 
 
 def event(text: str, ids: list[int], prompt: list[int] | None = None, finish: str | None = None) -> bytes:
@@ -96,7 +96,10 @@ def test_usage_counts_resumed_tokens_as_completion_again() -> None:
         ({"prompt": "x", "stream": True}, False, True),
         ({"prompt": [1, 2], "stream": True}, False, True),
         ({"prompt": "x"}, False, False),
-        ({"messages": [], "stream": True}, True, False),
+        ({"messages": [], "stream": True}, True, True),
+        ({"messages": [], "stream": True, "tools": [{"type": "function"}]}, True, False),
+        ({"messages": [], "stream": True, "logprobs": True}, True, False),
+        ({"messages": [], "stream": True, "response_format": {"type": "json_object"}}, True, False),
         ({"prompt": "x", "stream": True, "stop": ["\n"]}, False, False),
         ({"prompt": "x", "stream": True, "stop": []}, False, True),
         ({"prompt": "x", "stream": True, "echo": True}, False, False),
@@ -114,3 +117,63 @@ def test_the_breaker_backs_off_and_closes_on_success() -> None:
     engine.succeeded()
     engine.failed(200.0)
     assert engine.cooldown_until == 200.0 + COOLDOWN_S
+
+
+def chat_event(content: str | None, ids: list[int] | None, finish: str | None = None) -> bytes:
+    delta = {} if content is None else {"content": content}
+    choice: dict[str, object] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = None
+    choice["token_ids"] = ids
+    payload = {
+        "id": "chatcmpl-r1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+    }
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def role_event(prompt: list[int] | None) -> bytes:
+    choice = {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    payload = {"id": "chatcmpl-r1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+               "choices": [choice], "prompt_token_ids": prompt, "prompt_text": None}  # fmt: skip
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def test_a_chat_stream_hides_ids_and_the_events_only_ids_caused() -> None:
+    """vLLM sends an empty-delta event for a token with no text yet when ids are asked
+    for; without ids it would not have: the client sees the stream it would have seen."""
+    trail = TokenTrail(client_wants_ids=False, chat=True)
+    out = trail.relay(role_event([1, 2, 3]) + chat_event(None, [200]) + chat_event(" ab", [201]))
+    assert out == role_event(None) + chat_event(" ab", None)
+    assert trail.prompt == [1, 2, 3] and trail.generated == [200, 201]
+    body = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "n": 1}  # fmt: skip
+    assert trail.continuation(body) == {
+        "temperature": 0, "stream_options": {"include_usage": True}, "max_tokens": 8, "stream": True,
+        "prompt": [1, 2, 3, 200, 201], "return_token_ids": True,
+    }  # fmt: skip
+
+
+def test_ids_the_engine_hid_make_a_stream_not_resumable() -> None:
+    trail = TokenTrail(client_wants_ids=False, chat=True)
+    trail.relay(role_event([1]) + chat_event(" a", None))
+    assert trail.continuation({"messages": [], "stream": True}) is None
+
+
+def test_a_completion_continuation_is_written_as_chat() -> None:
+    completion = event(" c", None, finish="length")
+    chat = as_chat(completion)
+    assert orjson.loads(chat.removeprefix(b"data: ")) == {
+        "id": "chatcmpl-r1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": 0, "delta": {"content": " c"}, "logprobs": None, "finish_reason": "length",
+                     "stop_reason": None, "token_ids": None}],
+    }  # fmt: skip
+    assert as_chat(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"

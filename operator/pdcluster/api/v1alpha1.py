@@ -429,9 +429,9 @@ class RetrySpec(Model):
     )
     resume_streams: bool = Field(
         True,
-        description="Resume a completion stream on another decode engine when its engine dies mid-answer: "
-        "the prompt and the tokens already sent make the rest (loaded from the Mooncake store when it holds "
-        "the prefix). Chat streams, stop strings and echo are not resumable.",
+        description="Resume a stream on another decode engine when its engine dies mid-answer: the prompt "
+        "and the tokens already sent make the rest (loaded from the Mooncake store when it holds the prefix). "
+        "Streams with stop strings, echo, logprobs, tools or structured output are not resumable.",
     )
 
 

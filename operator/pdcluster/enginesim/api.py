@@ -348,16 +348,17 @@ class OpenAIServer:
         head = orjson.dumps({"id": req.id, "object": kind, "created": req.created, "model": req.model})[:-1]
         if req.chat:
             open_, close = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":', b"}"
-            tail = b',"logprobs":null,"finish_reason":%s%s}]%s}\n\n'
+            tail = b',"logprobs":null,"finish_reason":%s%s%s}]%s}\n\n'
         else:
             open_, close = b"data: " + head + b',"choices":[{"index":0,"text":', b""
             tail = b',"logprobs":null,"finish_reason":%s%s,"prompt_token_ids":%s,"token_ids":%s}]%s}\n\n'
-        # vLLM sends the prompt's ids with the first token, each token's with it.
-        with_ids = req.prompt_ids is not None and not req.chat
+        # vLLM sends the prompt's ids with the first event, each token's with it.
+        with_ids = req.prompt_ids is not None
         prompt_ids = orjson.dumps(req.prompt_ids) if with_ids else b"null"
         # vLLM names itself in the last event before [DONE].
         fingerprint = b',"system_fingerprint":' + orjson.dumps(self.fingerprint)
         not_final = b',"stop_reason":null' if not req.chat else b""
+        no_ids = (b"",) if req.chat else (b"null", b"null")
         sent = 0
         while True:
             if seq.generated == sent and not seq.finished:
@@ -370,24 +371,19 @@ class OpenAIServer:
             out = []
             if req.chat and sent == 0 and generated > 0:
                 out.append(b"data: " + head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-                           b'"logprobs":null,"finish_reason":null}]}\n\n')  # fmt: skip
+                           b'"logprobs":null,"finish_reason":null}]'
+                           + (b',"prompt_token_ids":' + prompt_ids if with_ids else b"") + b"}\n\n")  # fmt: skip
             # Relay-latency probe for benchmarks: when this batch of tokens left the engine.
             stamp = b',"sim_sent_at":%.6f' % time.monotonic() if self.config.stamp_tokens else b""
-            running = (
-                tail % (b"null", not_final, stamp)
-                if req.chat
-                else tail % (b"null", not_final, b"null", b"null", stamp)
-            )
+            running = tail % (b"null", not_final, *no_ids, stamp)
             words = req.words(sent, generated)
             for i, word in enumerate(words):
                 last = finished and i == len(words) - 1
-                ids: tuple[bytes, ...] = ()
-                if not req.chat:
-                    first = sent + i == 0
-                    ids = (
-                        prompt_ids if first else b"null",
-                        b"[%d]" % (GENERATED_ID + word) if with_ids else b"null",
-                    )
+                ids = no_ids
+                if with_ids and req.chat:
+                    ids = (b',"token_ids":[%d]' % (GENERATED_ID + word),)
+                elif with_ids:
+                    ids = (prompt_ids if sent + i == 0 else b"null", b"[%d]" % (GENERATED_ID + word))
                 if last:
                     reason = orjson.dumps(seq.finish_reason)
                     end = tail % (

@@ -134,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
     retry.add_argument(
         "--no-resume-streams",
         action="store_true",
-        help="end a completion stream with an error when its decode engine dies, instead of resuming it",
+        help="end a stream with an error when its decode engine dies, instead of resuming it",
     )
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"

@@ -1,17 +1,23 @@
-"""Resuming a completion stream on another decode engine after its first one died.
+"""Resuming a stream on another decode engine after its first one died.
 
 vLLM streams token ids next to the text when asked (`return_token_ids`, vLLM 0.32
-entrypoints/openai/completion/protocol.py: the prompt's ids in the first chunk, each
-chunk's new ids in `token_ids`). The router asks for them, takes them out of the events
-before the client sees them (`null`, as vLLM writes the fields when not asked) and keeps
-them. If decode dies mid-stream, the rest of the answer is one more completion whose
-prompt is the prompt's ids plus the ids already sent: with greedy sampling it continues
-exactly where the first stream stopped, and a prefix the Mooncake store holds is loaded
-rather than computed.
+entrypoints/openai/{completion,chat_completion}/protocol.py: the prompt's ids in the
+first chunk, each chunk's new ids in `token_ids`). The router asks for them, takes them
+out of the events before the client sees them (`null`, as vLLM writes the fields when
+not asked) and keeps them. If decode dies mid-stream, the rest of the answer is one more
+completion whose prompt is the prompt's ids (for chat: the rendered chat template's)
+plus the ids already sent: with greedy sampling it continues exactly where the first
+stream stopped, and a prefix the Mooncake store holds is loaded rather than computed.
+For a chat stream the rest comes from /v1/completions and is written as chat chunks.
 
-Only whole events are relayed, so a death mid-event sends no half token. Not resumable:
-chat streams (vLLM's chat chunking changes when ids are asked for), stop strings (vLLM
-holds back text that may start one, so the ids run ahead of the text sent) and echo.
+Asked for ids, vLLM's chat stream also sends an event for a token that adds no text yet
+(chat_completion/serving.py: "we still need to send a chunk even if delta_message is
+None"); those are dropped after their ids are kept, so the client sees what it would
+have seen. Only whole events are relayed, so a death mid-event sends no half token.
+
+Not resumable: stop strings (vLLM holds back text that may start one, so the ids run
+ahead of the text sent), echo, logprobs, tools and structured output (their state lives
+in the engine's parsers), and a stream whose ids the engine hid (a reasoning parser).
 """
 
 from __future__ import annotations
@@ -22,29 +28,37 @@ from typing import Any
 import orjson
 
 _IDS = re.compile(rb'"(prompt_)?token_ids":\[([0-9,\s]*)\]')
+# An event vLLM's chat stream adds only because ids were asked for: no text, no end.
+_EMPTY_CHAT_EVENT = re.compile(rb'data: \{[^\n]*"delta":\{\},"logprobs":null,"finish_reason":null[^\n]*\n\n')
+# Sampling parameters a chat request and its completion continuation share.
+_SAMPLING = (
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
+    "spaces_between_special_tokens", "stream_options", "include_stop_str_in_output",
+)  # fmt: skip
+_NOT_RESUMABLE = ("stop", "echo", "logprobs", "top_logprobs", "tools", "functions", "response_format",
+                  "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # fmt: skip
 
 
 def resumable(body: dict[str, Any], chat: bool) -> bool:
     """Whether a stream of this request can be resumed exactly."""
-    return (
-        not chat
-        and bool(body.get("stream"))
-        and not body.get("stop")
-        and not body.get("echo")
-        and isinstance(body.get("prompt"), (str, list))
-    )
+    if not body.get("stream") or any(body.get(key) for key in _NOT_RESUMABLE):
+        return False
+    return isinstance(body.get("messages" if chat else "prompt"), list if chat else (str, list))
 
 
 class TokenTrail:
-    """What a completion stream has delivered: the prompt's ids and the generated ids of
-    every event relayed. `relay` turns the engine's bytes into the client's."""
+    """What a stream has delivered: the prompt's ids and the generated ids of every event
+    relayed. `relay` turns the engine's bytes into the client's."""
 
-    __slots__ = ("_partial", "client_wants_ids", "generated", "prompt")
+    __slots__ = ("_partial", "chat", "client_wants_ids", "generated", "hidden", "prompt")
 
-    def __init__(self, client_wants_ids: bool):
+    def __init__(self, client_wants_ids: bool, chat: bool = False):
         self.client_wants_ids = client_wants_ids
+        self.chat = chat
         self.prompt: list[int] | None = None
         self.generated: list[int] = []
+        self.hidden = False  # the engine sent a token event without its ids
         self._partial = b""
 
     def relay(self, chunk: bytes, continuation: bool = False) -> bytes:
@@ -57,7 +71,12 @@ class TokenTrail:
             return b""
         self._partial = data[end + 2 :]
         events = data[: end + 2]
-        return _IDS.sub(lambda m: self._take(m, continuation), events)
+        if b'"token_ids":null' in events:
+            self.hidden = True
+        events = _IDS.sub(lambda m: self._take(m, continuation), events)
+        if self.chat and not self.client_wants_ids and not continuation:
+            events = _EMPTY_CHAT_EVENT.sub(b"", events)
+        return events
 
     def _take(self, match: re.Match[bytes], continuation: bool) -> bytes:
         ids = [int(t) for t in match[2].split(b",") if t.strip()]
@@ -70,11 +89,20 @@ class TokenTrail:
         return match[0] if self.client_wants_ids else b'"%stoken_ids":null' % (match[1] or b"")
 
     def continuation(self, body: dict[str, Any]) -> dict[str, Any] | None:
-        """The request for the rest of the answer, or None when too little is known."""
-        if self.prompt is None:
+        """The completion request for the rest of the answer, or None when too little is
+        known or the answer had ended."""
+        if self.prompt is None or self.hidden:
             return None
         done = len(self.generated)
-        out = dict(body)
+        if self.chat:
+            out = {key: body[key] for key in _SAMPLING if key in body}
+            limit = body.get("max_completion_tokens") or body.get("max_tokens")
+            if limit is not None:
+                out["max_tokens"] = limit
+            out["stream"] = True
+        else:
+            out = dict(body)
+            out.pop("prompt_logprobs", None)
         out["prompt"] = self.prompt + self.generated
         out["return_token_ids"] = True
         for key in ("max_tokens", "min_tokens"):
@@ -82,7 +110,6 @@ class TokenTrail:
                 out[key] = max(out[key] - done, 0)
         if out.get("max_tokens") == 0:
             return None  # it had ended: only [DONE] was lost
-        out.pop("prompt_logprobs", None)
         return out
 
 
@@ -100,4 +127,38 @@ def fix_usage(events: bytes, resumed_tokens: int) -> bytes:
             usage["completion_tokens"] += resumed_tokens
             event = b"data: " + orjson.dumps(payload)
         out.append(event)
+    return b"\n\n".join(out)
+
+
+def as_chat(events: bytes) -> bytes:
+    """A completion continuation's events written as the chat stream's: same request id,
+    `delta.content` for `text`."""
+    out = []
+    for event in events.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            out.append(event)
+            continue
+        payload = orjson.loads(event[6:])
+        chunk: dict[str, Any] = {
+            "id": "chatcmpl-" + str(payload.get("id", "")).removeprefix("cmpl-"),
+            "object": "chat.completion.chunk",
+            "created": payload.get("created"),
+            "model": payload.get("model"),
+            "choices": [],
+        }
+        for choice in payload.get("choices") or []:
+            text = choice.get("text") or ""
+            converted: dict[str, Any] = {
+                "index": choice.get("index", 0),
+                "delta": {"content": text} if text else {},
+                "logprobs": None,
+                "finish_reason": choice.get("finish_reason"),
+            }
+            if choice.get("finish_reason") is not None:
+                converted["stop_reason"] = choice.get("stop_reason")
+            converted["token_ids"] = choice.get("token_ids")
+            chunk["choices"].append(converted)
+        if "usage" in payload:
+            chunk["usage"] = payload["usage"]
+        out.append(b"data: " + orjson.dumps(chunk))
     return b"\n\n".join(out)

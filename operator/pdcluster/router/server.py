@@ -1,12 +1,19 @@
 """The router's HTTP front: OpenAI-compatible endpoints in front of prefill/decode pools.
 
-Per request: validate, pick a prefill rank (policy) and a decode instance (least
-loaded), apply SLO admission, then send the prefill and the decode request at once
-(protocol.py) and relay decode's answer. With the Mooncake store on, a prompt whose
-stored prefix leaves decode little to compute goes to decode alone (store.py); every
-other prompt, and any lookup that fails, takes the prefill -> decode path. Streams are
-passed through byte for byte; the router only counts SSE events in them for its
-metrics (one `data:` event per token, as vLLM streams without speculative decoding).
+Per request: validate, pick a prefill rank (policy) and a decode instance (least loaded,
+of the prefill's engine revision, not in a pair whose KV hand-off failed its probe),
+apply SLO admission, then send the prefill and the decode request at once (protocol.py)
+and relay decode's answer. With the Mooncake store on, a prompt whose stored prefix
+leaves decode little to compute goes to decode alone (store.py); every other prompt, and
+any lookup that fails, takes the prefill -> decode path.
+
+An attempt that fails on an engine (no connection, 5xx, a prefill past its timeout) is
+made again on engines not tried for this request, at most `max_attempts` times, the last
+one by decode alone when no prefill is left; a stream whose decode dies mid-answer goes
+on from another decode engine (resume.py). Streams are relayed as the engine wrote them,
+less the token ids the router asked for to resume them; the router counts SSE events in
+them for its metrics (one `data:` event per token, as vLLM streams without speculative
+decoding).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from pdcluster.router.policy import Admission, LeastLoaded, Policy
 from pdcluster.router.probe import KvProber
 from pdcluster.router.prompt import block_hashes, count_tokens, prompt_of
 from pdcluster.router.protocol import MooncakeProtocol
-from pdcluster.router.resume import TokenTrail, fix_usage, resumable
+from pdcluster.router.resume import TokenTrail, as_chat, fix_usage, resumable
 from pdcluster.router.store import Lookup, StoreIndex
 from pdcluster.router.upstream import Response as UpstreamResponse
 from pdcluster.router.upstream import UpstreamError, UpstreamPool
@@ -361,8 +368,8 @@ class _Job:
     once the client's answer has started, what it has delivered, the failures so far."""
 
     __slots__ = (
-        "body", "chat", "failures", "last_token_at", "original", "path", "request",
-        "request_id", "response", "resumed_tokens", "router", "sent", "started", "tokens", "trail",
+        "body", "chat", "failures", "last_token_at", "original", "path", "request", "request_id",
+        "response", "resumed_tokens", "router", "sends_chat", "sent", "started", "tokens", "trail",
     )  # fmt: skip
 
     def __init__(
@@ -377,14 +384,15 @@ class _Job:
     ):
         self.router = router
         self.request = request
-        self.path = path
-        self.chat = chat
+        self.path = path  # of the next attempt: a chat stream resumes as a completion
+        self.chat = chat  # the client's request
+        self.sends_chat = chat  # the next attempt's body
         self.original = body
         self.body = body  # a continuation once a stream has been resumed
         self.request_id = request_id
         self.started = started
         self.trail = (
-            TokenTrail(client_wants_ids=bool(body.get("return_token_ids")))
+            TokenTrail(client_wants_ids=bool(body.get("return_token_ids")), chat=chat)
             if router.config.resume_streams and resumable(body, chat)
             else None
         )
@@ -423,9 +431,12 @@ class _Job:
                     return await self._give_up()
                 assert self.trail is not None
                 self.body, self.resumed_tokens = continuation, len(self.trail.generated)
+                self.path, self.sends_chat = "/v1/completions", False
             if len(self.failures) >= router.config.max_attempts:
                 return await self._give_up()
-            prefill, decode_or_none, prompt_tokens = await router._route_again(self.body, self.chat, avoid)
+            prefill, decode_or_none, prompt_tokens = await router._route_again(
+                self.body, self.sends_chat, avoid
+            )
             if decode_or_none is None:
                 return await self._give_up()
             decode = decode_or_none
@@ -459,7 +470,9 @@ class _Flow:
         self.decode = decode
         self.prompt_tokens = prompt_tokens
         self.prefilled_at: float | None = None
-        self.kv_tokens = prompt_tokens + (openai.max_tokens_of(job.body, job.chat) or DEFAULT_OUTPUT_TOKENS)
+        self.kv_tokens = prompt_tokens + (
+            openai.max_tokens_of(job.body, job.sends_chat) or DEFAULT_OUTPUT_TOKENS
+        )
         admission = job.router.admission
         if prefill is not None:
             if admission is not None:
@@ -601,6 +614,8 @@ class _Flow:
                 chunk = trail.relay(chunk, continuation=resumed > 0)
                 if resumed:
                     chunk = fix_usage(chunk, resumed)
+                    if job.chat:
+                        chunk = as_chat(chunk)
             events = chunk.count(b"data: ")
             if events:
                 now = time.monotonic()
