@@ -62,15 +62,18 @@ async def router(
     *argv: str, ready: Callable[[Pool], bool] = lambda pool: pool.ready
 ) -> AsyncIterator[RouterService]:
     """A RouterService with the command-line flags argv (--prefill, --decode, ...), once
-    `ready` holds for its pool (within 5 s). Its port is service.args.port."""
+    `ready` holds for its pool and its hand-off probes have run (within 10 s). Its port is
+    service.args.port."""
     args = parser().parse_args(["--host", "127.0.0.1", "--port", str(free_port()), *argv])
     service = RouterService(args, parse_static(args.prefill, args.decode))
     await service.start()
     try:
         pool = service.pool
         assert pool is not None
-        async with asyncio.timeout(5):
-            while not ready(pool):
+        prober = service.router.prober if service.router is not None else None
+        async with asyncio.timeout(10):
+            # Ready, and the KV hand-off probes done (their requests are not the test's).
+            while not ready(pool) or (prober is not None and pool.ready and not prober.settled()):
                 await asyncio.sleep(0.02)
         yield service
     finally:

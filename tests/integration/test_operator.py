@@ -107,7 +107,17 @@ async def test_create_update_drift_delete(
         check=True,
     ).stdout
     header, row = out.splitlines()[:2]
-    assert header.split() == ["NAME", "READY", "PREFILL", "DECODE", "RATIO", "TTFT-P99", "ITL-P99", "AGE"]
+    assert header.split() == [
+        "NAME",
+        "READY",
+        "PREFILL",
+        "DECODE",
+        "RATIO",
+        "TTFT-P99",
+        "ITL-P99",
+        "ROLLOUT",
+        "AGE",
+    ]
     assert row.split()[:5] == ["demo", "True", "1", "1", "1:1"]
 
     # At rest the operator writes nothing: resource versions stay put over several resyncs.

@@ -61,8 +61,10 @@ async def post(http: aiohttp.ClientSession, target: str, body: Any, **headers: s
 
 
 async def recorded(http: aiohttp.ClientSession, sim: Simulator) -> list[dict[str, Any]]:
+    """The client requests an engine received: not the router's own hand-off probes."""
     async with http.get(f"http://127.0.0.1:{sim.config.port}/sim/requests") as resp:
-        return await resp.json()
+        records = await resp.json()
+    return [r for r in records if not r["headers"].get("X-Request-Id", "").startswith("kv-probe-")]
 
 
 async def scrape(http: aiohttp.ClientSession, target: str) -> str:

@@ -496,12 +496,12 @@ class KvPuller:
         for address, known in list(self._conns.items()):
             if known is conn:
                 del self._conns[address]
-        # Pulls on this connection cannot be answered any more.
-        for pull_id, (owner, waiter) in list(self._pending.items()):
+        # Pulls on this connection cannot be answered any more; but, as vLLM's ZMQ request
+        # socket does, the puller only learns so at its receive timeout, the pull's own
+        # timer (mooncake_connector.py: RCVTIMEO = VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s).
+        for pull_id, (owner, _waiter) in list(self._pending.items()):
             if owner is conn:
                 del self._pending[pull_id]
-                if not waiter.done():
-                    waiter.set_exception(KvLoadError("side channel to the prefill engine closed"))
 
     async def pull(self, seq: Seq) -> None:
         remote = seq.remote

@@ -63,6 +63,9 @@ class Upstream(Backend):
     engine: PrefillEngine | None = None  # prefill only
     cooldown_until: float = 0.0  # not routable before this (monotonic) time
     failures: int = 0  # in a row
+    # Set when the router drops this engine (prefill: also a new engine id at its address):
+    # KV it holds for a decode can no longer arrive.
+    gone: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     origin: Origin = field(init=False)
 
     def __post_init__(self) -> None:
@@ -227,7 +230,9 @@ class Pool:
                 self._prefill[url] = instance
                 instance.task = asyncio.get_running_loop().create_task(self._resolve(instance))
         for url in set(self._decode) - members.decode:
-            self.on_forget(self._decode.pop(url).id)
+            gone = self._decode.pop(url)
+            gone.gone.set()
+            self.on_forget(gone.id)
         for url in set(self._decode) & members.decode:
             if self._decode[url].revision != members.revisions.get(url, ""):
                 self.on_forget(self._decode.pop(url).id)  # a new engine at the same address
@@ -246,6 +251,7 @@ class Pool:
         if instance.task is not None:
             instance.task.cancel()
         for rank in instance.ranks:
+            rank.gone.set()
             self.on_forget(rank.id)
 
     def _publish(self) -> None:
@@ -284,6 +290,7 @@ class Pool:
 
     def _set_ranks(self, instance: _PrefillInstance, engines: list[PrefillEngine]) -> None:
         for rank in instance.ranks:
+            rank.gone.set()
             self.on_forget(rank.id)
         many = len(engines) > 1
         instance.ranks = [

@@ -86,6 +86,12 @@ class KvProber:
         chosen = [u for u in upstreams if u.id in passed]
         return chosen or upstreams
 
+    def settled(self) -> bool:
+        """Every pair the pool has now has a verdict."""
+        pool = self.router.pool
+        pairs = {(p.id, d.id) for p in pool.prefill for d in pool.decode if p.revision == d.revision}
+        return all(self.verdicts.get(pair, Verdict()).ok is not None for pair in pairs)
+
     def summary(self) -> dict[str, object]:
         """What the operator's KVTransfer condition says: counts, and each failed pair."""
         names = {u.id: u.name for u in self.router.pool.all_upstreams()}

@@ -25,8 +25,9 @@ import logging
 import random
 import re
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -47,6 +48,7 @@ from pdcluster.router.upstream import Response as UpstreamResponse
 from pdcluster.router.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # When a request does not bound its output, assume this many tokens for decode load.
 DEFAULT_OUTPUT_TOKENS = 256
@@ -586,9 +588,29 @@ class _Flow:
 
     async def _await_decode(self, task: asyncio.Task[UpstreamResponse]) -> UpstreamResponse:
         try:
-            return await task
+            return await self._unless_kv_lost(task)
         except UpstreamError as e:
             raise self._failed("decode", self.decode, str(e)) from e
+
+    async def _unless_kv_lost(self, work: Awaitable[T]) -> T:
+        """`work`, unless the prefill holding this request's KV goes away first: a decode
+        pulling from a dead prefill waits for it far longer than any client (vLLM 0.32's
+        side channel: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s)."""
+        if self.prefill is None:
+            return await work
+        task = asyncio.ensure_future(work)
+        lost = asyncio.ensure_future(self.prefill.gone.wait())
+        try:
+            await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            lost.cancel()
+        if not task.done():
+            task.cancel()
+            raise self._failed("prefill", self.prefill, "left before decode had its KV")
+        return task.result()
 
     async def _relay_body(self, upstream: UpstreamResponse) -> Response:
         job = self.job
@@ -609,6 +631,13 @@ class _Flow:
         response = job.response
         trail, resumed = job.trail, job.resumed_tokens
         failed = done = False
+        try:
+            await self._unless_kv_lost(upstream.first_bytes())
+        except UpstreamError:
+            pass  # the loop below reads the same error
+        except _Retry as lost:
+            lost.mid_stream = job.sent  # nothing of this attempt was sent
+            raise
         async for chunk in upstream.iter_chunks():
             if trail is not None:
                 chunk = trail.relay(chunk, continuation=resumed > 0)

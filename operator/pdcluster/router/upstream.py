@@ -251,6 +251,10 @@ class Response:
     def header(self, name: bytes) -> bytes | None:
         return self._conn.headers.get(name)
 
+    async def first_bytes(self) -> None:
+        """Until some of the body has arrived (or it ended); consumes nothing."""
+        await self._conn.wait_body()
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         conn = self._conn
         while True:
