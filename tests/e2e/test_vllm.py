@@ -47,7 +47,11 @@ REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 
 def example() -> dict[str, Any]:
-    return yaml.safe_load(EXAMPLE.read_text())
+    """The example as the tests apply it: hand-off probes when engines join, none after
+    (the tests compare engine counters, which a probe moves too)."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["router"]["kvProbe"] = {"intervalSeconds": 3600}
+    return doc
 
 
 def plain_engine(namespace: str, doc: dict[str, Any]) -> dict[str, Any]:
@@ -140,10 +144,21 @@ async def env(vllm_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> As
 
             async def up() -> bool:
                 body = await kube.get(C.API_VERSION, C.KIND, NAME, namespace)
-                return settled(body) and is_ready(await kube.get("v1", "Pod", "plain", namespace))
+                verified = any(
+                    c["type"] == "KVTransfer" and c["status"] == "True"
+                    for c in ((body or {}).get("status") or {}).get("conditions", [])
+                )
+                return (
+                    settled(body) and verified and is_ready(await kube.get("v1", "Pod", "plain", namespace))
+                )
 
             try:
-                await poll(up, STARTUP_S, "real-vLLM PDCluster and plain engine Ready", interval=2)
+                await poll(
+                    up,
+                    STARTUP_S,
+                    "real-vLLM PDCluster Ready, its KV hand-off verified, plain engine Ready",
+                    interval=2,
+                )
             except AssertionError:
                 pods = await kube.list("v1", "Pod", namespace)
                 states = {p["metadata"]["name"]: p.get("status", {}).get("containerStatuses") for p in pods}
