@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from pdcluster.enginesim.cli import parse
 from pdcluster.enginesim.main import Simulator
 from pdcluster.router.main import RouterService, parser
@@ -167,3 +169,13 @@ def prometheus(root: Path, config: str) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def counter(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus exposition's samples of `name` that carry `labels`."""
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )

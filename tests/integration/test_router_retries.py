@@ -27,8 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from loopback import CONSUMER, PRODUCER, free_port, router
-from prometheus_client.parser import text_string_to_metric_families
+from loopback import CONSUMER, PRODUCER, counter, free_port, router
 
 from pdcluster import observability as obs
 
@@ -106,15 +105,6 @@ async def routed(prefills: list[Engine], decodes: list[Engine], *args: str) -> A
     flags += [f for d in decodes for f in ("--decode", d.url)]
     async with router(*flags, *args) as service:
         yield f"http://127.0.0.1:{service.args.port}"
-
-
-def counter(text: str, name: str, **labels: str) -> float:
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 async def stream_events(

@@ -18,8 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from loopback import MasterProcess, free_port, mooncake_master, router
-from prometheus_client.parser import text_string_to_metric_families
+from loopback import MasterProcess, counter, free_port, mooncake_master, router
 
 from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import PDClusterSpec
@@ -30,22 +29,6 @@ from pdcluster.router.store import block_keys
 MAX_COMPUTED = 256  # --store-max-computed-tokens
 SYSTEM = "You are a careful assistant for a storage team. " * 160  # about 2,000 tokens
 MAX_TOKENS = 8
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-    }
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    return sum(
-        v
-        for (n, ls), v in samples(text).items()
-        if n == name and all(dict(ls).get(k) == x for k, x in labels.items())
-    )
 
 
 @pytest.fixture
@@ -165,40 +148,40 @@ async def test_stored_prefixes_skip_prefill_and_nothing_else_fails(pool: Any) ->
         await complete(SYSTEM + "Question one?")
         await stored(master, SYSTEM + "Question one?")
         pm, dm, rm = await engines()
-        assert value(rm, "pdcluster_router_store_lookups_total", outcome="miss") == 1
-        prefill_computed = value(pm, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        assert counter(rm, "pdcluster_router_store_lookups_total", outcome="miss") == 1
+        prefill_computed = counter(pm, "vllm:prompt_tokens_by_source_total", source="local_compute")
         assert prefill_computed > 1900
 
         # A hit: the same system prompt and a short question go straight to decode,
         # which loads the stored prefix and computes the rest.
         await complete(SYSTEM + "Question two?")
         pm2, dm2, rm2 = await engines()
-        assert value(rm2, "pdcluster_router_store_lookups_total", outcome="hit") == 1
-        assert value(rm2, "pdcluster_router_prefill_bypassed_total") == 1
-        assert value(pm2, "vllm:prompt_tokens_by_source_total", source="local_compute") == prefill_computed
-        loaded = value(dm2, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - value(
+        assert counter(rm2, "pdcluster_router_store_lookups_total", outcome="hit") == 1
+        assert counter(rm2, "pdcluster_router_prefill_bypassed_total") == 1
+        assert counter(pm2, "vllm:prompt_tokens_by_source_total", source="local_compute") == prefill_computed
+        loaded = counter(dm2, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - counter(
             dm, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
         )
-        computed = value(dm2, "vllm:prompt_tokens_by_source_total", source="local_compute") - value(
+        computed = counter(dm2, "vllm:prompt_tokens_by_source_total", source="local_compute") - counter(
             dm, "vllm:prompt_tokens_by_source_total", source="local_compute"
         )
         assert loaded >= 1900 and 0 < computed <= MAX_COMPUTED, (loaded, computed)
-        assert value(rm2, "pdcluster_router_store_prefix_tokens_total") == loaded
+        assert counter(rm2, "pdcluster_router_store_prefix_tokens_total") == loaded
 
         # A partial hit: too much left to compute for decode; prefill loads the prefix
         # from the store itself and computes only the long question.
         long_question = "Explain each step in detail please. " * 80  # about 720 tokens
         await complete(SYSTEM + long_question)
         pm3, _, rm3 = await engines()
-        assert value(rm3, "pdcluster_router_store_lookups_total", outcome="partial") == 1
-        assert value(rm3, "pdcluster_router_prefill_bypassed_total") == 1
-        assert value(pm3, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= 1900
-        added = value(pm3, "vllm:prompt_tokens_by_source_total", source="local_compute") - prefill_computed
+        assert counter(rm3, "pdcluster_router_store_lookups_total", outcome="partial") == 1
+        assert counter(rm3, "pdcluster_router_prefill_bypassed_total") == 1
+        assert counter(pm3, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= 1900
+        added = counter(pm3, "vllm:prompt_tokens_by_source_total", source="local_compute") - prefill_computed
         assert 0 < added < 1000, added
 
         # A prompt the store never saw: a miss.
         await complete("A prompt the store never saw. " * 40)
-        assert value(await metrics(http, base), "pdcluster_router_store_lookups_total", outcome="miss") == 2
+        assert counter(await metrics(http, base), "pdcluster_router_store_lookups_total", outcome="miss") == 2
 
 
 async def test_a_master_that_is_down_costs_no_request(pool: Any) -> None:
@@ -211,6 +194,6 @@ async def test_a_master_that_is_down_costs_no_request(pool: Any) -> None:
                 assert resp.status == 200, await resp.text()
                 assert (await resp.json())["usage"]["completion_tokens"] == MAX_TOKENS
         text = await metrics(http, base)
-    assert value(text, "pdcluster_router_store_lookups_total", outcome="error") == 3
-    assert value(text, "pdcluster_router_prefill_bypassed_total") == 0
+    assert counter(text, "pdcluster_router_store_lookups_total", outcome="error") == 3
+    assert counter(text, "pdcluster_router_prefill_bypassed_total") == 0
     assert master.start()  # back, so the engines' teardown need not wait out a dead master
