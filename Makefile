@@ -33,7 +33,8 @@ generate: $(STAMP) ## Regenerate the CRD, the chart's copy and the API reference
 	$(BIN)/pdctl docs > docs/api.md
 
 bench: deps ## Benchmarks that print their figures (docs/benchmarks.md has the last ones)
-	$(BIN)/python benchmarks/router_bench.py --rounds 3
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/router_bench.py --rounds 4
 	$(BIN)/python benchmarks/plan_bench.py
 	$(BIN)/python benchmarks/store_bench.py
 	$(BIN)/python benchmarks/store_cluster.py

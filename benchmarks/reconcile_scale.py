@@ -258,7 +258,27 @@ def main() -> None:
     }
     for target, ok in met.items():
         print(f"{'met' if ok else 'NOT met'}: {target} ({big['count']} PDClusters)")
+        if not ok:
+            print(f"  why: {why_not(target, big)}")
     print(json.dumps(results, indent=2))
+
+
+def why_not(target: str, r: dict) -> str:
+    """The figures behind a missed target, as far as this run can tell."""
+    during = r["requests_converging"]
+    writes = sum(v for k, v in during.items() if k.split()[0] in WRITES and k.split()[1] not in NOT_OURS)
+    ours = sum(
+        v for k, v in during.items() if k.startswith("APPLY ") or k in ("PATCH pdclusters", "POST events")
+    )
+    if target.startswith("converge"):
+        return (
+            f"{writes:.0f} writes reached the apiserver while converging, {ours:.0f} of them the operator's "
+            f"(applies, status patches, events); the operator used {r['cpu_s_converging']} s of CPU in "
+            f"{r['last_status_s']} s, on the cores the apiserver, etcd and the controllers share"
+        )
+    if target.startswith("RSS"):
+        return f"{r['rss_mib_at_rest']} MiB at rest for {r['count']} PDClusters"
+    return "see the figures below"
 
 
 if __name__ == "__main__":

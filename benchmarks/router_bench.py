@@ -16,6 +16,17 @@ time, so what is measured is the HTTP path):
            back, so decode recomputes; the simulators behave the same way.
 Workloads: 64-token streams and 4-token non-streamed completions, closed loop.
 
+The anchor, in the same rounds: SGLang's Rust router (`sglang-router`, pinned in the
+`bench` extra) in PD mode, against ours, both in front of the same fake engine pair (a
+raw asyncio server: prefill answers one token, decode the whole answer in one write),
+which answers each router in its own PD protocol and counts requests that do not carry
+it (ours: `kv_transfer_params` for prefill and decode; SGLang's: `bootstrap_room` on
+both, sent at once). sglang-router 0.3.2 never sets TCP_NODELAY, which stalls each of
+its streams about 44 ms (Nagle's algorithm against the client's delayed ACK), so it runs
+twice: as shipped, and with the flag set on every socket it accepts or connects by a
+small LD_PRELOAD library built here with the C compiler. Ratios ours / theirs are per
+round, medians over the rounds; router CPU from /proc.
+
 Then, at a fixed moderate open-loop rate, the router's added latency: per request the
 difference of its TTFT/latency percentiles to the direct path, and per token the delay
 from the decode engine's write (the simulator's `--sim-stamp-tokens` stamp) to the
@@ -36,6 +47,7 @@ import os
 import random
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -285,24 +297,135 @@ class _Canned(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        """Frames HTTP/1.1 requests (Content-Length bodies) and writes each answer."""
         self.buf += data
         while True:
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return
-            match = re.search(rb"(?i)content-length: *(\d+)", self.buf[:end])
+            head = bytes(self.buf[:end])
+            match = re.search(rb"(?i)content-length: *(\d+)", head)
             size = int(match.group(1)) if match else 0
             if len(self.buf) < end + 4 + size:
                 return
             body = bytes(self.buf[end + 4 : end + 4 + size])
             del self.buf[: end + 4 + size]
-            self.transport.write(self.STREAM_RESPONSE if b'"stream": true' in body else self.BODY_RESPONSE)  # type: ignore[attr-defined]
+            self.transport.write(self.respond(head.split(b" ", 2), body))  # type: ignore[attr-defined]
+
+    def respond(self, line: list[bytes], body: bytes) -> bytes:
+        return self.STREAM_RESPONSE if re.search(rb'"stream": *true', body) else self.BODY_RESPONSE
 
 
 async def canned(port: int) -> None:
     server = await asyncio.get_running_loop().create_server(_Canned, "127.0.0.1", port, backlog=1024)
     async with server:
         await server.serve_forever()
+
+
+# ---------------------------------------------------------------------------- fake PD engines
+class _FakeEngine(_Canned):
+    """One side of a PD pair for both routers, at no model cost: prefill answers one
+    token, decode the whole answer in one write. GET /query is the Mooncake bootstrap
+    server our router asks; /server_info and /model_info are 404 (sglang-router would
+    otherwise fetch a tokenizer for the model path). Counts each completion by whether
+    it carries the PD protocol of one of the two routers; GET /fake/stats returns them."""
+
+    ONE_TOKEN = (
+        b'{"choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":{"completion_tokens":1}}'
+    )
+    QUERY = b'{"0":{"engine_id":"fake-prefill","worker_addr":"127.0.0.1:1"}}'
+    stats = {"ours": 0, "sglang": 0, "neither": 0}
+
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.role = role
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _answer(self, status: str, body: bytes, kind: bytes = b"application/json") -> bytes:
+        return b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
+            status.encode(),
+            kind,
+            len(body),
+            body,
+        )
+
+    def respond(self, line: list[bytes], body: bytes) -> bytes:
+        method, path = line[0], line[1]
+        if method == b"GET":
+            if path == b"/query":
+                return self._answer("200 OK", self.QUERY)
+            if path == b"/fake/stats":
+                return self._answer("200 OK", json.dumps(self.stats).encode())
+            if path in (b"/health", b"/metrics", b"/v1/models"):
+                return self._answer("200 OK", b'{"data":[{"id":"sim"}]}' if path == b"/v1/models" else b"")
+            return self._answer("404 Not Found", b"{}")
+        if method != b"POST":  # e.g. an HTTP/2 preface ("PRI *"): HTTP/1.1 only here
+            return self._answer("400 Bad Request", b"{}")
+        flag = b"do_remote_decode" if self.role == "prefill" else b"do_remote_prefill"
+        kind = "ours" if flag in body else "sglang" if b"bootstrap_room" in body else "neither"
+        self.stats[kind] += 1
+        if self.role == "prefill":
+            return self._answer("200 OK", self.ONE_TOKEN)
+        return super().respond(line, body)
+
+
+async def fake_engine(port: int, role: str) -> None:
+    server = await asyncio.get_running_loop().create_server(
+        lambda: _FakeEngine(role), "127.0.0.1", port, backlog=1024
+    )
+    async with server:
+        await server.serve_forever()
+
+
+NODELAY_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+static void nodelay(int fd) { int one = 1; setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); }
+int accept(int fd, struct sockaddr *a, socklen_t *n) {
+    static int (*real)(int, struct sockaddr *, socklen_t *);
+    if (!real) real = dlsym(RTLD_NEXT, "accept");
+    int r = real(fd, a, n); if (r >= 0) nodelay(r); return r;
+}
+int accept4(int fd, struct sockaddr *a, socklen_t *n, int flags) {
+    static int (*real)(int, struct sockaddr *, socklen_t *, int);
+    if (!real) real = dlsym(RTLD_NEXT, "accept4");
+    int r = real(fd, a, n, flags); if (r >= 0) nodelay(r); return r;
+}
+int connect(int fd, const struct sockaddr *a, socklen_t n) {
+    static int (*real)(int, const struct sockaddr *, socklen_t);
+    if (!real) real = dlsym(RTLD_NEXT, "connect");
+    int r = real(fd, a, n); int saved = errno;
+    if (r == 0 || errno == EINPROGRESS) nodelay(fd);
+    errno = saved; return r;
+}
+"""
+
+
+def _nodelay_shim(logdir: Path) -> Path | None:
+    """The LD_PRELOAD library that sets TCP_NODELAY on every TCP socket (None: no cc)."""
+    source, library = logdir / "nodelay.c", logdir / "nodelay.so"
+    source.write_text(NODELAY_SHIM)
+    try:
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(library), str(source), "-ldl"], check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return library
+
+
+def _sglang_available() -> bool:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------- bare relay
@@ -461,7 +584,8 @@ def orchestrate(args: argparse.Namespace) -> None:
     logdir = Path(tempfile.mkdtemp(prefix="router-bench-"))
     procs = _Procs(logdir)
     names = ("prefill", "bootstrap", "decode", "router", "relay", "mooncake", "canned", "rt-prefill",
-             "rt-bootstrap", "rt-decode", "rt-router")  # fmt: skip
+             "rt-bootstrap", "rt-decode", "rt-router", "fk-prefill", "fk-decode", "fk-router", "sglang",
+             "sglang-nodelay", "sglang-metrics", "sglang-nodelay-metrics")  # fmt: skip
     ports = {name: _free_port() for name in names}
     kv = '{"kv_connector":"MooncakeConnector","kv_role":"%s"}'
     sim = [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1", "--sim-profile", "zero"]
@@ -517,6 +641,7 @@ def orchestrate(args: argparse.Namespace) -> None:
                     "--decoder-port", str(ports["decode"]),
                 ],
             )  # fmt: skip
+        anchor = _start_anchor(procs, ports, logdir)
         _wait_http(f"http://127.0.0.1:{ports['prefill']}/health")
         _wait_http(f"http://127.0.0.1:{ports['decode']}/health")
         _wait_http(f"http://127.0.0.1:{ports['router']}/ready")
@@ -528,13 +653,18 @@ def orchestrate(args: argparse.Namespace) -> None:
         setups = [("ceiling", "canned"), ("direct", "decode"), ("relay", "relay"), ("router", "router")]
         if have_mooncake:
             setups.append(("mooncake", "mooncake"))
+        setups += [(name, name) for name in anchor]
         # Rounds interleave the setups; each setup keeps its best round, which damps
         # the noise of other programs sharing the machine.
         results: dict[tuple[str, str], dict[str, Any]] = {}
+        rounds: list[dict[tuple[str, str], dict[str, Any]]] = []
         for round_ in range(args.rounds):
+            rounds.append({})
             for workload in WORKLOADS:
-                for setup, target in setups:
+                # Reversed every other round, so that no setup always runs first.
+                for setup, target in setups if round_ % 2 == 0 else setups[::-1]:
                     r = _run_loadgen(procs, ports[target], workload, args)
+                    rounds[-1][(workload, setup)] = r
                     print(
                         f"  round {round_ + 1} {workload:8s} {setup:8s} {r['rps']:8.0f} req/s  "
                         f"p50 {_fmt(r['p50_ms'])} ms  p99 {_fmt(r['p99_ms'])} ms",
@@ -543,7 +673,11 @@ def orchestrate(args: argparse.Namespace) -> None:
                     best = results.get((workload, setup))
                     if best is None or r["rps"] > best["rps"]:
                         results[(workload, setup)] = r
-        _print_throughput(results, setups, args, have_mooncake)
+        _print_throughput(results, [sp for sp in setups if sp[0] not in anchor], args, have_mooncake)
+        if anchor:
+            _print_anchor(rounds, anchor, procs, ports, args)
+        else:
+            print("\nsglang-router skipped: install the `bench` extra")
         _print_added_latency(procs, ports, args)
         if not have_mooncake:
             print("\nMooncake proxy skipped: install the `bench` extra (fastapi, uvicorn)")
@@ -591,6 +725,81 @@ def _print_throughput(
                 f"p99 {router['p99_ms'] / mooncake['p99_ms']:.2f}x of its p99"
             )
         print(line)
+
+
+def _start_anchor(procs: _Procs, ports: dict[str, int], logdir: Path) -> list[str]:
+    """The fake engine pair, our router and sglang-router (as shipped, and with
+    TCP_NODELAY forced when a C compiler can build the shim) in front of it; the names of
+    the setups started."""
+    if not _sglang_available():
+        return []
+    for role in ("prefill", "decode"):
+        procs.start(
+            f"fk-{role}",
+            [sys.executable, __file__, "_fake", "--port", str(ports[f"fk-{role}"]), "--role", role],
+        )
+    prefill, decode = (f"http://127.0.0.1:{ports[f'fk-{r}']}" for r in ("prefill", "decode"))
+    _wait_port(ports["fk-prefill"])
+    _wait_port(ports["fk-decode"])
+    procs.start(
+        "fk-router",
+        [_bin("pdcluster-router"), "--host", "127.0.0.1", "--port", str(ports["fk-router"]), "--log-level",
+         "WARNING", "--kv-probe-interval", "0", "--prefill", f"{prefill}#bootstrap={ports['fk-prefill']}",
+         "--decode", decode],
+    )  # fmt: skip
+    shim = _nodelay_shim(logdir)
+    started = ["fk-router"]
+    for name, preload in (("sglang", None), ("sglang-nodelay", shim)):
+        if name == "sglang-nodelay" and preload is None:
+            print("sglang-router with TCP_NODELAY skipped: no C compiler for the shim", file=sys.stderr)
+            continue
+        procs.start(
+            name,
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(ports[name]),
+             "--pd-disaggregation", "--prefill", prefill, "8998", "--decode", decode, "--policy", "round_robin",
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports[f"{name}-metrics"])],
+            {"LD_PRELOAD": str(preload)} if preload else None,
+        )  # fmt: skip
+        started.append(name)
+    _wait_http(f"http://127.0.0.1:{ports['fk-router']}/ready")
+    for name in started[1:]:
+        _wait_http(f"http://127.0.0.1:{ports[name]}/health", timeout=60)
+    return started
+
+
+def _print_anchor(
+    rounds: list[dict[tuple[str, str], dict[str, Any]]],
+    anchor: list[str],
+    procs: _Procs,
+    ports: dict[str, int],
+    args: argparse.Namespace,
+) -> None:
+    """Ours against sglang-router, both in front of the fake pair: per-round ratios."""
+    print("\nthe anchor: pdcluster-router (fk-router) and sglang-router in PD mode, same fake engines")
+    print(f"{'workload':9s} {'setup':15s} {'req/s':>7s} {'p99 ms':>7s} {'router CPU us/req':>18s}")
+    for workload in WORKLOADS:
+        for setup in anchor:
+            rows = [r[(workload, setup)] for r in rounds]
+            print(
+                f"{workload:9s} {setup:15s} {statistics.median(r['rps'] for r in rows):7.0f} "
+                f"{_fmt(statistics.median(r['p99_ms'] for r in rows)):>7s} "
+                f"{statistics.median(r['cpu_us'][setup] for r in rows):18.0f}"
+            )
+    print(f"\nours / theirs, medians over {len(rounds)} rounds of per-round ratios:")
+    for workload in WORKLOADS:
+        for theirs in anchor[1:]:
+            pairs = [(r[(workload, "fk-router")], r[(workload, theirs)]) for r in rounds]
+            rps = statistics.median(o["rps"] / t["rps"] for o, t in pairs if t["rps"])
+            p99 = statistics.median(o["p99_ms"] / t["p99_ms"] for o, t in pairs if t["p99_ms"])
+            cpu = statistics.median(o["cpu_us"]["fk-router"] / t["cpu_us"][theirs] for o, t in pairs)
+            print(
+                f"  {workload:9s} vs {theirs:15s} req/s {rps:.2f}x  p99 {p99:.2f}x  CPU per request {cpu:.2f}x"
+            )
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports['fk-prefill']}/fake/stats") as r:
+        prefill = json.loads(r.read())
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports['fk-decode']}/fake/stats") as r:
+        decode = json.loads(r.read())
+    print(f'  protocol check: prefill saw {prefill}, decode saw {decode} ("neither" must be 0)')
 
 
 def _print_added_latency(procs: _Procs, ports: dict[str, int], args: argparse.Namespace) -> None:
@@ -656,6 +865,9 @@ def main() -> None:
     lg.add_argument("--stamps", action="store_true")
     cn = sub.add_parser("_canned")
     cn.add_argument("--port", type=int, required=True)
+    fk = sub.add_parser("_fake")
+    fk.add_argument("--port", type=int, required=True)
+    fk.add_argument("--role", choices=("prefill", "decode"), required=True)
     rl = sub.add_parser("_relay")
     for flag in ("--prefill", "--bootstrap", "--decode"):
         rl.add_argument(flag, required=True)
@@ -676,6 +888,8 @@ def main() -> None:
         print(json.dumps(run(loadgen(args))))
     elif args.command == "_canned":
         run(canned(args.port))
+    elif args.command == "_fake":
+        run(fake_engine(args.port, args.role))
     elif args.command == "_relay":
         run(relay(args.port, args.prefill, args.bootstrap, args.decode))
     else:

@@ -37,8 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "e2e" / "local"), str(REPO / "tests" / "e2e")]
 
 import aiohttp  # noqa: E402
-from harness import install_crd, make_sim_cluster, settled, start_operator, stop_on_sigterm  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from harness import counter, install_crd, make_sim_cluster, settled, start_operator, stop_on_sigterm  # noqa: E402
 
 import demo  # noqa: E402
 from localcluster import cluster, nodes  # noqa: E402
@@ -84,15 +83,6 @@ def reusable_tokens(prompts: list[list[int]]) -> int:
         reusable += min(lead * BLOCK_SIZE, len(ids) - 1)
         seen.update(keys)
     return reusable
-
-
-def counter(text: str, name: str, **labels: str) -> float:
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 async def scrape(http: aiohttp.ClientSession, kube: Kube, name: str) -> dict[str, float]:

@@ -45,6 +45,7 @@ ANNOTATION_SCRAPE_PATH: Final = "prometheus.io/path"
 
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"
+ROLE_COLOCATED: Final = "colocated"  # colocated: prefill and decode on one engine, no KV hand-off
 ROLE_ROUTER: Final = "router"
 ROLE_MOONCAKE_MASTER: Final = "mooncake-master"
 ROLE_MOONCAKE_STORE: Final = "mooncake-store"

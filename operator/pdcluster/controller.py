@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import heapq
+import itertools
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -47,6 +50,49 @@ def transient(error: BaseException) -> bool:
     return isinstance(error, (aiohttp.ClientError, TimeoutError, ConnectionError))
 
 
+class Slots:
+    """At most `size` reconciles at once, PDClusters whose status does not describe their
+    current generation first: a thousand new PDClusters all get a first status before
+    any of them is reconciled again for its children's status updates."""
+
+    def __init__(self, size: int):
+        self.free = size
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def take(self, urgent: bool) -> AsyncIterator[None]:
+        if self.free > 0 and not self._waiting:
+            self.free -= 1
+        else:
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (0 if urgent else 1, next(self._order), turn))
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():
+                    self._release()  # handed a slot while being cancelled: pass it on
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._waiting:
+            _, _, turn = heapq.heappop(self._waiting)
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.free += 1
+
+
+def _urgent(body: dict[str, Any]) -> bool:
+    """No status yet for the current spec: the user is waiting for this one."""
+    observed = (body.get("status") or {}).get("observedGeneration")
+    return observed is None or observed != body["metadata"].get("generation")
+
+
 class Worker:
     def __init__(self, controller: Controller, key: tuple[str, str], body: dict[str, Any]):
         self.controller = controller
@@ -68,8 +114,10 @@ class Worker:
             self.wakeup.clear()
             if self.controller.elector is not None:
                 await self.controller.elector.leading.wait()
+            if self.controller.synced is not None:
+                await self.controller.synced.wait()  # not before the children cache is whole
             try:
-                async with self.controller.slots:
+                async with self.controller.slots.take(_urgent(self.body)):
                     status = await reconcile(self.controller.context, self.body)
             except asyncio.CancelledError:
                 raise
@@ -96,13 +144,15 @@ class Controller:
         resync: float = 30.0,
         elector: LeaderElector | None = None,
         concurrency: int = MAX_CONCURRENT_RECONCILES,
+        synced: asyncio.Event | None = None,
     ):
         self.context = context
         self.resync = resync
         self.elector = elector
+        self.synced = synced  # reconciles wait for it: the children cache has listed
         # Thousands of wake-ups become at most this many reconciles (and their requests)
         # at once; each worker still reconciles its own cluster one at a time.
-        self.slots = asyncio.Semaphore(concurrency)
+        self.slots = Slots(concurrency)
         self.workers: dict[tuple[str, str], Worker] = {}
 
     # kopf handles each object's events in order, but objects (uids) concurrently: when a

@@ -1,9 +1,9 @@
-"""Thin kopf wiring: watch PDClusters and their children, hand everything to the Controller.
+"""Thin kopf wiring: watch PDClusters and hand them to the Controller (their children
+are watched by children.py).
 
-Only event and index handlers are used: they need no finalizers and write no progress
-annotations, so kopf itself never writes to our objects. They are async so that they run
-on the event loop the Controller's workers live on (kopf runs sync handlers in a thread
-pool). The indexes are the children cache reconcile reads (children.py).
+Only an event handler is used: it needs no finalizer and writes no progress annotation,
+so kopf itself never writes to our objects. It is async so that it runs on the event
+loop the Controller's workers live on (kopf runs sync handlers in a thread pool).
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ from typing import Any
 import kopf
 
 from pdcluster import constants as C
-from pdcluster.children import KINDS, Children, owner_of
 from pdcluster.controller import Controller
 from pdcluster.io.kube import KubeConfig
 
 
-def register(
-    registry: kopf.OperatorRegistry, controller: Controller, config: KubeConfig, children: Children
-) -> None:
+def register(registry: kopf.OperatorRegistry, controller: Controller, config: KubeConfig) -> None:
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         # Our own EventRecorder posts meaningful events; kopf's per-handler chatter is noise.
@@ -31,6 +28,9 @@ def register(
         settings.watching.client_timeout = 330
         settings.watching.connect_timeout = 10
         settings.networking.request_timeout = 30
+        settings.persistence.diffbase_storage = _NoDiffBase()
+        # A line per event ("Handler ... succeeded") is noise; failures still show.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -46,33 +46,30 @@ def register(
         )
 
     @kopf.on.event(C.GROUP, C.VERSION, C.PLURAL, registry=registry)
-    async def pdcluster_event(event: dict[str, Any], body: kopf.Body, **kwargs: Any) -> None:
-        if not children.indexes:  # kopf hands its indexes to handlers only
-            children.indexes = {kind: kwargs[_index_id(plural)] for (_, _, plural), kind in KINDS.items()}
+    async def pdcluster_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
         meta = body["metadata"]
         if event.get("type") == "DELETED":
             controller.forget(meta["namespace"], meta["name"], meta.get("uid"))
         else:
             controller.observe(_plain(body))
 
-    for (group, version, plural), _kind in KINDS.items():
-        managed = {C.LABEL_MANAGED_BY: C.MANAGED_BY}
 
-        @kopf.index(group, version, plural, labels=managed, registry=registry, id=_index_id(plural))
-        async def child(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-            owner = owner_of(body)
-            return {(body["metadata"]["namespace"], owner): _plain(body)} if owner else None
+class _NoDiffBase(kopf.DiffBaseStorage):
+    """No essence kept or compared: with no change handlers kopf uses it for nothing, and
+    building it deep-copies every body of every watch event (kopf processing.py
+    _detect_causes), most of the operator's CPU while a thousand PDClusters converge."""
 
-        @kopf.on.event(group, version, plural, labels=managed, registry=registry, id=f"child-{plural}")
-        async def child_event(body: kopf.Body, **_: Any) -> None:
-            owner = owner_of(body)
-            if owner:
-                controller.wake(body["metadata"]["namespace"], owner)
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        return {}
 
+    def fetch(self, *, body: kopf.Body) -> None:
+        return None
 
-def _index_id(plural: str) -> str:
-    return f"children_{plural}"
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
+        return None
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:
-    return {key: body[key] for key in body}
+    """A PDCluster as the controller keeps it until its reconcile: managedFields are not read."""
+    meta = {key: value for key, value in body["metadata"].items() if key != "managedFields"}
+    return {**{key: body[key] for key in body}, "metadata": meta}

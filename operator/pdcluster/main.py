@@ -57,20 +57,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def run(args: argparse.Namespace) -> None:
     config = KubeConfig.load(args.kubeconfig)
     registry = kopf.OperatorRegistry()
-    async with Kube(config) as kube:
+    # The children's watches get a client of their own: they hold their connections for good.
+    async with Kube(config) as kube, Kube(config) as watcher:
         elector = None
         if args.leader_election:
             elector = LeaderElector(kube, args.leader_election_namespace or config.namespace)
         autoscaler = PrometheusAutoscaler(kube, args.prometheus_url)
         children = Children()
         context = Context(kube=kube, events=EventRecorder(kube), autoscaler=autoscaler, children=children)
-        controller = Controller(context, resync=args.resync_seconds, elector=elector)
-        register(registry, controller, config, children)
+        controller = Controller(context, resync=args.resync_seconds, elector=elector, synced=children.synced)
+        register(registry, controller, config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.create_task(elector.run())] if elector else []
+        tasks = [asyncio.create_task(children.run(watcher, args.namespace, controller.wake))]
+        if elector:
+            tasks.append(asyncio.create_task(elector.run()))
+        for task in tasks:  # one that fails stops the operator (its error is raised below)
+            task.add_done_callback(lambda t: None if t.cancelled() or t.exception() is None else stop.set())
         try:
             await kopf.operator(
                 registry=registry,

@@ -36,7 +36,7 @@ def observe_reconcile(result: str, seconds: float) -> None:
 
 def forget(namespace: str, name: str) -> None:
     """Drop a deleted PDCluster's series, so that churn does not grow the exposition."""
-    for role in C.ENGINE_ROLES:
+    for role in (*C.ENGINE_ROLES, C.ROLE_COLOCATED):
         with contextlib.suppress(KeyError):
             DESIRED_REPLICAS.remove(namespace, name, role)
     for action in DECISION_ACTIONS:

@@ -19,7 +19,13 @@ from pydantic import ValidationError
 
 from pdcluster import constants as C
 from pdcluster import metrics
-from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingState, PDClusterSpec, PDClusterStatus
+from pdcluster.api.v1alpha1 import (
+    AutoscalingMode,
+    AutoscalingState,
+    PDClusterSpec,
+    PDClusterStatus,
+    ServingMode,
+)
 from pdcluster.children import Children
 from pdcluster.drift import in_sync, merge_patch, stamp
 from pdcluster.io.events import EventRecorder
@@ -28,12 +34,13 @@ from pdcluster.render import Owner, Replicas, render_all
 from pdcluster.render.engine import kv_revision
 from pdcluster.render.router import state_configmap_name
 from pdcluster.render.scaler import role_scaler, scaler_status
+from pdcluster.rollout import Rollout
 from pdcluster.rollout import plan as plan_rollout
 from pdcluster.status import Observation, Problem, compute_status
 
 log = logging.getLogger(__name__)
 
-WORKLOAD_ROLES = (C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_ROUTER, C.ROLE_MOONCAKE_MASTER)
+WORKLOAD_ROLES = (C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_COLOCATED, C.ROLE_ROUTER, C.ROLE_MOONCAKE_MASTER)
 
 
 @dataclass
@@ -69,6 +76,18 @@ async def _live(ctx: Context, api_version: str, kind: str, name: str, owner: Own
 
 def _key(obj: dict[str, Any]) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
+
+
+def _left_behind(live: dict[str, Any] | None, owner: Owner) -> str | None:
+    """The uid of an earlier PDCluster of this name that `live` still belongs to. Such a
+    child is the garbage collector's to delete: adopting it races the collector, which
+    may delete it right after, so the operator deletes it itself (by uid) and creates a
+    new one. To keep children across a delete and re-create, delete with
+    `--cascade=orphan`: the collector then removes the reference first."""
+    for ref in ((live or {}).get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == C.KIND and ref.get("name") == owner.name and ref.get("uid") != owner.uid:
+            return str(ref.get("uid"))
+    return None
 
 
 def _workload_role(obj: dict[str, Any]) -> str | None:
@@ -147,16 +166,21 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     scalers: dict[str, dict[str, Any]] = {}
     if spec.autoscaling.enabled and spec.autoscaling.mode == AutoscalingMode.external:
         scalers = await role_scalers(ctx, body, spec, owner)
-    elif spec.autoscaling.enabled and ctx.autoscaler is not None:
+    elif spec.autoscaling.enabled and ctx.autoscaler is not None and spec.mode == ServingMode.disaggregated:
         result = await ctx.autoscaler.step(spec, owner, previous, now)
     external = {role: obj["spec"]["replicas"] for role, obj in scalers.items()}
     replicas = Replicas.choose(spec, result.state, external)
-    for role in C.ENGINE_ROLES:
+    for role in spec.engine_roles:
         metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name, role).set(replicas.of(role))
-    engines = {
-        role: await _live(ctx, "apps/v1", "StatefulSet", owner.child(role), owner) for role in C.ENGINE_ROLES
-    }
-    rollout = plan_rollout(kv_revision(spec), engines, {role: replicas.of(role) for role in C.ENGINE_ROLES})
+    rollout = Rollout({})  # colocated: no pairs to keep at one revision
+    if spec.mode == ServingMode.disaggregated:
+        engines = {}
+        for role in C.ENGINE_ROLES:
+            found = await _live(ctx, "apps/v1", "StatefulSet", owner.child(role), owner)
+            engines[role] = None if _left_behind(found, owner) else found
+        rollout = plan_rollout(
+            kv_revision(spec), engines, {role: replicas.of(role) for role in C.ENGINE_ROLES}
+        )
     desired = [stamp(obj) for obj in render_all(spec, owner, replicas, rollout.partitions)]
 
     problems, blocked = await preflight(ctx.kube, spec, owner.namespace)
@@ -164,8 +188,9 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     for obj in desired:
         live[_key(obj)] = await _live(ctx, obj["apiVersion"], obj["kind"], obj["metadata"]["name"], owner)
 
-    applied: list[tuple[str, str, str]] = []  # events, sent once the status is stored
+    applied: dict[str, list[str]] = {"Created": [], "Updated": []}  # one event each, after the status
     if not spec.paused:
+        applied["Deleted"] = await _delete_left_behind(ctx, owner, desired, live, problems)
         for obj in desired:
             key = _key(obj)
             if _workload_role(obj) in blocked or in_sync(obj, live[key]):
@@ -180,12 +205,12 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
                 continue
             verb = "Created" if created else "Updated"
             log.info("%s %s/%s %s", verb, owner.namespace, obj["metadata"]["name"], obj["kind"])
-            applied.append(("Normal", verb, f"{verb} {obj['kind']} {obj['metadata']['name']}"))
+            applied[verb].append(f"{obj['kind']} {obj['metadata']['name']}")
+        applied["Deleted"] += await _prune(ctx, owner, desired, problems)
 
     workloads = {_workload_role(obj): live[_key(obj)] for obj in desired if _workload_role(obj) is not None}
     desired_counts = {
-        C.ROLE_PREFILL: replicas.prefill,
-        C.ROLE_DECODE: replicas.decode,
+        **{role: replicas.of(role) for role in spec.engine_roles},
         C.ROLE_ROUTER: 0 if spec.suspend else spec.router.replicas,
         C.ROLE_MOONCAKE_MASTER: 0 if spec.suspend else spec.mooncake.master_replicas,
     }
@@ -196,7 +221,9 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         problems=problems,
         autoscaling=result.condition,
         latency_p99_ms=result.latency_p99_ms,
-        kv_verdicts=(verdicts or {}).get("data") if spec.router.kv_probe.enabled else None,
+        kv_verdicts=(verdicts or {}).get("data")
+        if spec.router.kv_probe.enabled and spec.mode == ServingMode.disaggregated
+        else None,
         rollout=rollout.progress,
     )
     status = compute_status(spec, generation, obs, previous, result.state, now)
@@ -204,7 +231,12 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         await _report_scale(ctx, owner, role, scaler, workloads.get(role))
     # Status first: events describe what was stored, so a failed write (retried) emits none.
     await _write_status(ctx, body, previous, status)
-    for type_, reason, message in applied + result.events:
+    # One event per verb naming every child, not one per child: a thousand new PDClusters
+    # would otherwise post twelve thousand events while the apiserver is busiest.
+    applied_events = [
+        ("Normal", verb, f"{verb} {', '.join(names)}") for verb, names in applied.items() if names
+    ]
+    for type_, reason, message in applied_events + result.events:
         await ctx.events.emit(body, type_, reason, message)
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
@@ -220,14 +252,75 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     return status
 
 
+async def _delete_left_behind(
+    ctx: Context,
+    owner: Owner,
+    desired: list[dict[str, Any]],
+    live: dict[tuple[str, str], dict[str, Any] | None],
+    problems: list[Problem],
+) -> list[str]:
+    """Delete the rendered children an earlier PDCluster of this name left behind and
+    mark them missing, so that the applies after this create them anew."""
+    deleted = []
+    for obj in desired:
+        key = _key(obj)
+        found = live[key]
+        if found is None or _left_behind(found, owner) is None:
+            continue
+        try:
+            gone = await ctx.kube.delete(
+                obj["apiVersion"], obj["kind"], key[1], owner.namespace, uid=found["metadata"]["uid"]
+            )
+        except ApiError as e:
+            problems.append(Problem("DeleteFailed", f"{obj['kind']} {key[1]}: {e.message}"))
+            continue
+        live[key] = None
+        if gone:
+            log.info("Deleted %s/%s %s, left by an earlier PDCluster", owner.namespace, key[1], obj["kind"])
+            deleted.append(f"{obj['kind']} {key[1]}")
+    return deleted
+
+
+async def _prune(
+    ctx: Context, owner: Owner, desired: list[dict[str, Any]], problems: list[Problem]
+) -> list[str]:
+    """Delete the children this spec no longer renders (the pools of the other mode, a
+    store turned off), from the watch cache: without it nothing is deleted. PDRoleScalers
+    are never rendered: they belong to their HPA or KEDA and stay."""
+    if ctx.children is None:
+        return []
+    wanted = {_key(obj) for obj in desired}
+    deleted = []
+    for kind, name, api_version in ctx.children.owned(owner.namespace, owner.name):
+        if kind == C.SCALER_KIND or (kind, name) in wanted:
+            continue
+        child = ctx.children.get(kind, owner.namespace, owner.name, name)
+        if child is None or child["metadata"].get("deletionTimestamp"):
+            continue  # on its way out already
+        try:
+            if not await ctx.kube.delete(api_version, kind, name, owner.namespace):
+                continue  # gone meanwhile
+        except ApiError as e:
+            problems.append(Problem("DeleteFailed", f"{kind} {name}: {e.message}"))
+            continue
+        log.info("Deleted %s/%s %s", owner.namespace, name, kind)
+        deleted.append(f"{kind} {name}")
+    return deleted
+
+
 async def role_scalers(
     ctx: Context, body: dict[str, Any], spec: PDClusterSpec, owner: Owner
 ) -> dict[str, dict[str, Any]]:
     """The PDRoleScalers HPA/KEDA write to, created with the spec's replicas if missing."""
     out = {}
-    for role in C.ENGINE_ROLES:
+    for role in spec.engine_roles:
         name = owner.child(role)
         obj = await _live(ctx, C.API_VERSION, C.SCALER_KIND, name, owner)
+        if obj is not None and _left_behind(obj, owner):
+            await ctx.kube.delete(
+                C.API_VERSION, C.SCALER_KIND, name, owner.namespace, uid=obj["metadata"]["uid"]
+            )
+            obj = None
         if obj is None:
             # Create, never apply: after creation spec.replicas belongs to the scaler's
             # user, and an apply by us would take it back (two writers).

@@ -124,12 +124,18 @@ def compute_status(
     now: datetime,
 ) -> PDClusterStatus:
     previous = previous or PDClusterStatus()
-    prefill, prefill_settled = _role_status(obs, C.ROLE_PREFILL, spec.prefill.gpus)
-    decode, decode_settled = _role_status(obs, C.ROLE_DECODE, spec.decode.gpus)
+    pools = {role: _role_status(obs, role, spec.role(role).gpus) for role in spec.engine_roles}
+    prefill = pools.get(C.ROLE_PREFILL, (RoleStatus(), True))[0]
+    decode = pools.get(C.ROLE_DECODE, (RoleStatus(), True))[0]
+    colocated = pools[C.ROLE_COLOCATED][0] if C.ROLE_COLOCATED in pools else None
     router, router_settled = _role_status(obs, C.ROLE_ROUTER, 0)
     master, master_settled = _role_status(obs, C.ROLE_MOONCAKE_MASTER, 0)
 
-    components = {"prefill": prefill, "decode": decode, "router": router, "mooncake master": master}
+    components = {
+        **{role: status for role, (status, _) in pools.items()},
+        "router": router,
+        "mooncake master": master,
+    }
     missing = [name for name, s in components.items() if s.desired > 0 and s.ready == 0]
     if spec.suspend:
         ready, ready_reason, ready_msg = (
@@ -147,14 +153,14 @@ def compute_status(
         ready, ready_reason, ready_msg = (
             True,
             "AllComponentsReady",
-            (f"{prefill.ready} prefill, {decode.ready} decode, {router.ready} router pods ready"),
+            ", ".join(f"{s.ready} {role}" for role, (s, _) in pools.items())
+            + f", {router.ready} router pods ready",
         )
 
     moving = [
         name
         for name, settled in (
-            ("prefill", prefill_settled),
-            ("decode", decode_settled),
+            *((role, settled) for role, (_, settled) in pools.items()),
             ("router", router_settled),
             ("mooncake master", master_settled),
         )
@@ -201,7 +207,8 @@ def compute_status(
         conditions=conditions,
         prefill=prefill,
         decode=decode,
-        ratio=f"{prefill.ready}:{decode.ready}",
+        colocated=colocated,
+        ratio=None if colocated is not None else f"{prefill.ready}:{decode.ready}",
         router=ComponentStatus(replicas=router.replicas, ready=router.ready),
         mooncake=ComponentStatus(replicas=master.replicas, ready=master.ready),
         ttft_p99_ms=ttft if ttft is not None else previous.ttft_p99_ms,

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus
@@ -150,6 +151,7 @@ CHILD_KINDS = {
     "ConfigMap": "v1",
     "ServiceAccount": "v1",
     "PodDisruptionBudget": "policy/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
     "Role": "rbac.authorization.k8s.io/v1",
     "RoleBinding": "rbac.authorization.k8s.io/v1",
 }
@@ -334,3 +336,13 @@ class StreamLoad:
 
     def failures(self) -> list[Outcome]:
         return [o for o in self.outcomes if not o.ok]
+
+
+def counter(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus exposition's samples of `name` that carry `labels`."""
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )

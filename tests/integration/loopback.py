@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
+from harness import counter  # noqa: F401 (the loopback tests' too)
 
 from pdcluster.enginesim.cli import parse
 from pdcluster.enginesim.main import Simulator
@@ -63,11 +63,11 @@ async def simulator(
 async def router(
     *argv: str, ready: Callable[[Pool], bool] = lambda pool: pool.ready
 ) -> AsyncIterator[RouterService]:
-    """A RouterService with the command-line flags argv (--prefill, --decode, ...), once
+    """A RouterService with the command-line flags argv (--prefill, --decode, --engine, ...), once
     `ready` holds for its pool and its hand-off probes have run (within 10 s). Its port is
     service.args.port."""
     args = parser().parse_args(["--host", "127.0.0.1", "--port", str(free_port()), *argv])
-    service = RouterService(args, parse_static(args.prefill, args.decode))
+    service = RouterService(args, parse_static(args.prefill, args.decode, args.colocated))
     await service.start()
     try:
         pool = service.pool
@@ -169,13 +169,3 @@ def prometheus(root: Path, config: str) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=20)
-
-
-def counter(text: str, name: str, **labels: str) -> float:
-    """The sum of a Prometheus exposition's samples of `name` that carry `labels`."""
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )

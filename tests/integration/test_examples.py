@@ -21,7 +21,7 @@ pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-SIMULATED = "pdcluster-sim.yaml"
+SIMULATED = {"pdcluster-sim.yaml", "pdcluster-colocated.yaml"}
 
 
 def load(path: Path) -> tuple[dict[str, Any], PDClusterSpec]:
@@ -49,6 +49,10 @@ def check_engine_wiring(sts: dict[str, Any], spec: PDClusterSpec, role: str) -> 
 
     args = engine["args"]
     assert args[args.index("--tensor-parallel-size") + 1] == str(r.tensor_parallel_size)
+    if role == C.ROLE_COLOCATED:  # whole requests on one engine: no hand-off to wire
+        assert "--enable-chunked-prefill" in args
+        assert ("--kv-transfer-config" in args) == spec.mooncake.store.enabled
+        return
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
     assert kv["kv_role"] == kv_role
@@ -117,19 +121,17 @@ async def test_example(
     for key, obj in children.items():
         assert obj["metadata"]["ownerReferences"][0]["uid"] == uid, key
         assert obj["metadata"]["labels"][C.LABEL_CLUSTER] == name, key
-    for role in C.ENGINE_ROLES:
+    for role in spec.engine_roles:
         sts = children[("StatefulSet", f"{name}-{role}")]
         assert sts["spec"]["replicas"] == spec.role(role).replicas
         check_engine_wiring(sts, spec, role)
 
-    if path.name == SIMULATED:
+    if path.name in SIMULATED:
 
         async def ready() -> bool:
             status = (await pdc.get(name)).get("status") or {}
-            return (
-                await pdc.is_true(name, "Ready")
-                and status["prefill"]["ready"] == spec.prefill.replicas
-                and status["decode"]["ready"] == spec.decode.replicas
+            return await pdc.is_true(name, "Ready") and all(
+                status[role]["ready"] == spec.role(role).replicas for role in spec.engine_roles
             )
 
         with stopwatch("simulated example Ready"):

@@ -110,6 +110,7 @@ async def test_create_update_drift_delete(
     assert header.split() == [
         "NAME",
         "READY",
+        "MODE",
         "PREFILL",
         "DECODE",
         "RATIO",
@@ -118,7 +119,7 @@ async def test_create_update_drift_delete(
         "ROLLOUT",
         "AGE",
     ]
-    assert row.split()[:5] == ["demo", "True", "1", "1", "1:1"]
+    assert row.split()[:6] == ["demo", "True", "disaggregated", "1", "1", "1:1"]
 
     # At rest the operator writes nothing: resource versions stay put over several resyncs.
     versions = {
@@ -293,6 +294,47 @@ async def test_suspend_and_resume(
     assert (await pdc.get("nap"))["status"]["prefill"]["ready"] == 2
 
 
+async def test_recreated_under_the_same_name_gets_children_of_its_own(
+    kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, sim_cluster: Any
+) -> None:
+    """Deleted and created again at once, as a GitOps replace does: the old children are
+    the garbage collector's, so the new PDCluster must end up with its own set (not
+    adopted ones the collector deletes after the status said all was there)."""
+    doc = sim_cluster("again")
+    doc["spec"]["suspend"] = True
+    await pdc.apply(doc)
+    await wait_until(lambda: _suspended(pdc, "again"), timeout=60, message="first one reconciled")
+    first = {k: v["metadata"]["uid"] for k, v in (await children(kube, namespace, "again")).items() if v}
+    await kube.delete(C.API_VERSION, C.KIND, "again", namespace)
+    await wait_until(lambda: _gone(pdc, "again"), timeout=30, message="deleted")
+    await pdc.apply(doc)
+    uid = (await pdc.get("again"))["metadata"]["uid"]
+
+    async def own_set() -> bool:
+        now = await children(kube, namespace, "again")
+        return all(
+            obj is not None
+            and [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid]
+            and obj["metadata"]["uid"] != first[key]
+            for key, obj in now.items()
+            if key in first
+        )
+
+    await wait_until(own_set, timeout=60, message="a child set of its own")
+    await wait_until(lambda: _suspended(pdc, "again"), timeout=60, message="second one reconciled")
+    await asyncio.sleep(5)  # the collector has long finished with the old set by now
+    assert await own_set()
+
+
+async def _gone(pdc: Any, name: str) -> bool:
+    return await pdc.get(name) is None
+
+
+async def _suspended(pdc: Any, name: str) -> bool:
+    ready = await pdc.condition(name, "Ready")
+    return bool(ready and ready["reason"] == "Suspended")
+
+
 BAD_SPECS = [
     ({"prefill": {"replicas": 1, "minReplicas": 2}}, "minReplicas must be <= replicas"),
     ({"decode": {"replicas": 9, "maxReplicas": 8}}, "replicas must be <= maxReplicas"),
@@ -301,6 +343,11 @@ BAD_SPECS = [
     ({"prefill": {"tensorParallelSize": 3}, "decode": {"tensorParallelSize": 2}}, "must divide one another"),
     ({"prefill": {"tensorParallelSize": 2, "gpusPerPod": 1}}, "gpusPerPod must be at least"),
     ({"autoscaling": {"enabled": True, "gpuBudget": 1}}, "gpuBudget must cover"),
+    (
+        {"mode": "colocated", "autoscaling": {"enabled": True, "mode": "auto"}},
+        "colocated mode autoscales only with autoscaling.mode external",
+    ),
+    ({"mode": "mixed"}, 'spec.mode: Unsupported value: "mixed"'),
     ({"rdma": {"mode": "infiniband"}}, 'Unsupported value: "infiniband"'),
     ({"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
     ({"engine": {"shmSize": "lots"}}, "spec.engine.shmSize"),

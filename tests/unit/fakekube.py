@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcluster.children import Children
 from pdcluster.io.kube import ApiError
 
 
@@ -44,6 +45,8 @@ class FakeKube:
         self.writes: list[tuple[str, str, str]] = []  # (verb, kind, name) in order
         self.fail_status_writes: ApiError | None = None
         self._versions = itertools.count(1)
+        self._uids: set[str] = set()
+        self._caches: list[Children] = []
 
     # ------------------------------------------------------------------ helpers
     def _live(self, stored: _Stored) -> dict[str, Any]:
@@ -53,17 +56,26 @@ class FakeKube:
             obj["status"] = copy.deepcopy(stored.status)
         return obj
 
+    def _uid(self, name: str) -> str:
+        """uid-<name> the first time, as tests expect; a new one for each re-creation."""
+        uid = f"uid-{name}"
+        while uid in self._uids:
+            uid = f"uid-{name}-{len(self._uids)}"
+        self._uids.add(uid)
+        return uid
+
     def _bump(self, stored: _Stored) -> None:
         stored.meta["resourceVersion"] = str(next(self._versions))
+        self._refresh()
 
     def put(self, obj: dict[str, Any]) -> dict[str, Any]:
         """An object as a user would create it (kubectl create)."""
         meta = obj["metadata"]
         stored = _Stored(others=copy.deepcopy({k: v for k, v in obj.items() if k != "status"}))
-        stored.meta = {"uid": f"uid-{meta['name']}", "generation": 1}
+        stored.meta = {"uid": self._uid(meta["name"]), "generation": 1}
         stored.status = copy.deepcopy(obj.get("status") or {})
-        self._bump(stored)
         self.objects[(obj["kind"], meta.get("namespace", ""), meta["name"])] = stored
+        self._bump(stored)
         return self._live(stored)
 
     def live(self, kind: str, name: str, namespace: str = "ns") -> dict[str, Any] | None:
@@ -72,6 +84,21 @@ class FakeKube:
 
     def list_sync(self, kind: str) -> list[dict[str, Any]]:
         return [self._live(s) for (k, _, _), s in self.objects.items() if k == kind]
+
+    def children(self) -> Children:
+        """The operator's children cache, kept up to date by every write here, as its
+        watches would keep it (without their delay)."""
+        cache = Children()
+        self._caches.append(cache)
+        self._refresh()
+        return cache
+
+    def _refresh(self) -> None:
+        for cache in self._caches:
+            for kind in cache.indexes:
+                cache.replace(
+                    kind, None, [self._live(s) for (k, _, _), s in self.objects.items() if k == kind]
+                )
 
     def written(self, verb: str | None = None) -> list[tuple[str, str, str]]:
         return [w for w in self.writes if verb is None or w[0] == verb]
@@ -109,7 +136,7 @@ class FakeKube:
         key = (obj["kind"], meta.get("namespace", ""), meta["name"])
         stored = self.objects.get(key)
         if stored is None:
-            stored = self.objects[key] = _Stored(meta={"uid": f"uid-{meta['name']}", "generation": 1})
+            stored = self.objects[key] = _Stored(meta={"uid": self._uid(meta["name"]), "generation": 1})
         elif stored.applied.get("spec") != obj.get("spec"):
             stored.meta["generation"] += 1
         stored.applied = copy.deepcopy(obj)
@@ -142,7 +169,19 @@ class FakeKube:
         return self._live(stored)
 
     async def delete(
-        self, api_version: str, kind: str, name: str, namespace: str | None = None, **_: Any
+        self,
+        api_version: str,
+        kind: str,
+        name: str,
+        namespace: str | None = None,
+        *,
+        uid: str | None = None,
+        **_: Any,
     ) -> bool:
         self.writes.append(("delete", kind, name))
-        return self.objects.pop((kind, namespace or "", name), None) is not None
+        key = (kind, namespace or "", name)
+        if key not in self.objects or (uid is not None and self.objects[key].meta["uid"] != uid):
+            return False  # not found, or a precondition conflict: nothing deleted
+        del self.objects[key]
+        self._refresh()
+        return True

@@ -78,8 +78,9 @@ def test_cel_rules_and_columns() -> None:
     role_rules = spec["properties"]["prefill"]["x-kubernetes-validations"]
     assert {r["fieldPath"] for r in role_rules} == {".minReplicas", ".replicas", ".gpusPerPod"}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Ready", "Prefill", "Decode", "Ratio", "TTFT-p99", "ITL-p99", "Rollout", "Age",
+        "Ready", "Mode", "Prefill", "Decode", "Ratio", "Colocated", "TTFT-p99", "ITL-p99", "Rollout", "Age",
     ]  # fmt: skip
+    assert "colocated mode autoscales only with autoscaling.mode external" in messages
     assert version["subresources"] == {"status": {}}
     # Sections default to their full defaults, so CEL rules that read them always apply.
     assert spec["properties"]["prefill"]["default"]["minReplicas"] == 1

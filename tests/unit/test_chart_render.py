@@ -159,7 +159,7 @@ def test_schema_rejects_bad_values(args: list[str], where: str) -> None:
 
 # --------------------------------------------------------------------------- RBAC
 
-VERBS_FOR_CHILDREN = {"get", "list", "watch", "create", "patch"}
+VERBS_FOR_CHILDREN = {"get", "list", "watch", "create", "patch", "delete"}
 
 
 def _grants(rules: list[dict[str, Any]], group: str, resource: str) -> set[str]:
@@ -170,7 +170,7 @@ def _grants(rules: list[dict[str, Any]], group: str, resource: str) -> set[str]:
 
 def _rendered_children() -> set[tuple[str, str]]:
     """(apiGroup, plural) of every child any example renders."""
-    plural = {"PodDisruptionBudget": "poddisruptionbudgets"}
+    plural = {"PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies"}
     out = set()
     for path in sorted((ROOT / "examples").glob("*.yaml")):
         doc = yaml.safe_load(path.read_text())
@@ -200,9 +200,15 @@ def test_rbac_covers_every_child_and_watch(name: str) -> None:
         assert _grants(role["rules"], "pdcluster.io", "pdrolescalers") == {"get", "list", "watch", "create"}
         assert _grants(role["rules"], "pdcluster.io", "pdrolescalers/status") >= {"patch"}
         assert _grants(role["rules"], "pdcluster.io", "pdclusters/status") >= {"patch"}
-        # The operator never writes a spec and never deletes (owner references do).
+        # The operator never writes a spec, and deletes only children it no longer renders.
         assert not _grants(role["rules"], "pdcluster.io", "pdclusters") & {"update", "patch", "delete"}
-        assert all("delete" not in r["verbs"] and "*" not in r["verbs"] for r in role["rules"])
+        assert "delete" not in _grants(role["rules"], "pdcluster.io", "pdrolescalers")
+        assert all("*" not in r["verbs"] for r in role["rules"])
+        children = _rendered_children()
+        assert all(
+            set(r["resources"]) <= {resource for _, resource in children}
+            for r in role["rules"] if "delete" in r["verbs"]
+        )  # fmt: skip
         assert _grants(role["rules"], "", "secrets") == {"get"}
     discovery = next(
         d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-discovery")

@@ -3,6 +3,7 @@ as a transient failure (a warning and a retry, no traceback)."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 
 import aiohttp
@@ -19,18 +20,45 @@ from pdcluster.reconcile import Context, reconcile
 
 def owned(kind: str, name: str, owner: str = "c") -> dict:
     ref = {"apiVersion": C.API_VERSION, "kind": C.KIND, "name": owner, "uid": "u"}
-    return {"kind": kind, "metadata": {"name": name, "namespace": "ns", "ownerReferences": [ref]}}
+    return {"apiVersion": "apps/v1" if kind == "StatefulSet" else "v1", "kind": kind,
+            "metadata": {"name": name, "namespace": "ns", "ownerReferences": [ref]}}  # fmt: skip
 
 
 def test_a_child_is_found_by_its_owner_and_name() -> None:
     sts = owned("StatefulSet", "c-prefill")
+    stored = {**sts, "metadata": {**sts["metadata"], "managedFields": [{"manager": C.FIELD_MANAGER}]}}
     children = Children()
-    children.indexes = {"StatefulSet": {("ns", "c"): [sts, owned("StatefulSet", "c-decode")]}}
-    assert children.get("StatefulSet", "ns", "c", "c-prefill") is sts
+    assert children.put("StatefulSet", stored) == ("ns", "c")
+    children.put("StatefulSet", owned("StatefulSet", "c-decode"))
+    assert children.put("StatefulSet", {"metadata": {"name": "loose", "namespace": "ns"}}) is None
+    assert children.get("StatefulSet", "ns", "c", "c-prefill") == sts  # managedFields are not kept
     assert children.get("StatefulSet", "ns", "c", "c-router") is None
     assert children.get("StatefulSet", "ns", "other", "c-prefill") is None
     assert children.covers("StatefulSet") and not children.covers("Secret")
     assert owner_of(sts) == "c" and owner_of({"metadata": {}}) is None
+    assert children.owned("ns", "c") == [
+        ("StatefulSet", "c-prefill", "apps/v1"),
+        ("StatefulSet", "c-decode", "apps/v1"),
+    ]
+    assert children.drop("StatefulSet", sts) == ("ns", "c")
+    assert [name for _, name, _ in children.owned("ns", "c")] == ["c-decode"]
+
+
+def test_a_relist_replaces_one_namespace_and_names_every_owner_it_touched() -> None:
+    children = Children()
+    children.put("Service", owned("Service", "a-router", owner="a"))
+    elsewhere = owned("Service", "z-router", owner="z")
+    elsewhere["metadata"]["namespace"] = "other"
+    children.put("Service", elsewhere)
+    touched = children.replace("Service", "ns", [owned("Service", "b-router", owner="b")])
+    assert touched == {("ns", "a"), ("ns", "b")}  # a lost its child, b gained one: both reconcile
+    assert children.get("Service", "ns", "a", "a-router") is None
+    assert children.get("Service", "other", "z", "z-router") is not None
+    # The items of a list carry no kind; status needs a StatefulSet's to read its revisions.
+    listed = owned("StatefulSet", "b-prefill", owner="b")
+    del listed["kind"]
+    children.replace("StatefulSet", "ns", [listed])
+    assert (children.get("StatefulSet", "ns", "b", "b-prefill") or {})["kind"] == "StatefulSet"
 
 
 async def test_a_reconcile_at_rest_reads_nothing_from_the_apiserver() -> None:
@@ -38,14 +66,7 @@ async def test_a_reconcile_at_rest_reads_nothing_from_the_apiserver() -> None:
     body = pdcluster(kube)
     ctx = Context(kube=kube, events=EventRecorder(kube), clock=lambda: datetime(2026, 12, 1, tzinfo=UTC))  # type: ignore[arg-type]
     await reconcile(ctx, body)
-    by_kind: dict[str, dict] = {}
-    for (kind, ns, _), stored in kube.objects.items():
-        obj = kube._live(stored)
-        owner = owner_of(obj) if obj["metadata"].get("ownerReferences") else None
-        if owner:
-            by_kind.setdefault(kind, {}).setdefault((ns, owner), []).append(obj)
-    ctx.children = Children()
-    ctx.children.indexes = by_kind
+    ctx.children = kube.children()
     reads = []
     original = kube.get
 
@@ -65,3 +86,34 @@ def test_transient_failures_are_retried_quietly() -> None:
     assert transient(TimeoutError()) and transient(aiohttp.ClientConnectionError("reset"))
     assert not transient(ApiError(422, "Invalid", "spec.replicas: must be >= 0"))
     assert not transient(KeyError("metadata"))
+
+
+class _Apiserver:
+    """Kube.watch as the operator sees it: a list, then events; one kind forbidden."""
+
+    def __init__(self, forbidden: str, events: list[tuple[str, dict]]):
+        self.forbidden, self.events, self.watched = forbidden, events, []
+
+    async def watch(self, api_version: str, kind: str, namespace: str | None, *, label_selector: str):
+        self.watched.append((kind, namespace, label_selector))
+        if kind == self.forbidden:
+            raise ApiError(403, "Forbidden", f"cannot list {kind}")
+        yield "SYNC", {"items": []}
+        for event, obj in self.events if kind == "StatefulSet" else []:
+            yield event, obj
+        await asyncio.Event().wait()  # a watch that stays open
+
+
+async def test_the_watches_fill_the_cache_wake_owners_and_sync_without_a_forbidden_kind() -> None:
+    sts = owned("StatefulSet", "c-prefill")
+    apiserver = _Apiserver("NetworkPolicy", [("ADDED", sts), ("MODIFIED", sts), ("DELETED", sts)])
+    woken: list[tuple[str, str]] = []
+    children = Children()
+    task = asyncio.create_task(children.run(apiserver, ["ns"], lambda *owner: woken.append(owner)))  # type: ignore[arg-type]
+    await asyncio.wait_for(children.synced.wait(), 5)  # a forbidden kind does not hold the rest back
+    while len(woken) < 3:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert woken == [("ns", "c")] * 3 and children.get("StatefulSet", "ns", "c", "c-prefill") is None
+    assert {(ns, sel) for _, ns, sel in apiserver.watched} == {("ns", f"{C.LABEL_MANAGED_BY}={C.MANAGED_BY}")}

@@ -68,3 +68,29 @@ async def test_a_recreated_pdcluster_keeps_its_worker_when_the_old_ones_events_c
     await asyncio.wait_for(asyncio.gather(worker.task, return_exceptions=True), 5)
     assert worker.task.cancelled()
     await controller.close()
+
+
+# ---------------------------------------------------------------------- who reconciles first
+async def test_a_pdcluster_waiting_for_its_first_status_goes_first() -> None:
+    slots = controller_module.Slots(1)
+    order: list[str] = []
+    hold = asyncio.Event()
+
+    async def run(name: str, urgent: bool) -> None:
+        async with slots.take(urgent):
+            order.append(name)
+            if name == "holder":
+                await hold.wait()
+
+    holder = asyncio.create_task(run("holder", False))
+    await asyncio.sleep(0)
+    later = [
+        asyncio.create_task(run(n, u)) for n, u in (("resync-1", False), ("new", True), ("resync-2", False))
+    ]
+    cancelled = asyncio.create_task(run("gone", True))
+    await asyncio.sleep(0)
+    cancelled.cancel()  # a worker stopped while waiting gives up its place, not a slot
+    hold.set()
+    await asyncio.gather(holder, *later)
+    assert order == ["holder", "new", "resync-1", "resync-2"]
+    assert slots.free == 1

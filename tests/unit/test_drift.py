@@ -155,3 +155,13 @@ def test_the_stamp_is_the_rendering_s_own() -> None:
         "annotations" not in a["spec"]["template"]["metadata"]
         or C.ANNOTATION_RENDERED not in (a["spec"]["template"]["metadata"]["annotations"])
     )  # on the object, not its pods: a new hash restarts nothing by itself
+
+
+def test_a_hash_that_reads_as_a_huge_number_is_a_string_that_differs() -> None:
+    """A rendered hash of digits and one `e` parses as a quantity of 10^(10^15): it is
+    compared as a string (found by the generated-specs test as an Overflow)."""
+    assert quantity("9e99999999999999") is None
+    desired = {"metadata": {"annotations": {C.ANNOTATION_RENDERED: "9e99999999999999"}}, "spec": {}}
+    live = {"metadata": {"annotations": {C.ANNOTATION_RENDERED: "1e99999999999999"}}, "spec": {}}
+    assert not in_sync(desired, live)
+    assert in_sync(desired, desired)

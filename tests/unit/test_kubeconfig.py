@@ -4,6 +4,7 @@ tokens an exec credential plugin hands out)."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import sys
 import time
@@ -124,3 +125,13 @@ def test_in_cluster_the_service_account_token_is_read(tmp_path: Path, monkeypatc
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
     cfg = KubeConfig.in_cluster()
     assert (cfg.server, cfg.namespace, cfg.bearer()) == ("https://127.0.0.1:443", "serving", "sa-token")
+
+
+def test_bodies_with_integers_past_64_bits_still_reach_the_apiserver() -> None:
+    """orjson refuses them; the apiserver is the one to say they are out of range."""
+    from pdcluster.io.kube import _json, yaml_json
+
+    body = {"spec": {"replicas": 2**70, "name": "ok"}}
+    assert json.loads(_json(body)) == body
+    assert json.loads(yaml_json(body)) == body
+    assert yaml_json({"a": 1}) == b'{"a":1}'

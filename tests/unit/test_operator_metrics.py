@@ -12,6 +12,7 @@ def _exposed(name: str) -> bool:
 def test_forget_drops_every_series_of_a_cluster() -> None:
     metrics.DESIRED_REPLICAS.labels("ns", "gone", "prefill").set(2)
     metrics.DESIRED_REPLICAS.labels("ns", "gone", "decode").set(3)
+    metrics.DESIRED_REPLICAS.labels("ns", "gone", "colocated").set(4)  # it was colocated once
     for action in metrics.DECISION_ACTIONS:
         metrics.DECISIONS.labels("ns", "gone", action, "WithinTargets").inc()
     metrics.DECISIONS.labels("ns", "gone", "scale", "TTFTOverTarget").inc()

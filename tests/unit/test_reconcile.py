@@ -61,7 +61,12 @@ async def test_a_new_pdcluster_gets_its_children_then_one_status_write_then_even
     assert verbs.count("patch-status") == 1 and verbs[-1] == "patch-status"
     status_at = kube.writes.index(("patch-status", C.KIND, "c"))
     assert all(kube.writes.index(w) > status_at for w in kube.writes if w[1] == "Event")
-    assert len(events(kube)) == len(children)  # one Created per child
+    # One Created event naming every child (not one per child: see reconcile's comment).
+    (created,) = [e for e in kube.list_sync("Event") if e["reason"] == "Created"]
+    assert len(events(kube)) == 1
+    assert created["message"] == "Created " + ", ".join(
+        f"{o['kind']} {o['metadata']['name']}" for o in children
+    )
 
 
 async def test_at_rest_nothing_is_written() -> None:
@@ -202,3 +207,81 @@ def test_verdicts_that_are_not_ours_are_ignored() -> None:
     assert kv_transfer({"r1": "not json", "r2": '{"passed": "x"}'}) is None
     ok = kv_transfer({"r1": '{"passed": 3, "failed": []}', "r2": '{"passed": 1, "failed": []}'})
     assert ok is not None and ok[0] is True and "3 prefill" in ok[2]
+
+
+async def cached_run(kube: FakeKube, body: dict[str, Any]) -> dict[str, Any]:
+    """One reconcile reading children from the watch cache, as the operator does."""
+    ctx = Context(kube=kube, events=EventRecorder(kube), clock=lambda: NOW, children=kube.children())  # type: ignore[arg-type]
+    await reconcile(ctx, kube.live(C.KIND, body["metadata"]["name"]) or body)
+    return kube.live(C.KIND, body["metadata"]["name"]) or {}
+
+
+def kinds_named(kube: FakeKube, role: str) -> set[tuple[str, str]]:
+    return {(k, n) for (k, _, n) in kube.objects if n == f"c-{role}"}
+
+
+async def test_switching_to_colocated_replaces_the_pools() -> None:
+    kube = FakeKube()
+    body = pdcluster(kube)
+    await cached_run(kube, body)
+    assert kinds_named(kube, "prefill") == {("StatefulSet", "c-prefill"), ("Service", "c-prefill"),
+                                            ("PodDisruptionBudget", "c-prefill")}  # fmt: skip
+    kube.objects[(C.KIND, "ns", "c")].others["spec"] |= {"mode": "colocated", "colocated": {"replicas": 3}}
+    kube.writes.clear()
+    stored = await cached_run(kube, body)
+    assert kinds_named(kube, "prefill") == kinds_named(kube, "decode") == set()
+    assert (kube.live("StatefulSet", "c-colocated") or {})["spec"]["replicas"] == 3
+    (deleted,) = [e for e in kube.list_sync("Event") if e["reason"] == "Deleted"]
+    assert "StatefulSet c-prefill" in deleted["message"] and "StatefulSet c-decode" in deleted["message"]
+    status = stored["status"]
+    assert status["colocated"]["desired"] == 3 and "ratio" not in status
+    assert "colocated" in condition(stored, "Ready")["message"]
+    kube.writes.clear()
+    await cached_run(kube, body)
+    assert kube.writes == [], "at rest: nothing applied, nothing deleted"
+
+
+async def test_children_an_earlier_pdcluster_of_the_name_left_are_replaced_not_adopted() -> None:
+    """Deleted and created again before the garbage collector reached the children:
+    adopting them would race the collector, which deletes them after the status said
+    all was there."""
+    kube = FakeKube()
+    body = pdcluster(kube, autoscaling={"enabled": True, "mode": "external"})
+    await cached_run(kube, body)
+    before = {(k, n): s.meta["uid"] for (k, _, n), s in kube.objects.items() if k != C.KIND and k != "Event"}
+    kube.objects[(C.KIND, "ns", "c")].meta["uid"] = "uid-c-again"
+    kube.writes.clear()
+    stored = await cached_run(kube, body)
+    after = {(k, n): s.meta["uid"] for (k, _, n), s in kube.objects.items() if k != C.KIND and k != "Event"}
+    assert after.keys() == before.keys()
+    assert all(after[key] != before[key] for key in before), "every child is a new object"
+    for kind, name in after:
+        refs = (kube.live(kind, name) or {})["metadata"]["ownerReferences"]
+        assert [r["uid"] for r in refs] == ["uid-c-again"], (kind, name)
+        deleted_at = kube.writes.index(("delete", kind, name))
+        created = "create" if kind == C.SCALER_KIND else "apply"
+        assert deleted_at < kube.writes.index((created, kind, name))
+    (deleted,) = [e for e in kube.list_sync("Event") if e["reason"] == "Deleted"]
+    assert "StatefulSet c-prefill" in deleted["message"]
+    assert condition(stored, "Degraded")["status"] == "False"
+    kube.writes.clear()
+    await cached_run(kube, body)
+    assert kube.writes == [], "at rest again"
+
+
+async def test_nothing_is_deleted_while_paused_and_role_scalers_stay() -> None:
+    kube = FakeKube()
+    body = pdcluster(kube, autoscaling={"enabled": True, "mode": "external"})
+    await cached_run(kube, body)
+    assert kube.live(C.SCALER_KIND, "c-prefill") is not None
+    kube.objects[(C.KIND, "ns", "c")].others["spec"] |= {"mode": "colocated", "paused": True}
+    kube.writes.clear()
+    await cached_run(kube, body)
+    assert kube.written("delete") == []
+    kube.objects[(C.KIND, "ns", "c")].others["spec"]["paused"] = False
+    await cached_run(kube, body)
+    deleted = {n for _, k, n in kube.written("delete")}
+    assert "c-prefill" in deleted and kube.live("StatefulSet", "c-prefill") is None
+    # Created by the operator but owned by their HPA from then on: never deleted by it.
+    assert kube.live(C.SCALER_KIND, "c-prefill") is not None
+    assert kube.live(C.SCALER_KIND, "c-colocated") is not None

@@ -466,3 +466,115 @@ def test_prefill_keeps_kv_no_longer_than_the_router_waits() -> None:
     for role in C.ENGINE_ROLES:
         env = {e["name"]: e.get("value") for e in engine_env(spec, Owner("pd", "serving", "uid-1"), role)}
         assert env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] == "90"
+
+
+def test_a_colocated_pool_serves_whole_requests() -> None:
+    """No hand-off connector and no bootstrap server; chunked prefill on; with the store,
+    MooncakeStoreConnector alone reads and writes; the router neither probes hand-offs
+    nor sends prompts past a prefill that is not there."""
+    spec = PDClusterSpec.model_validate(
+        {"model": {"name": "m"}, "mode": "colocated", "colocated": {"replicas": 3, "tensorParallelSize": 2},
+         "mooncake": {"store": {"enabled": True}}}
+    )  # fmt: skip
+    owner = Owner("pd", "serving", "uid-1")
+    objects = render_all(spec, owner, Replicas.choose(spec, None))
+    workloads = {o["metadata"]["name"]: o for o in objects if o["kind"] == "StatefulSet"}
+    assert set(workloads) == {"pd-colocated"}
+    assert workloads["pd-colocated"]["spec"]["replicas"] == 3
+    engine = _engine_pod(objects, C.ROLE_COLOCATED)["containers"][0]
+    args = engine["args"]
+    assert "--enable-chunked-prefill" in args and args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert json.loads(args[args.index("--kv-transfer-config") + 1]) == {
+        "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": {},
+    }  # fmt: skip
+    assert [p["name"] for p in engine["ports"]] == ["http"]
+    env = _env(engine)
+    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in env and "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT" not in env
+    assert env["MOONCAKE_CONFIG_PATH"]
+    router = router_render.router_args(spec, owner)
+    assert "--kv-probe-interval=0" in router and not [a for a in router if a.startswith("--store-master")]
+    without_store = spec.model_copy(
+        update={"mooncake": PDClusterSpec.model_validate({"model": {"name": "m"}}).mooncake}
+    )
+    assert "--kv-transfer-config" not in engine_args(without_store, C.ROLE_COLOCATED)
+    assert Replicas.choose(spec, None) == Replicas(0, 0, 3)
+
+
+def test_rdma_qos_and_transfer_ports_by_the_guide() -> None:
+    """Mooncake's transfer engine reads MC_IB_TC/MC_IB_SL and binds its RPC port in
+    MC_MIN_RPC_PORT-MC_MAX_RPC_PORT (config.cpp); host devices need SYS_RESOURCE too."""
+    spec = PDClusterSpec.model_validate(
+        {"model": {"name": "m"}, "rdma": {"mode": "hostNetwork", "trafficClass": 106, "serviceLevel": 3},
+         "kvTransfer": {"rpcPortMin": 16000, "rpcPortMax": 16100}, "mooncake": {"store": {"enabled": True, "replicas": 1}}}
+    )  # fmt: skip
+    objects = render_all(spec, Owner("pd", "serving", "uid-1"), Replicas.choose(spec, None))
+    for role in (C.ROLE_PREFILL, C.ROLE_DECODE):
+        container = _engine_pod(objects, role)["containers"][0]
+        env = _env(container)
+        assert (env["MC_IB_TC"], env["NCCL_IB_TC"], env["MC_IB_SL"], env["NCCL_IB_SL"]) == (
+            "106",
+            "106",
+            "3",
+            "3",
+        )
+        assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"]) == ("16000", "16100")
+        assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK", "SYS_RESOURCE"]
+    store = _store_pod(objects)["spec"]["containers"][0]
+    assert _env(store)["MC_MIN_RPC_PORT"] == "16000"
+    assert set(store["securityContext"]["capabilities"]["add"]) == {"IPC_LOCK", "SYS_RESOURCE"}
+    tcp = render_all(*_load(ROOT / "examples/pdcluster-tcp.yaml"), Replicas(1, 1))
+    env = _env(_engine_pod(tcp, C.ROLE_DECODE)["containers"][0])
+    assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"]) == (
+        "15000",
+        "17000",
+    )  # pinned to Mooncake's default
+    assert "MC_IB_TC" not in env
+
+
+def _rules(policy: dict) -> list[tuple[frozenset, frozenset]]:
+    """(who, ports) per ingress rule: who as role sets / 'any' / peer reprs, ports as (port, endPort)."""
+    out = []
+    for rule in policy["spec"]["ingress"]:
+        who = set()
+        for peer in rule.get("from", [{"any": True}]):
+            if peer == {"any": True}:
+                who.add("any")
+                continue
+            sel = peer.get("podSelector") or {}
+            roles = sel.get("matchLabels", {}).get(C.LABEL_ROLE)
+            exprs = [tuple(e["values"]) for e in sel.get("matchExpressions", [])]
+            who.add(roles or (exprs[0] if exprs else json.dumps(peer, sort_keys=True)))
+        ports = frozenset((p["port"], p.get("endPort")) for p in rule["ports"])
+        out.append((frozenset(who), ports))
+    return out
+
+
+def test_network_policies_admit_exactly_what_pd_needs() -> None:
+    objects = _render(ROOT / "examples/pdcluster-rdma.yaml")
+    policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
+    name = next(iter(policies)).rsplit("-", 1)[0]
+    engines = policies[f"{name}-engines"]
+    assert engines["spec"]["policyTypes"] == ["Ingress"]
+    peers = ("decode", "prefill")
+    monitoring = json.dumps(
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}, sort_keys=True
+    )
+    assert set(_rules(engines)) == {
+        (frozenset({"router", monitoring}), frozenset({(8000, None)})),
+        (frozenset({"router"}), frozenset({(8998, None)})),
+        (frozenset({peers}), frozenset({(8998, None), (49152, 65535)})),
+        (frozenset({peers, "mooncake-store"}), frozenset({(15000, 17000), (12300, 14300)})),
+    }
+    assert _rules(policies[f"{name}-router"]) == [(frozenset({"any"}), frozenset({(8000, None)}))]
+    master = set(_rules(policies[f"{name}-mooncake-master"]))
+    assert (frozenset({peers, "mooncake-store"}), frozenset({(50051, None)})) in master
+    assert (frozenset({"router", monitoring}), frozenset({(9003, None)})) in master
+    assert f"{name}-mooncake-store" in policies
+    # Off by default; colocated engines exchange no KV, so no bootstrap or side channel.
+    assert not [o for o in _render(ROOT / "examples/pdcluster-tcp.yaml") if o["kind"] == "NetworkPolicy"]
+    spec = PDClusterSpec.model_validate(
+        {"model": {"name": "m"}, "mode": "colocated", "networkPolicy": {"enabled": True}}
+    )
+    colocated = render_all(spec, Owner("c", "ns", "u"), Replicas.choose(spec, None))
+    (rules,) = [_rules(o) for o in colocated if o["metadata"]["name"] == "c-engines"]
+    assert {ports for _, ports in rules} == {frozenset({(8000, None)}), frozenset({(15000, 17000)})}

@@ -137,3 +137,40 @@ def test_ready_pods_become_backends() -> None:
         },
         routers=frozenset({"r0"}),
     )
+
+
+def test_colocated_engines_form_a_plain_pool() -> None:
+    from pdcluster.router.membership import members_from_pods
+
+    slices = [
+        endpoint_slice(
+            "colocated", [ep("127.1.0.7"), ep("127.1.0.8", ready=False)], [{"name": "http", "port": 8000}]
+        )
+    ]
+    assert members_from_slices(slices) == Members(colocated=frozenset({"http://127.1.0.7:8000"}))
+    pods = [pod("e0", "colocated", "127.1.0.7", True), pod("e1", "colocated", "127.1.0.8", False)]
+    members = members_from_pods(pods)
+    assert (
+        members.colocated == frozenset({"http://127.1.0.7:8000"})
+        and not members.prefill
+        and not members.decode
+    )
+    assert parse_static([], [], ["http://127.1.0.7:8000/"]) == Members(
+        colocated=frozenset({"http://127.1.0.7:8000"})
+    )
+
+
+async def test_a_plain_pool_alone_is_ready() -> None:
+    import aiohttp
+
+    from pdcluster.router.membership import Pool
+
+    async with aiohttp.ClientSession() as session:
+        pool = Pool(session)
+        assert not pool.ready
+        pool.update(Members(decode=frozenset({"http://127.1.0.5:8000"})))
+        assert not pool.ready  # a decode without a prefill serves nothing
+        pool.update(Members(colocated=frozenset({"http://127.1.0.7:8000"})))
+        assert pool.ready and [u.role for u in pool.colocated] == ["colocated"] and not pool.decode
+        pool.update(Members())
+        assert not pool.ready and not pool.colocated

@@ -154,3 +154,30 @@ def test_admission_rates_are_per_backend() -> None:
     assert admission.tokens_per_s("slow") == pytest.approx(5000)
     admission.forget("fast")
     assert admission.tokens_per_s("fast") == pytest.approx(5000)
+
+
+def test_the_itl_histogram_reads_as_prometheus_would() -> None:
+    """The router's per-token histogram is plain arithmetic behind a collector: its
+    exposition is a Prometheus histogram's, n equal observations included."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pdcluster import observability as obs
+    from pdcluster.router.metrics import RouterMetrics
+
+    metrics = RouterMetrics(lambda: ([], {}))
+    metrics.itl.observe(0.004, 3)
+    metrics.itl.observe(0.03)
+    metrics.itl.observe(99.0)  # past the last bound: +Inf only
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in f.samples
+        if s.name.startswith(obs.ROUTER_ITL)
+    }
+    first = next(b for b in obs.ROUTER_ITL_BUCKETS if b >= 0.004)
+    assert samples[(obs.ROUTER_ITL + "_bucket", str(first))] == 3
+    assert samples[(obs.ROUTER_ITL + "_bucket", "+Inf")] == samples[(obs.ROUTER_ITL + "_count", None)] == 5
+    assert abs(samples[(obs.ROUTER_ITL + "_sum", None)] - (0.012 + 0.03 + 99.0)) < 1e-9
+    counts = [samples[(obs.ROUTER_ITL + "_bucket", str(b))] for b in obs.ROUTER_ITL_BUCKETS]
+    assert counts == sorted(counts) and counts[-1] == 4  # cumulative

@@ -164,7 +164,7 @@ def shipped_pods() -> list[tuple[str, str, RDMAMode | None, dict[str, Any]]]:
 
 PODS = shipped_pods()
 IDS = [f"{where}/{role}" for where, role, _, _ in PODS]
-ENGINES = (C.ROLE_PREFILL, C.ROLE_DECODE)
+ENGINES = (C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_COLOCATED)
 ON_FABRIC = (*ENGINES, C.ROLE_MOONCAKE_STORE)  # pods that move KV over RDMA
 
 
@@ -197,9 +197,12 @@ def test_project_rules(where: str, role: str, rdma: RDMAMode | None, template: d
     for c in _containers(pod):
         sc = c.get("securityContext") or {}
         added = set((sc.get("capabilities") or {}).get("add") or [])
-        # Only engines and store pods pin memory for RDMA, and only when an RDMA mode is on.
+        # Only engines and store pods pin memory for RDMA, and only when an RDMA mode is on;
+        # on the host's own devices they also need SYS_RESOURCE (render/rdma.py).
         assert ("IPC_LOCK" in added) == on_rdma(role, rdma), (c["name"], added)
-        assert added <= {"IPC_LOCK"}, added
+        host_devices = on_rdma(role, rdma) and rdma == RDMAMode.host_network
+        assert added <= ({"IPC_LOCK", "SYS_RESOURCE"} if host_devices else {"IPC_LOCK"}), added
+        assert ("SYS_RESOURCE" in added) == host_devices, added
         assert sc.get("allowPrivilegeEscalation") is False, c["name"]
         assert not sc.get("privileged"), c["name"]
         if role not in ENGINES:
@@ -217,6 +220,7 @@ def test_every_component_is_checked() -> None:
     assert roles == {
         "operator",
         *C.ENGINE_ROLES,
+        C.ROLE_COLOCATED,
         C.ROLE_ROUTER,
         C.ROLE_MOONCAKE_MASTER,
         C.ROLE_MOONCAKE_STORE,

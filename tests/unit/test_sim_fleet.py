@@ -9,8 +9,9 @@ import random
 import pytest
 
 from pdcluster import perf
+from pdcluster.observability import Histogram
 from pdcluster.sim.fleet import FleetConfig, simulate
-from pdcluster.sim.metrics import Histogram, histogram_quantile, snapshot
+from pdcluster.sim.metrics import histogram_quantile, snapshot
 from pdcluster.sim.policies import Static
 from pdcluster.sim.trace import Trace
 

@@ -8,7 +8,7 @@ that end up in the CRD and in docs/api.md.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, Overflow
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
@@ -72,7 +72,7 @@ def quantity(value: Any) -> Decimal | None:
         return None
     try:
         return Decimal(m.group(1)) * Decimal(_SUFFIX[m.group(2) or ""])
-    except InvalidOperation:
+    except (InvalidOperation, Overflow):  # e.g. a hash like "9e99999999999999": not a size
         return None
 
 

@@ -13,6 +13,7 @@ from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus, PDRoleScalerS
 
 PRINTER_COLUMNS = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Mode", "type": "string", "jsonPath": ".spec.mode", "description": "disaggregated or colocated"},
     {
         "name": "Prefill",
         "type": "integer",
@@ -26,6 +27,13 @@ PRINTER_COLUMNS = [
         "description": "Ready decode pods",
     },
     {"name": "Ratio", "type": "string", "jsonPath": ".status.ratio", "description": "Ready prefill:decode"},
+    {
+        "name": "Colocated",
+        "type": "integer",
+        "jsonPath": ".status.colocated.ready",
+        "description": "Ready colocated pods",
+        "priority": 1,
+    },
     {
         "name": "TTFT-p99",
         "type": "integer",

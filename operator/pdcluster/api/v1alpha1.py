@@ -146,6 +146,14 @@ class KVProtocol(StrEnum):
 class KVTransferSpec(Model):
     """KV-cache transfer between prefill and decode (vLLM's MooncakeConnector)."""
 
+    model_config = Model.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel("self.rpcPortMin <= self.rpcPortMax", "rpcPortMin must be <= rpcPortMax", ".rpcPortMin")
+            ]
+        }
+    }
+
     connector: KVConnector = Field(KVConnector.mooncake, description="KV connector; `mooncake` is supported.")
     protocol: KVProtocol | None = Field(
         None, description="Transfer protocol; defaults to `rdma` when `rdma.mode` is set, otherwise `tcp`."
@@ -156,6 +164,11 @@ class KVTransferSpec(Model):
     bootstrap_port: Port = Field(
         C.BOOTSTRAP_PORT, description="VLLM_MOONCAKE_BOOTSTRAP_PORT on prefill pods."
     )
+    # Mooncake's transfer engine binds its handshake RPC port at random in this range
+    # (MC_MIN_RPC_PORT / MC_MAX_RPC_PORT, 15000-17000 by default: Mooncake config.cpp);
+    # rendered always, so that a NetworkPolicy or firewall can admit exactly it.
+    rpc_port_min: Port = Field(15000, description="`MC_MIN_RPC_PORT`: lowest transfer-engine RPC port.")
+    rpc_port_max: Port = Field(17000, description="`MC_MAX_RPC_PORT`: highest transfer-engine RPC port.")
 
 
 class RDMAMode(StrEnum):
@@ -181,7 +194,20 @@ class RDMASpec(Model):
     gid_index: int | None = Field(
         None, ge=0, description="RoCE GID index (NCCL_IB_GID_INDEX, MC_GID_INDEX); 3 is typical for RoCEv2."
     )
-    hcas: list[str] = Field(default_factory=list, description="HCA names, e.g. `[mlx5_0, mlx5_1]`.")
+    hcas: list[str] = Field(
+        default_factory=list,
+        description="HCA names as the pod sees them, e.g. `[mlx5_0, mlx5_1]` (an SR-IOV VF has its own name, "
+        "not its PF's); empty: Mooncake uses every device it finds.",
+    )
+    traffic_class: int | None = Field(
+        None,
+        ge=0,
+        le=255,
+        description="RoCE traffic class (`MC_IB_TC`, `NCCL_IB_TC`), as the fabric's QoS sets it.",
+    )
+    service_level: int | None = Field(
+        None, ge=0, le=15, description="InfiniBand service level (`MC_IB_SL`, `NCCL_IB_SL`)."
+    )
 
 
 _ROLE_RULES = [
@@ -195,8 +221,19 @@ _ROLE_RULES = [
 ]
 
 
+class NetworkPolicySpec(Model):
+    """NetworkPolicies admitting exactly the traffic the cluster's pods need (off: none)."""
+
+    enabled: bool = Field(False, description="Render one NetworkPolicy per component.")
+    scrape_from: list[FreeForm] = Field(
+        default_factory=list,
+        description="NetworkPolicyPeers that may scrape metrics (e.g. Prometheus's namespace); they reach "
+        "the engines' API port too, which serves /metrics.",
+    )
+
+
 class RoleSpec(Model):
-    """One engine pool (prefill or decode): a StatefulSet of identical vLLM pods."""
+    """One engine pool (prefill, decode, or colocated): a StatefulSet of identical vLLM pods."""
 
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _ROLE_RULES}}
 
@@ -564,6 +601,13 @@ class AutoscalingSpec(Model):
     )
 
 
+class ServingMode(StrEnum):
+    """How engines share the work of a request."""
+
+    disaggregated = "disaggregated"
+    colocated = "colocated"
+
+
 def _cluster_rules() -> list[dict[str, str]]:
     gpus = "(has(self.{r}.gpusPerPod) ? self.{r}.gpusPerPod : self.{r}.tensorParallelSize * self.{r}.pipelineParallelSize * self.{r}.dataParallelSize)"
     floor = f"self.prefill.minReplicas * {gpus.format(r='prefill')} + self.decode.minReplicas * {gpus.format(r='decode')}"
@@ -587,6 +631,14 @@ def _cluster_rules() -> list[dict[str, str]]:
             ".prefill.tensorParallelSize",
         ),
         cel(
+            # The control law sizes prefill against decode; a colocated pool scales by
+            # its PDRoleScaler (HPA, KEDA) for now.
+            "!has(self.mode) || self.mode != 'colocated' || !has(self.autoscaling.enabled)"
+            " || !self.autoscaling.enabled || self.autoscaling.mode == 'external'",
+            "colocated mode autoscales only with autoscaling.mode external (a PDRoleScaler for HPA or KEDA)",
+            ".autoscaling.mode",
+        ),
+        cel(
             f"!has(self.autoscaling.gpuBudget) || self.autoscaling.gpuBudget >= {floor}",
             "autoscaling.gpuBudget must cover the GPUs of prefill.minReplicas and decode.minReplicas",
             ".autoscaling.gpuBudget",
@@ -600,19 +652,32 @@ class PDClusterSpec(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _cluster_rules()}}
 
     model: ModelSpec
+    mode: ServingMode = Field(
+        ServingMode.disaggregated,
+        description="`disaggregated`: a prefill and a decode pool, KV handed from one to the other. "
+        "`colocated`: one pool of engines that each serve requests whole (chunked prefill, no KV "
+        "connector), sized by `colocated`; for short, uniform prompts. Changing it replaces the pools.",
+    )
     engine: EngineSpec = section(EngineSpec)
     kv_transfer: KVTransferSpec = section(KVTransferSpec)
     rdma: RDMASpec = section(RDMASpec)
     prefill: RoleSpec = section(RoleSpec)
     decode: RoleSpec = section(RoleSpec)
+    colocated: RoleSpec = section(RoleSpec)
     mooncake: MooncakeSpec = section(MooncakeSpec)
     router: RouterSpec = section(RouterSpec)
     autoscaling: AutoscalingSpec = section(AutoscalingSpec)
+    network_policy: NetworkPolicySpec = section(NetworkPolicySpec)
     suspend: bool = Field(False, description="Scale both roles and the router to zero; keep everything else.")
     paused: bool = Field(False, description="Stop applying changes to children; status keeps being reported.")
 
     def role(self, name: str) -> RoleSpec:
-        return self.prefill if name == C.ROLE_PREFILL else self.decode
+        return {C.ROLE_PREFILL: self.prefill, C.ROLE_COLOCATED: self.colocated}.get(name, self.decode)
+
+    @property
+    def engine_roles(self) -> tuple[str, ...]:
+        """The engine pools this mode runs."""
+        return (C.ROLE_COLOCATED,) if self.mode == ServingMode.colocated else C.ENGINE_ROLES
 
     @property
     def served_model_name(self) -> str:
@@ -773,7 +838,10 @@ class PDClusterStatus(Model):
     conditions: list[Condition] = Field(default_factory=list)
     prefill: RoleStatus = Field(default_factory=RoleStatus)
     decode: RoleStatus = Field(default_factory=RoleStatus)
-    ratio: str | None = Field(None, description="Ready prefill:decode pods, e.g. `2:3`.")
+    colocated: RoleStatus | None = Field(None, description="The engine pool in colocated mode.")
+    ratio: str | None = Field(
+        None, description="Ready prefill:decode pods, e.g. `2:3`; unset when colocated."
+    )
     router: ComponentStatus = Field(default_factory=ComponentStatus)
     mooncake: ComponentStatus = Field(default_factory=ComponentStatus)
     ttft_p99_ms: int | None = None

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -44,6 +45,7 @@ _RESOURCES: dict[str, tuple[str, bool]] = {
     "DaemonSet": ("daemonsets", True),
     "Job": ("jobs", True),
     "PodDisruptionBudget": ("poddisruptionbudgets", True),
+    "NetworkPolicy": ("networkpolicies", True),
     "EndpointSlice": ("endpointslices", True),
     "Role": ("roles", True),
     "RoleBinding": ("rolebindings", True),
@@ -75,14 +77,28 @@ class ApiError(Exception):
 _SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
 
 
-def yaml_json(obj: Any) -> str:
-    """`obj` as JSON that is also valid YAML: surrogate pairs become one \\U escape."""
+def yaml_json(obj: Any) -> str | bytes:
+    """`obj` as JSON that is also valid YAML: surrogate pairs become one \\U escape.
+    ASCII JSON (nearly every object) needs no escape YAML reads differently."""
+    try:
+        fast = orjson.dumps(obj)
+        if fast.isascii():
+            return fast
+    except TypeError:  # an integer past 64 bits: json writes it, the apiserver judges it
+        pass
 
     def join(m: re.Match[str]) -> str:
         code = 0x10000 + ((int(m.group(2), 16) - 0xD800) << 10) + (int(m.group(3), 16) - 0xDC00)
         return f"{m.group(1)}\\U{code:08x}"
 
     return _SURROGATE_PAIR.sub(join, json.dumps(obj))
+
+
+def _json(body: Any) -> bytes:
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # orjson stops at 64-bit integers; the apiserver judges larger ones
+        return json.dumps(body).encode()
 
 
 def resource_path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:
@@ -231,20 +247,20 @@ class Kube:
         content_type: str = "application/json",
     ) -> dict[str, Any]:
         assert self._session is not None, "use `async with Kube(...)`"
-        data = body if body is None or isinstance(body, str) else json.dumps(body)
+        data = body if body is None or isinstance(body, (str, bytes)) else _json(body)
         async with self._session.request(
             method, path, data=data, params=params, headers=self._headers(content_type if data else None)
         ) as resp:
-            text = await resp.text()
-            if resp.status >= 400 and not text.lstrip().startswith("{"):
+            raw = await resp.read()
+            if resp.status >= 400 and not raw.lstrip().startswith(b"{"):
                 # e.g. "404 page not found" for a group/version that is not served (yet)
-                raise ApiError(resp.status, resp.reason or "", text[:500])
-            payload = json.loads(text) if text else {}
+                raise ApiError(resp.status, resp.reason or "", raw[:500].decode(errors="replace"))
+            payload = orjson.loads(raw) if raw else {}
             if resp.status >= 400:
                 raise ApiError(
                     resp.status,
                     payload.get("reason", resp.reason or ""),
-                    payload.get("message", text[:500]),
+                    payload.get("message", raw[:500].decode(errors="replace")),
                     payload,
                 )
             return payload
@@ -312,15 +328,24 @@ class Kube:
         namespace: str | None = None,
         *,
         grace_period: int | None = None,
+        uid: str | None = None,
     ) -> bool:
-        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        """False when there was nothing to delete: no such object, or (with `uid`) one
+        that has been replaced by another of the same name."""
+        body: dict[str, Any] = {
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "propagationPolicy": "Background",
+        }
         if grace_period is not None:
             body["gracePeriodSeconds"] = grace_period
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
         try:
             await self.request("DELETE", resource_path(api_version, kind, namespace, name), body=body)
             return True
         except ApiError as e:
-            if e.status == 404:
+            if e.status == 404 or (e.status == 409 and uid is not None):
                 return False
             raise
 
@@ -368,7 +393,7 @@ class Kube:
                     async for line in resp.content:
                         if not line.strip():
                             continue
-                        event = json.loads(line)
+                        event = orjson.loads(line)
                         obj = event["object"]
                         if event["type"] == "ERROR":
                             if obj.get("code") == 410:

@@ -11,6 +11,7 @@ from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingState, PDClusterS
 from pdcluster.render.engine import build_role
 from pdcluster.render.mooncake import build_mooncake
 from pdcluster.render.names import Owner
+from pdcluster.render.network import build_network_policies
 from pdcluster.render.router import build_router
 
 __all__ = ["Owner", "Replicas", "render_all"]
@@ -20,9 +21,10 @@ __all__ = ["Owner", "Replicas", "render_all"]
 class Replicas:
     prefill: int
     decode: int
+    colocated: int = 0
 
     def of(self, role: str) -> int:
-        return self.prefill if role == C.ROLE_PREFILL else self.decode
+        return {C.ROLE_PREFILL: self.prefill, C.ROLE_COLOCATED: self.colocated}.get(role, self.decode)
 
     @classmethod
     def choose(
@@ -40,15 +42,14 @@ class Replicas:
             source = {role: getattr(state, role) for role in C.ENGINE_ROLES}
         elif a.enabled and a.mode == AutoscalingMode.external and external is not None:
             source = external
-        counts = []
-        for role in C.ENGINE_ROLES:
+        counts: dict[str, int] = {}
+        for role in spec.engine_roles:  # a pool this mode does not run has none
             r = spec.role(role)
             wanted = source.get(role)
-            if wanted is None:
-                counts.append(r.replicas)
-            else:
-                counts.append(min(max(wanted, r.min_replicas), r.max_replicas))
-        return cls(*counts)
+            counts[role] = r.replicas if wanted is None else min(max(wanted, r.min_replicas), r.max_replicas)
+        return cls(
+            counts.get(C.ROLE_PREFILL, 0), counts.get(C.ROLE_DECODE, 0), counts.get(C.ROLE_COLOCATED, 0)
+        )
 
 
 def render_all(
@@ -57,9 +58,10 @@ def render_all(
     """Every child of one PDCluster, in apply order (config and services before workloads).
     `partitions`: the engine StatefulSets' rollout partitions (rollout.py), 0 if absent."""
     objects = build_mooncake(spec, owner, suspended=spec.suspend)
-    for role in C.ENGINE_ROLES:
+    for role in spec.engine_roles:
         objects += build_role(spec, owner, role, replicas.of(role), (partitions or {}).get(role, 0))
     objects += build_router(spec, owner, suspended=spec.suspend)
+    objects += build_network_policies(spec, owner)
     order = {
         "ConfigMap": 0,
         "ServiceAccount": 0,
@@ -67,5 +69,6 @@ def render_all(
         "RoleBinding": 2,
         "Service": 3,
         "PodDisruptionBudget": 4,
+        "NetworkPolicy": 4,  # before the pods it admits traffic to
     }
     return sorted(objects, key=lambda o: order.get(o["kind"], 5))

@@ -1,4 +1,5 @@
-"""Prefill and decode pools: a StatefulSet, a headless Service and a PDB per role.
+"""Engine pools (prefill and decode, or colocated): a StatefulSet, a headless Service
+and a PDB per role.
 
 vLLM is launched as its MooncakeConnector expects (vLLM docs/features/mooncake_connector_usage.md
 and mooncake_connector.py): `--kv-transfer-config` with kv_producer on prefill and
@@ -12,6 +13,10 @@ elsewhere always takes the hand-off (the first child with tokens to load wins:
 multi_connector.py get_num_new_matched_tokens), then MooncakeStoreConnector, which
 loads the longest stored prefix of any other request. Prefill also writes the blocks it
 computes (kv_both); decode only reads (kv_consumer).
+
+In colocated mode one pool serves each request whole: no hand-off connector, chunked
+prefill on (prefill chunks and decode tokens share each step's token budget), and with
+the store on MooncakeStoreConnector alone (kv_both: it reads and writes).
 """
 
 from __future__ import annotations
@@ -39,7 +44,16 @@ STORE_KV_ROLE = {C.ROLE_PREFILL: "kv_both", C.ROLE_DECODE: "kv_consumer"}
 STORE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 
 
-def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any]:
+def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any] | None:
+    """`--kv-transfer-config` of a role; None: no connector (colocated, no store)."""
+    if role == C.ROLE_COLOCATED:
+        if not spec.mooncake.store.enabled:
+            return None
+        return {
+            "kv_connector": "MooncakeStoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {},
+        }
     extra: dict[str, Any] = {"mooncake_protocol": spec.kv_protocol.value}
     devices = spec.kv_transfer.devices or ",".join(spec.rdma.hcas)
     if devices:
@@ -84,7 +98,7 @@ def kv_revision(spec: PDClusterSpec) -> str:
         "command": engine.command,
         "args": engine.args,
         "hashSeed": engine.python_hash_seed,
-        "kv": [kv_transfer_config(spec, role) for role in C.ENGINE_ROLES],
+        "kv": [kv_transfer_config(spec, role) for role in spec.engine_roles],
     }
     return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -99,7 +113,14 @@ def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
         args += ["--data-parallel-size", str(r.data_parallel_size)]
     if spec.model.max_model_len:
         args += ["--max-model-len", str(spec.model.max_model_len)]
-    args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role), separators=(",", ":"))]
+    kv = kv_transfer_config(spec, role)
+    if kv is not None:
+        args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    if role == C.ROLE_COLOCATED:
+        # vLLM's default where the model supports it (arg_utils.py
+        # _set_default_chunked_prefill_and_prefix_caching_args); said outright, since
+        # without it a long prompt stalls every stream on the engine for its prefill.
+        args.append("--enable-chunked-prefill")
     # On SIGTERM vLLM aborts what it is serving unless given time to drain
     # (--shutdown-timeout, 0 by default: vllm/config/vllm.py): give it the grace period
     # the preStop sleep leaves, so a scale-down finishes the streams in flight.
@@ -128,18 +149,19 @@ def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, A
         env += mooncake.client_env(spec, owner)
     if role == C.ROLE_PREFILL:
         env.append({"name": "VLLM_MOONCAKE_BOOTSTRAP_PORT", "value": str(spec.kv_transfer.bootstrap_port)})
-    # The router gives up on a request after its timeout: KV held longer for a decode
-    # that never pulls it is held for nobody (vLLM's default is 480 s).
-    env.append(
-        {"name": "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "value": str(spec.router.request_timeout_seconds)}
-    )
+    if role in C.ENGINE_ROLES:
+        # The router gives up on a request after its timeout: KV held longer for a decode
+        # that never pulls it is held for nobody (vLLM's default is 480 s).
+        env.append(
+            {"name": "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "value": str(spec.router.request_timeout_seconds)}
+        )
     for name, ref in (
         ("HF_TOKEN", spec.engine.hf_token_secret),
         ("VLLM_API_KEY", spec.engine.api_key_secret),
     ):
         if ref is not None:
             env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    env += rdma.env(spec)
+    env += rdma.env(spec) + rdma.transfer_env(spec)
     # A name set twice is invalid in a server-side apply (env is a map keyed by name):
     # the user's entries replace ours, the role's replace the engine's.
     merged: dict[str, dict[str, Any]] = {}

@@ -344,6 +344,7 @@ def store_statefulset(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[
                                 env_field("POD_IP", "status.podIP"),
                                 *client_env(spec, owner),
                                 *rdma.env(spec),
+                                *rdma.transfer_env(spec),
                             ],
                             "ports": [{"name": "store", "containerPort": s.port, "protocol": "TCP"}],
                             "volumeMounts": mounts,

@@ -22,7 +22,21 @@ def env(spec: PDClusterSpec) -> list[dict[str, Any]]:
     if spec.rdma.gid_index is not None:
         out.append({"name": "NCCL_IB_GID_INDEX", "value": str(spec.rdma.gid_index)})
         out.append({"name": "MC_GID_INDEX", "value": str(spec.rdma.gid_index)})
+    # QoS of the RDMA traffic: Mooncake (config.cpp) and NCCL read their own names.
+    if spec.rdma.traffic_class is not None:
+        out += [{"name": n, "value": str(spec.rdma.traffic_class)} for n in ("MC_IB_TC", "NCCL_IB_TC")]
+    if spec.rdma.service_level is not None:
+        out += [{"name": n, "value": str(spec.rdma.service_level)} for n in ("MC_IB_SL", "NCCL_IB_SL")]
     return out
+
+
+def transfer_env(spec: PDClusterSpec) -> list[dict[str, Any]]:
+    """The transfer engine's RPC port range, in every mode (TCP included)."""
+    kv = spec.kv_transfer
+    return [
+        {"name": "MC_MIN_RPC_PORT", "value": str(kv.rpc_port_min)},
+        {"name": "MC_MAX_RPC_PORT", "value": str(kv.rpc_port_max)},
+    ]
 
 
 def extended_resources(spec: PDClusterSpec) -> dict[str, int]:
@@ -32,8 +46,12 @@ def extended_resources(spec: PDClusterSpec) -> dict[str, int]:
 
 
 def capabilities(spec: PDClusterSpec) -> list[str]:
-    # Registering memory with the NIC pins it: RDMA needs IPC_LOCK.
-    return ["IPC_LOCK"] if spec.rdma.mode != RDMAMode.none else []
+    """Registering memory with the NIC pins it: RDMA needs IPC_LOCK. On the host's own
+    devices (/dev/infiniband) opening them also needs SYS_RESOURCE (Mooncake's
+    rbg-integration.md; with IPC_LOCK alone the open fails, apache/brpc#2298)."""
+    if spec.rdma.mode == RDMAMode.none:
+        return []
+    return ["IPC_LOCK", "SYS_RESOURCE"] if spec.rdma.mode == RDMAMode.host_network else ["IPC_LOCK"]
 
 
 def mounts(spec: PDClusterSpec) -> list[dict[str, Any]]:

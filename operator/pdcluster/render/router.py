@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster import constants as C
-from pdcluster.api.v1alpha1 import PDClusterSpec
+from pdcluster.api.v1alpha1 import PDClusterSpec, ServingMode
 from pdcluster.render.names import (
     Owner,
     env_field,
@@ -51,7 +51,7 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     if not retries.resume_streams:
         args.append("--no-resume-streams")
     probe = r.kv_probe
-    if probe.enabled:
+    if probe.enabled and spec.mode == ServingMode.disaggregated:  # colocated: no hand-off to verify
         args += [
             f"--kv-probe-interval={probe.interval_seconds}",
             f"--kv-probe-tokens={probe.prompt_tokens}",
@@ -72,7 +72,10 @@ def store_hit_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     after the attention backend's KV layout, which only the engine knows)."""
     hits = spec.router.store_hits
     same_tp = spec.prefill.tensor_parallel_size == spec.decode.tensor_parallel_size
-    if not (spec.mooncake.store.enabled and hits.enabled and same_tp):
+    # A colocated engine loads stored prefixes itself: there is no prefill to skip.
+    if not (
+        spec.mooncake.store.enabled and hits.enabled and same_tp and spec.mode == ServingMode.disaggregated
+    ):
         return []
     master = f"http://{owner.child(C.ROLE_MOONCAKE_MASTER)}:{spec.mooncake.metrics_port}"
     return [

@@ -32,8 +32,9 @@ log = logging.getLogger("pdcluster.router")
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdcluster-router",
-        description="Disaggregated prefill/decode router for vLLM's MooncakeConnector. Backends come from the "
-        "cluster's EndpointSlices or Pods (--kube) or from --prefill/--decode. Prompt tokens are counted "
+        description="Disaggregated prefill/decode router for vLLM's MooncakeConnector, and for pools of "
+        "colocated engines. Backends come from the cluster's EndpointSlices or Pods (--kube) or from "
+        "--prefill/--decode/--colocated. Prompt tokens are counted "
         "without a tokenizer (UTF-8 bytes / 4; token-id prompts exactly).",
     )
     p.add_argument("--host", default="0.0.0.0")
@@ -61,6 +62,14 @@ def parser() -> argparse.ArgumentParser:
     )
     members.add_argument(
         "--decode", action="append", default=[], metavar="URL", help="a decode engine; repeatable"
+    )
+    members.add_argument(
+        "--colocated",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a colocated engine (prefill and decode in one, no KV hand-off); repeatable, with or "
+        "without --prefill/--decode",
     )
     p.add_argument("--model", help="served model name; requests naming another model get 404")
     p.add_argument("--policy", choices=("least-loaded", "prefix-aware"), default="least-loaded")
@@ -299,10 +308,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if args.kube and not args.cluster:
         parser().error("--kube needs --cluster")
-    if not args.kube and not (args.prefill and args.decode):
-        parser().error("give --kube, or at least one --prefill and one --decode")
+    if not args.kube and not (args.prefill and args.decode) and not args.colocated:
+        parser().error("give --kube, at least one --prefill and one --decode, or --colocated")
+    if not args.kube and bool(args.prefill) != bool(args.decode):
+        parser().error("--prefill and --decode come together: a prefill needs a decode to hand its KV to")
     try:
-        members = None if args.kube else parse_static(args.prefill, args.decode)
+        members = None if args.kube else parse_static(args.prefill, args.decode, args.colocated)
     except ValueError as e:
         sys.exit(f"pdcluster-router: {e}")
     logging.basicConfig(

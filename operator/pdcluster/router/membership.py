@@ -10,6 +10,9 @@ being deleted, with the container ports named `http`/`bootstrap` (default 8000/8
 This is for clusters whose EndpointSlices cannot hold the pod addresses (the local test
 cluster gives pods loopback addresses, which EndpointSlice validation rejects).
 
+Colocated engines (role `colocated`) form a plain pool: each serves a request whole, with
+no KV hand-off, and is routable as soon as it is ready.
+
 A prefill instance becomes routable once its bootstrap server has told us its DP
 ranks' engine ids (`GET /query`); each rank is then its own `Upstream`. Ids are
 re-queried periodically and after a failure, so a restarted instance (new random
@@ -33,6 +36,7 @@ from pdcluster.constants import (
     LABEL_CLUSTER,
     LABEL_KV_REVISION,
     LABEL_ROLE,
+    ROLE_COLOCATED,
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
@@ -55,7 +59,7 @@ OPEN_AFTER_FAILURES = 3  # when the breaker counts as open, for the metric
 
 @dataclass(eq=False)
 class Upstream(Backend):
-    """A routable engine: a prefill DP rank or a decode instance."""
+    """A routable engine: a prefill DP rank, a decode instance or a colocated engine."""
 
     url: str = ""
     name: str = ""  # its pod's name where known, else its URL
@@ -84,17 +88,19 @@ class Upstream(Backend):
 
 @dataclass(frozen=True)
 class Members:
-    """Desired membership: prefill API URL -> bootstrap base URL, and decode API URLs."""
+    """Desired membership: prefill API URL -> bootstrap base URL, decode API URLs, and
+    colocated engines' API URLs."""
 
     prefill: dict[str, str] = field(default_factory=dict)
     decode: frozenset[str] = frozenset()
+    colocated: frozenset[str] = frozenset()
     names: dict[str, str] = field(default_factory=dict)  # engine URL -> pod name
     revisions: dict[str, str] = field(default_factory=dict)  # engine URL -> its kv-revision label
     routers: frozenset[str] = frozenset()  # router pod names (pod discovery only)
 
 
-def parse_static(prefill: Iterable[str], decode: Iterable[str]) -> Members:
-    """`--prefill URL[#bootstrap=PORT]` and `--decode URL` values."""
+def parse_static(prefill: Iterable[str], decode: Iterable[str], colocated: Iterable[str] = ()) -> Members:
+    """`--prefill URL[#bootstrap=PORT]`, `--decode URL` and `--colocated URL` values."""
     prefills = {}
     for spec in prefill:
         url, _, fragment = spec.partition("#")
@@ -107,9 +113,10 @@ def parse_static(prefill: Iterable[str], decode: Iterable[str]) -> Members:
             port = int(value)
         prefills[url] = f"http://{_host(Origin.parse(url).host)}:{port}"
     decodes = frozenset(d.rstrip("/") for d in decode)
-    for url in decodes:
+    plain = frozenset(e.rstrip("/") for e in colocated)
+    for url in decodes | plain:
         Origin.parse(url)
-    return Members(prefills, decodes)
+    return Members(prefills, decodes, plain)
 
 
 def _host(address: str) -> str:
@@ -119,9 +126,10 @@ def _host(address: str) -> str:
 def members_from_slices(slices: Iterable[dict[str, Any]]) -> Members:
     prefill: dict[str, str] = {}
     decode: set[str] = set()
+    plain: set[str] = set()
     for s in slices:
         role = ((s.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE)
-        if role not in (ROLE_PREFILL, ROLE_DECODE):
+        if role not in _ENGINE_ROLES:
             continue
         ports = {p.get("name"): p.get("port") for p in s.get("ports") or [] if isinstance(p, dict)}
         http = ports.get("http")
@@ -138,13 +146,14 @@ def members_from_slices(slices: Iterable[dict[str, Any]]) -> Members:
             if role == ROLE_PREFILL:
                 prefill[url] = f"http://{host}:{ports.get('bootstrap') or BOOTSTRAP_PORT}"
             else:
-                decode.add(url)
-    return Members(prefill, frozenset(decode))
+                (decode if role == ROLE_DECODE else plain).add(url)
+    return Members(prefill, frozenset(decode), frozenset(plain))
 
 
 def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
     prefill: dict[str, str] = {}
     decode: set[str] = set()
+    plain: set[str] = set()
     names: dict[str, str] = {}
     revisions: dict[str, str] = {}
     routers: set[str] = set()
@@ -155,7 +164,7 @@ def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
             routers.add(meta.get("name", ""))
         status = pod.get("status") or {}
         ip = status.get("podIP")
-        if role not in (ROLE_PREFILL, ROLE_DECODE) or not ip or meta.get("deletionTimestamp"):
+        if role not in _ENGINE_ROLES or not ip or meta.get("deletionTimestamp"):
             continue
         conditions = status.get("conditions") or []
         if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
@@ -172,9 +181,11 @@ def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
         if role == ROLE_PREFILL:
             prefill[url] = f"http://{host}:{ports.get('bootstrap') or BOOTSTRAP_PORT}"
         else:
-            decode.add(url)
-    return Members(prefill, frozenset(decode), names, revisions, frozenset(routers))
+            (decode if role == ROLE_DECODE else plain).add(url)
+    return Members(prefill, frozenset(decode), frozenset(plain), names, revisions, frozenset(routers))
 
+
+_ENGINE_ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED)
 
 _DISCOVERY = {
     "endpointslices": ("discovery.k8s.io/v1", "EndpointSlice", members_from_slices),
@@ -202,8 +213,10 @@ class Pool:
         self.on_forget = on_forget  # a backend's cached state (prefix cache, rate) is gone
         self._prefill: dict[str, _PrefillInstance] = {}
         self._decode: dict[str, Upstream] = {}
+        self._colocated: dict[str, Upstream] = {}
         self.prefill: list[Upstream] = []  # routable prefill ranks
         self.decode: list[Upstream] = []
+        self.colocated: list[Upstream] = []  # colocated: a plain pool
         self.changed = asyncio.Event()  # set on every change (tests, readiness)
         self.names: dict[str, str] = {}
         self.revisions: dict[str, str] = {}
@@ -229,22 +242,23 @@ class Pool:
                 instance = _PrefillInstance(url, bootstrap_addr, revision)
                 self._prefill[url] = instance
                 instance.task = asyncio.get_running_loop().create_task(self._resolve(instance))
-        for url in set(self._decode) - members.decode:
-            gone = self._decode.pop(url)
+        self._follow(self._decode, members.decode, ROLE_DECODE, members)
+        self._follow(self._colocated, members.colocated, ROLE_COLOCATED, members)
+        self._publish()
+
+    def _follow(self, known: dict[str, Upstream], urls: frozenset[str], role: str, members: Members) -> None:
+        """Make `known` (engines addressed by URL alone) hold exactly `urls`."""
+        for url in set(known) - urls:
+            gone = known.pop(url)
             gone.gone.set()
             self.on_forget(gone.id)
-        for url in set(self._decode) & members.decode:
-            if self._decode[url].revision != members.revisions.get(url, ""):
-                self.on_forget(self._decode.pop(url).id)  # a new engine at the same address
-        for url in members.decode - set(self._decode):
-            self._decode[url] = Upstream(
-                url,
-                ROLE_DECODE,
-                url=url,
-                name=members.names.get(url, ""),
-                revision=members.revisions.get(url, ""),
+        for url in set(known) & urls:
+            if known[url].revision != members.revisions.get(url, ""):
+                self.on_forget(known.pop(url).id)  # a new engine at the same address
+        for url in urls - set(known):
+            known[url] = Upstream(
+                url, role, url=url, name=members.names.get(url, ""), revision=members.revisions.get(url, "")
             )
-        self._publish()
 
     def _drop_prefill(self, url: str) -> None:
         instance = self._prefill.pop(url)
@@ -257,6 +271,7 @@ class Pool:
     def _publish(self) -> None:
         self.prefill = [rank for instance in self._prefill.values() for rank in instance.ranks]
         self.decode = list(self._decode.values())
+        self.colocated = list(self._colocated.values())
         self.changed.set()
 
     def invalidate(self, upstream: Upstream) -> None:
@@ -316,7 +331,7 @@ class Pool:
 
     @property
     def ready(self) -> bool:
-        return bool(self.prefill) and bool(self.decode)
+        return (bool(self.prefill) and bool(self.decode)) or bool(self.colocated)
 
     def describe(self) -> dict[str, Any]:
         def one(u: Upstream) -> dict[str, Any]:
@@ -343,10 +358,11 @@ class Pool:
             },
             "prefill": [one(u) for u in self.prefill],
             "decode": [one(u) for u in self.decode],
+            "colocated": [one(u) for u in self.colocated],
         }
 
     def all_upstreams(self) -> list[Upstream]:
-        return [*self.prefill, *self.decode]
+        return [*self.prefill, *self.decode, *self.colocated]
 
     async def close(self) -> None:
         for instance in self._prefill.values():

@@ -7,12 +7,14 @@ updated on every request.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from pdcluster import observability as obs
 
@@ -33,7 +35,7 @@ class _LoadCollector(Collector):
         )
         tokens = GaugeMetricFamily(
             obs.ROUTER_INFLIGHT_TOKENS,
-            "Tokens in flight: prompt tokens not yet prefilled (prefill), KV tokens held (decode).",
+            "Tokens in flight: prompt tokens not yet prefilled (prefill, engine), KV tokens held (decode).",
             labels=("role", "backend"),
         )
         for u in upstreams:
@@ -45,6 +47,18 @@ class _LoadCollector(Collector):
         yield from (requests, tokens, backends)
 
 
+class _HistogramCollector(Collector):
+    def __init__(self, name: str, documentation: str, histogram: obs.Histogram):
+        self._name, self._documentation, self._histogram = name, documentation, histogram
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        h = self._histogram
+        cumulative = list(itertools.accumulate(h.counts))
+        buckets = [(floatToGoString(b), n) for b, n in zip(h.bounds, cumulative, strict=False)]
+        buckets.append(("+Inf", cumulative[-1]))
+        yield HistogramMetricFamily(self._name, self._documentation, buckets=buckets, sum_value=h.sum)
+
+
 class RouterMetrics:
     def __init__(self, snapshot: Callable[[], tuple[Iterable[Upstream], dict[str, int]]]):
         self.registry = r = CollectorRegistry()
@@ -54,11 +68,10 @@ class RouterMetrics:
             buckets=obs.ROUTER_TTFT_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
-            obs.ROUTER_ITL,
-            "Time between streamed tokens seen by clients.",
-            buckets=obs.ROUTER_ITL_BUCKETS,
-            registry=r,
+        # Observed once per token: plain arithmetic, read at scrape time.
+        self.itl = obs.Histogram(obs.ROUTER_ITL_BUCKETS)
+        r.register(
+            _HistogramCollector(obs.ROUTER_ITL, "Time between streamed tokens seen by clients.", self.itl)
         )
         self.prefill = Histogram(
             obs.ROUTER_PREFILL,
@@ -114,7 +127,7 @@ class RouterMetrics:
             obs.ROUTER_RETRIES, "Attempts made after an attempt failed, by the role that failed.", ("role",),
             registry=r,
         )  # fmt: skip
-        self.retries = {role: retries.labels(role) for role in ("prefill", "decode")}
+        self.retries = {role: retries.labels(role) for role in ("prefill", "decode", "colocated")}
         resumed = Counter(
             obs.ROUTER_RESUMED_STREAMS, "Streams whose decode engine died mid-answer: resumed on another "
             "engine, or not resumable (ended with an error event).", ("outcome",), registry=r,

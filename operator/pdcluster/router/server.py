@@ -1,9 +1,12 @@
-"""The router's HTTP front: OpenAI-compatible endpoints in front of prefill/decode pools.
+"""The router's HTTP front: OpenAI-compatible endpoints in front of prefill/decode pools
+and pools of colocated engines.
 
-Per request: validate, pick a prefill rank (policy) and a decode instance (least loaded,
-of the prefill's engine revision, not in a pair whose KV hand-off failed its probe),
-apply SLO admission, then send the prefill and the decode request at once (protocol.py)
-and relay decode's answer. With the Mooncake store on, a prompt whose stored prefix
+Per request: validate, pick a prefill rank or a colocated engine (policy; the two are
+weighed alike: prompt tokens not yet prefilled), for a prefill a decode instance (least
+loaded, of the prefill's engine revision, not in a pair whose KV hand-off failed its
+probe), apply SLO admission, then send the prefill and the decode request at once
+(protocol.py) and relay decode's answer; a colocated engine gets the request as the
+client sent it. With the Mooncake store on, a prompt whose stored prefix
 leaves decode little to compute goes to decode alone (store.py); every other prompt, and
 any lookup that fails, takes the prefill -> decode path.
 
@@ -34,6 +37,7 @@ import orjson
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pdcluster.constants import ROLE_COLOCATED
 from pdcluster.router import openai
 from pdcluster.router.http import Request, Response, Stream
 from pdcluster.router.membership import Pool, Upstream
@@ -126,7 +130,12 @@ class Router:
         return _header_lines(headers) + self._engine_auth
 
     def _load_snapshot(self) -> tuple[list[Upstream], dict[str, int]]:
-        return self.pool.all_upstreams(), {"prefill": len(self.pool.prefill), "decode": len(self.pool.decode)}
+        pool = self.pool
+        return pool.all_upstreams(), {
+            "prefill": len(pool.prefill),
+            "decode": len(pool.decode),
+            ROLE_COLOCATED: len(pool.colocated),
+        }
 
     def forget(self, backend_id: str) -> None:
         """A backend left (or restarted): drop what was known about it."""
@@ -135,7 +144,7 @@ class Router:
             self.store.forget(backend_id)
         if self.admission is not None:
             self.admission.forget(backend_id)
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode", ROLE_COLOCATED):
             with contextlib.suppress(KeyError):
                 self.metrics.upstream_errors.remove(role, backend_id)
 
@@ -157,7 +166,7 @@ class Router:
         if self.draining:
             return Response(503, b"draining")
         if not self.pool.ready:
-            return Response(503, b"no ready prefill and decode backends")
+            return Response(503, b"no ready prefill and decode backends, nor colocated engines")
         return Response(body=b"ready")
 
     async def prometheus(self, request: Request) -> Response:
@@ -169,7 +178,7 @@ class Router:
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
             return _error(401, "invalid or missing API key")
-        for upstream in self.pool.decode:
+        for upstream in [*self.pool.decode, *self.pool.colocated]:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with self.session.get(
                     f"{upstream.url}/v1/models",
@@ -183,7 +192,7 @@ class Router:
                 {"id": self.config.model, "object": "model", "owned_by": "vllm", "root": self.config.model}
             ]
             return Response(body=orjson.dumps({"object": "list", "data": data}), content_type=_JSON)
-        return _error(503, "no decode backend answered")
+        return _error(503, "no decode or colocated engine answered")
 
     # ------------------------------------------------------------------ generate
     async def completions(self, request: Request) -> Response | Stream:
@@ -239,13 +248,22 @@ class Router:
         decodes = self._usable(self.pool.routable(self.pool.decode, started))
         # Only engines of one revision exchange KV (rollout.py): a prefill needs a partner.
         revisions = {d.revision for d in decodes}
-        prefill = self.policy.pick([p for p in prefills if p.revision in revisions], prompt_tokens, hashes)
-        if prefill is not None:
-            decodes = self._partners(prefill, decodes)
-        decode = self.decode_policy.pick(decodes, prompt_tokens)
+        paired = [p for p in prefills if p.revision in revisions]
+        first = self.policy.pick(
+            paired + self.pool.routable(self.pool.colocated, started), prompt_tokens, hashes
+        )
+        if first is not None and first.role == ROLE_COLOCATED:
+            prefill, decode = first, first  # colocated: one engine does both
+        else:
+            prefill = first
+            if prefill is not None:
+                decodes = self._partners(prefill, decodes)
+            decode = self.decode_policy.pick(decodes, prompt_tokens)
         if prefill is None or decode is None:
-            return self._reject("no_backend", 503, "no ready prefill and decode backends")
-        lookup = await self._look_up(decode, body, chat, prompt_tokens)
+            return self._reject(
+                "no_backend", 503, "no ready prefill and decode backends, nor colocated engines"
+            )
+        lookup = None if decode is prefill else await self._look_up(decode, body, chat, prompt_tokens)
         if lookup is not None and lookup.outcome == "hit":
             # Decode loads the stored prefix and computes the rest: no prefill, so no
             # prefill queue to predict either.
@@ -272,7 +290,7 @@ class Router:
         job = _Job(self, request, path, chat, body, request_id, started)
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
-                return await job.run(prefill, decode, prompt_tokens)
+                return await job.run(None if prefill is decode else prefill, decode, prompt_tokens)
         except TimeoutError:
             self.metrics.requests["timeout"].inc()
             if job.response is not None:  # mid-stream: the status is sent already
@@ -295,12 +313,20 @@ class Router:
         self, body: dict[str, Any], chat: bool, avoid: set[str]
     ) -> tuple[Upstream | None, Upstream | None, int]:
         """(prefill, decode, prompt tokens) for another attempt, avoiding the engines that
-        failed this request. No prefill left: decode computes the prompt itself."""
+        failed this request: a prefill and a decode, else a colocated engine (as decode,
+        with no prefill), else decode alone, which computes the prompt itself."""
         now = time.monotonic()
         prompt = prompt_of(body, chat)
         tokens = count_tokens(prompt)
+        hashes = block_hashes(prompt) if self.policy.needs_block_hashes else ()
         decodes = [u for u in self._usable(self.pool.routable(self.pool.decode, now)) if u.id not in avoid]
         decode = self.decode_policy.pick(decodes, tokens)
+        engine = self.policy.pick(
+            [u for u in self.pool.routable(self.pool.colocated, now) if u.id not in avoid], tokens, hashes
+        )
+        if engine is not None and (decode is None or not self.pool.prefill):
+            self.policy.record(engine.id, hashes)
+            return None, engine, tokens
         if decode is None:
             return None, None, tokens
         lookup = await self._look_up(decode, body, chat, tokens)
@@ -312,8 +338,10 @@ class Router:
             if p.id not in avoid and p.revision == decode.revision
             and (self.prober is None or not self.prober.broken(p, decode))
         ]  # fmt: skip
-        hashes = block_hashes(prompt) if self.policy.needs_block_hashes else ()
         prefill = self.policy.pick(prefills, tokens, hashes)
+        if prefill is None and engine is not None:
+            self.policy.record(engine.id, hashes)
+            return None, engine, tokens
         if prefill is not None:
             self.policy.record(prefill.id, hashes)
         return prefill, decode, tokens
@@ -462,9 +490,12 @@ class _Job:
 
 class _Flow:
     """One attempt: its prefill and decode exchanges (decode alone when the prompt's
-    prefix is stored, or when no prefill is left to try: `prefill` is None)."""
+    prefix is stored, or when no prefill is left to try: `prefill` is None), or one
+    colocated engine's (`decode` is that engine, `prefill` None)."""
 
-    __slots__ = ("_prefill_open", "decode", "job", "kv_tokens", "prefill", "prefilled_at", "prompt_tokens")
+    __slots__ = (
+        "_prefill_open", "colocated", "decode", "job", "kv_tokens", "prefill", "prefilled_at", "prompt_tokens",
+    )  # fmt: skip
 
     def __init__(self, job: _Job, prefill: Upstream | None, decode: Upstream, prompt_tokens: int):
         self.job = job
@@ -472,18 +503,34 @@ class _Flow:
         self.decode = decode
         self.prompt_tokens = prompt_tokens
         self.prefilled_at: float | None = None
-        self.kv_tokens = prompt_tokens + (
-            openai.max_tokens_of(job.body, job.sends_chat) or DEFAULT_OUTPUT_TOKENS
+        # A colocated engine is weighed as a prefill is (prompt tokens not yet prefilled),
+        # so that the policy and admission compare it with prefill ranks.
+        self.colocated = decode.role == ROLE_COLOCATED
+        self.kv_tokens = (
+            prompt_tokens
+            if self.colocated
+            else prompt_tokens + (openai.max_tokens_of(job.body, job.sends_chat) or DEFAULT_OUTPUT_TOKENS)
         )
         admission = job.router.admission
+        first = prefill or (decode if self.colocated else None)
+        if first is not None and admission is not None:
+            admission.started(first.id, time.monotonic(), first.inflight_requests == 0)
         if prefill is not None:
-            if admission is not None:
-                admission.started(prefill.id, time.monotonic(), prefill.inflight_requests == 0)
             prefill.inflight_requests += 1
             prefill.inflight_tokens += prompt_tokens
         decode.inflight_requests += 1
         decode.inflight_tokens += self.kv_tokens
         self._prefill_open = prefill is not None
+
+    def first_token(self) -> None:
+        """A colocated engine's prompt is prefilled once its first token streams."""
+        if not self.colocated or not self.kv_tokens:
+            return
+        self.decode.inflight_tokens -= self.kv_tokens
+        self.kv_tokens = 0
+        admission = self.job.router.admission
+        if admission is not None:
+            admission.completed(self.decode.id, self.prompt_tokens, time.monotonic())
 
     def prefill_done(self, ok: bool = False) -> None:
         if not self._prefill_open or self.prefill is None:
@@ -500,7 +547,8 @@ class _Flow:
         self.decode.inflight_requests -= 1
         self.decode.inflight_tokens -= self.kv_tokens
 
-    def _failed(self, role: str, upstream: Upstream, reason: str, mid_stream: bool = False) -> _Retry:
+    def _failed(self, upstream: Upstream, reason: str, mid_stream: bool = False) -> _Retry:
+        role = upstream.role
         metrics = self.job.router.metrics
         metrics.upstream_errors.labels(role, upstream.id).inc()
         if upstream.failed(time.monotonic()):
@@ -550,12 +598,12 @@ class _Flow:
                 # under a new engine_id.
                 if self.prefill is not None:
                     router.pool.invalidate(self.prefill)
-                raise self._failed("decode", self.decode, f"HTTP {upstream.status}")
+                raise self._failed(self.decode, f"HTTP {upstream.status}")
             if body.get("stream"):
                 return await self._relay_stream(upstream)
             return await self._relay_body(upstream)
         except UpstreamError as e:  # decode broke off mid-answer
-            raise self._failed("decode", self.decode, str(e), mid_stream=job.response is not None) from e
+            raise self._failed(self.decode, str(e), mid_stream=job.response is not None) from e
         finally:
             upstream.close()  # keeps a finished connection, drops an unfinished one
 
@@ -573,9 +621,9 @@ class _Flow:
                     response.close()
         except UpstreamError as e:
             router.pool.invalidate(prefill)
-            raise self._failed("prefill", prefill, str(e)) from e
+            raise self._failed(prefill, str(e)) from e
         except TimeoutError as e:
-            raise self._failed("prefill", prefill, f"no answer within {timeout:g} s") from e
+            raise self._failed(prefill, f"no answer within {timeout:g} s") from e
         status = response.status
         if status == 200:
             self.prefilled_at = time.monotonic()
@@ -584,13 +632,13 @@ class _Flow:
             return
         if status < 500 and status not in _NOT_THE_CLIENTS:
             raise _Refused(Response(status, payload, _JSON))
-        raise self._failed("prefill", prefill, f"HTTP {status}")
+        raise self._failed(prefill, f"HTTP {status}")
 
     async def _await_decode(self, task: asyncio.Task[UpstreamResponse]) -> UpstreamResponse:
         try:
             return await self._unless_kv_lost(task)
         except UpstreamError as e:
-            raise self._failed("decode", self.decode, str(e)) from e
+            raise self._failed(self.decode, str(e)) from e
 
     async def _unless_kv_lost(self, work: Awaitable[T]) -> T:
         """`work`, unless the prefill holding this request's KV goes away first: a decode
@@ -609,7 +657,7 @@ class _Flow:
             lost.cancel()
         if not task.done():
             task.cancel()
-            raise self._failed("prefill", self.prefill, "left before decode had its KV")
+            raise self._failed(self.prefill, "left before decode had its KV")
         return task.result()
 
     async def _relay_body(self, upstream: UpstreamResponse) -> Response:
@@ -655,6 +703,7 @@ class _Flow:
                 if b'"error"' in chunk:
                     failed = True
                 if n > 0:
+                    self.first_token()
                     if job.tokens == 0:
                         metrics.ttft.observe(now - job.started)
                         if self.prefilled_at is not None:
@@ -663,8 +712,7 @@ class _Flow:
                         gaps, gap = n - 1, 0.0
                     else:
                         gaps, gap = n, (now - job.last_token_at) / n
-                    for _ in range(gaps):
-                        metrics.itl.observe(gap)
+                    metrics.itl.observe(gap, gaps)
                     job.tokens += n
                     job.last_token_at = now
                 job.sent = True
@@ -675,7 +723,7 @@ class _Flow:
                 return response
         if not done and trail is not None:
             # Ended without [DONE]: an engine that died between two chunks.
-            raise self._failed("decode", self.decode, "the stream ended early", mid_stream=True)
+            raise self._failed(self.decode, "the stream ended early", mid_stream=True)
         await response.write_eof()
         metrics.generation_tokens.inc(job.tokens)
         if failed:

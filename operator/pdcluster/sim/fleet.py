@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdcluster.control.models import MAX_BATCHED_TOKENS
+from pdcluster.observability import Histogram
 from pdcluster.perf import Profile
 from pdcluster.router.policy import Backend, LeastLoaded, make_policy
 from pdcluster.sim import metrics as M
@@ -63,6 +64,10 @@ class FleetConfig:
     gpus_per_engine: int = 1
     max_time_s: float = 48 * 3600.0  # give up on requests that never finish
     store: StoreConfig | None = None  # a Mooncake store shared by all engines
+    # The engine time of a prefill batch's fixed part; None: the profile's a. Below a,
+    # the rest of a is each request's own latency before it reaches an engine (HTTP,
+    # tokenization: work that holds no GPU), so an isolated request's TTFT is unchanged.
+    prefill_fixed_ms: float | None = None
 
 
 class Policy(Protocol):
@@ -186,6 +191,9 @@ class Fleet:
         self.finish = [math.nan] * n
         self.done = 0
         self.cache_blocks = max(profile.max_kv_tokens // trace.block_tokens, 1)
+        a = profile.prefill_coef[0]
+        self.prefill_fixed_ms = a if config.prefill_fixed_ms is None else min(config.prefill_fixed_ms, a)
+        self.ingress_s = (a - self.prefill_fixed_ms) / 1000.0
         self.store = TieredStore(config.store) if config.store else None
         self.stored: dict[int, int] = {}  # request -> tokens prefill loaded from the store
         self.prefill_gpu_seconds = 0.0
@@ -197,7 +205,7 @@ class Fleet:
         self.decisions: list[tuple[float, int, int, str]] = []
         # Cumulative series, as the engines' and the router's /metrics would show them.
         self.scrapes = M.Scrapes(M.histogram_bounds())
-        self.hist = {name: M.Histogram(bounds) for name, bounds in self.scrapes.bounds.items()}
+        self.hist = {name: Histogram(bounds) for name, bounds in self.scrapes.bounds.items()}
         self.counters = dict.fromkeys(
             (
                 M.ROUTER_FINISHED,
@@ -222,7 +230,7 @@ class Fleet:
         p, d = self.policy.initial()
         self.scale(p, d, initial=True)
         for i, t in enumerate(self.trace.arrival_s):
-            self.push(t, ARRIVE, None, i)
+            self.push(t + self.ingress_s, ARRIVE, None, i)
         self.push(0.0, SCRAPE)
         if math.isfinite(self.policy.interval_s):
             self.push(self.policy.interval_s, CONTROL)
@@ -444,11 +452,11 @@ class Fleet:
         return True
 
     def start_prefill(self, engine: PrefillEngine) -> None:
-        a, b, c = self.profile.prefill_coef
+        _, b, c = self.profile.prefill_coef
         tr = self.trace
         budget = self.cfg.max_batched_tokens
         batch: list[tuple[int, int]] = []
-        ms = a
+        ms = self.prefill_fixed_ms
         used = 0
         queue_hist = self.hist[M.PREFILL_QUEUE_TIME]
         while engine.queue:

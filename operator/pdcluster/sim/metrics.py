@@ -19,48 +19,6 @@ from pdcluster.control.types import MetricsSnapshot, assemble
 from pdcluster.series import BY_FIELD, SERIES, Kind
 
 
-class Histogram:
-    """A Prometheus histogram: per-bucket counts (the last is +Inf), sum and count."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def observe_steps(self, first: float, growth: float, steps: int, weight: int, skipped: int) -> None:
-        """`steps` values first, first + growth, ... each seen `weight` times, less
-        `skipped` observations of the first value (decode steps: every running sequence
-        gets a token per step, and a sequence's first token is a TTFT, not an ITL)."""
-        if steps <= 0:
-            return
-        total = weight * steps - skipped
-        below = 0
-        for j, bound in enumerate(self.bounds):
-            if growth > 0:
-                fit = min(max(math.floor((bound - first) / growth) + 1, 0), steps)
-            else:
-                fit = steps if first <= bound else 0
-            cumulative = weight * fit - (skipped if fit else 0)
-            self.counts[j] += cumulative - below
-            below = cumulative
-            if fit == steps:
-                break
-        self.counts[-1] += total - below
-        self.sum += weight * (steps * first + growth * steps * (steps - 1) / 2) - skipped * first
-        self.count += total
-
-    def snapshot(self) -> tuple[tuple[int, ...], float, int]:
-        return tuple(self.counts), self.sum, self.count
-
-
 def histogram_quantile(
     q: float, bounds: tuple[float, ...], counts: list[int] | tuple[int, ...]
 ) -> float | None:

@@ -373,7 +373,11 @@ def find_rate_scale(base: Trace, make_setup, jobs: int, log, target: float = 0.9
 
 # ------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="Mooncake JSONL or Azure CSV trace")
+    from pdcluster.sim import crossover
+
+    parser.add_argument(
+        "--trace", help="Mooncake JSONL or Azure CSV trace (required but with --compare-colocated)"
+    )
     parser.add_argument(
         "--format", choices=("mooncake", "azure"), help="trace format (default: from the suffix)"
     )
@@ -458,6 +462,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel simulations")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", help="write a PNG of replicas and latency over time (needs matplotlib)")
+    compare = parser.add_argument_group(
+        "disaggregated or colocated (sim/crossover.py)",
+        "--compare-colocated: the best colocated fleet (one engine per GPU, chunked prefill) against the "
+        "best prefill:decode split, on --trace or, without one, on a sweep of prompt length and load; "
+        "--plot draws it, --csv writes its data",
+    )
+    compare.add_argument("--compare-colocated", action="store_true")
+    compare.add_argument(
+        "--lengths",
+        type=_counts,
+        default=crossover.LENGTHS,
+        help="prompt lengths of the sweep (comma-separated tokens; default 1k to 128k)",
+    )
+    compare.add_argument(
+        "--loads",
+        type=_numbers,
+        default=crossover.LOADS,
+        help="loads of the sweep: the share of the GPUs' time the prompts alone take (comma-separated)",
+    )
+    compare.add_argument(
+        "--itl-targets",
+        type=_numbers,
+        help="more mean-ITL targets (ms, comma-separated) to search the sweep's goodput at, one line each "
+        "in the plot's ratio panel",
+    )
+    compare.add_argument("--output-tokens", type=int, default=256, help="output length of the sweep")
+    compare.add_argument("--requests", type=int, default=600, help="requests per sweep point, at least")
+    compare.add_argument(
+        "--span-s", type=float, default=60.0, help="seconds of arrivals per sweep point, at least"
+    )
+    compare.add_argument(
+        "--csv", help="write the plotted data as CSV (and the fixed-load points to <name>-loads.csv)"
+    )
+    compare.add_argument(
+        "--step-fixed",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="engine time of the fixed part of a step carrying prompt tokens, in both architectures: the "
+        "profile's decode intercept (the rest of its prefill intercept is each request's latency on its "
+        "way in) or its whole prefill intercept",
+    )
 
 
 def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dict[str, Result], Setup]:
@@ -470,13 +515,7 @@ def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dic
         )
     base = load_trace(args.trace, args.format, seed=args.seed)
     slo = SLO(args.slo_ttft_ms, args.slo_itl_ms, args.ttft_plus_prefill)
-    fleet = FleetConfig(
-        gpus=args.gpus,
-        startup_s=args.startup_s,
-        link_gbps=args.link_gbps,
-        router=args.router,
-        gpus_per_engine=profile.gpus,
-    )
+    fleet = _fleet_config(args, profile)
 
     def make_setup(scale: float) -> Setup:
         trace = base.scaled(scale) if args.rate_mode == "compress" else base.replicated(scale, args.seed)
@@ -515,6 +554,26 @@ def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dic
                     else {"split": match.policy.removeprefix("static:"), **match.as_dict()}
                 )
     return report, results, setup
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated whole numbers expected") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: whole numbers >= 1 expected")
+    return values
+
+
+def _numbers(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers expected") from None
+    if not values or any(not x > 0 for x in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: numbers above 0 expected")
+    return values
 
 
 def _sizes(text: str) -> list[float]:
@@ -603,6 +662,11 @@ def print_store_curve(curve: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     say = (lambda _msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
+    if args.compare_colocated:
+        return compare_colocated(args, say)
+    if not args.trace:
+        print("pdctl plan: --trace is required (or --compare-colocated for the sweep)", file=sys.stderr)
+        return 2
     if args.store_gib:
         args.policy = [p for p in args.policy or [] if p.startswith("static:")][:1] or ["static-best"]
     try:
@@ -626,6 +690,84 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         return _plot(args.plot, results, setup)
     return 0
+
+
+def compare_colocated(args: argparse.Namespace, say) -> int:
+    from pdcluster.sim import crossover  # it scores with this module's SLO
+
+    profile = perf.load(args.profile)
+    if args.gpus // profile.gpus < 2:
+        print(
+            f"pdctl plan: --gpus {args.gpus} holds fewer than two engines of {profile.name}", file=sys.stderr
+        )
+        return 2
+    slo = SLO(args.slo_ttft_ms, args.slo_itl_ms, args.ttft_plus_prefill)
+    setting = crossover.Setting(profile.name, args.gpus, slo, args.link_gbps, args.router, args.step_fixed)
+    if args.trace:
+        try:
+            base = load_trace(args.trace, args.format, seed=args.seed)
+            if args.rate_scale is None:
+
+                def make_setup(scale: float) -> Setup:
+                    return Setup(base.scaled(scale), profile, slo, _fleet_config(args, profile), args)
+
+                args.rate_scale = find_rate_scale(base, make_setup, args.jobs, say, args.static_attains)
+        except (TraceError, OSError) as e:
+            print(f"pdctl plan: {e}", file=sys.stderr)
+            return 2
+        cases = [(0, args.rate_scale, base.scaled(args.rate_scale))]
+    else:
+        workload = crossover.Workload(args.output_tokens, args.requests, args.span_s, args.seed)
+        cases = crossover.sweep_cases(setting, args.lengths, args.loads, workload)
+    points = crossover.compare(setting, cases, args.jobs, say)
+    report: dict = {"points": [p.row() for p in points]}
+    by_itl = None  # ITL target -> goodput at 90% per prompt length: the sweep's
+    if args.trace:
+        report["recommended_mode"] = crossover.recommend(points[0])
+    else:
+        by_itl = {}
+        for itl in sorted({args.slo_itl_ms, *(args.itl_targets or [])}):
+            say(f"searching each prompt length's goodput at 90% attainment, ITL target {itl:g} ms ...")
+            at = replace(setting, slo=replace(slo, itl_ms=itl))
+            by_itl[itl] = crossover.capacities(at, args.lengths, workload, args.jobs)
+        caps = by_itl[args.slo_itl_ms]
+        report["goodput_per_gpu_at_90"] = caps
+        report["goodput_per_gpu_at_90_by_itl_target"] = {f"{k:g}": v for k, v in by_itl.items()}
+        report["crossover_length"] = [
+            {"between": [shorter, longer], "winner_from_there": winner}
+            for shorter, longer, winner in crossover.length_crossovers(caps)
+        ]
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        crossover.print_table(points)
+        if by_itl is None:
+            print(f"\nspec.mode: {report['recommended_mode']}")
+        else:
+            for itl, found in by_itl.items():
+                print(f"\nmean ITL target {itl:g} ms:", end="")
+                crossover.print_capacities(found)
+    if args.csv:
+        for path in crossover.write_csv(args.csv, points, by_itl):
+            say(f"wrote {path}")
+    if args.plot and by_itl is not None:
+        title = (
+            f"{profile.name}, {args.gpus} GPUs, {args.output_tokens} output tokens, SLO: TTFT "
+            f"{'isolated prefill + ' if slo.plus_prefill else ''}{slo.ttft_ms:g} ms, mean ITL {slo.itl_ms:g} ms; "
+            f"fixed part of a prompt step: the {args.step_fixed} intercept"
+        )
+        return crossover.plot(args.plot, by_itl, args.slo_itl_ms, title)
+    return 0
+
+
+def _fleet_config(args: argparse.Namespace, profile: perf.Profile) -> FleetConfig:
+    return FleetConfig(
+        gpus=args.gpus,
+        startup_s=args.startup_s,
+        link_gbps=args.link_gbps,
+        router=args.router,
+        gpus_per_engine=profile.gpus,
+    )
 
 
 def _start(spec: str, setup: Setup, best: Score | None) -> tuple[int, int]:

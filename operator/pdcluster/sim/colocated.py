@@ -1,0 +1,273 @@
+"""A fleet of colocated engines: each serves prefill and decode in the same steps, as
+vLLM does with chunked prefill (the V1 scheduler, vllm/v1/core/sched/scheduler.py).
+
+One step of one engine:
+
+- every sequence whose prompt is computed gets its next token;
+- the rest of the token budget (`max_num_batched_tokens`; vLLM's default for the
+  OpenAI server on GPUs of 70 GiB or more is 8192, vllm/engine/arg_utils.py
+  get_batch_defaults) goes to prompt chunks, oldest request first: the prompt being
+  computed goes on where it stopped, then waiting requests are admitted while budget is
+  left, their KV (prompt + output) fits and fewer than `max_num_seqs` run;
+- it is one forward pass over all of it, costing
+
+      fixed + d1 * B + d2 * K + sum over chunks of (b * n + c * ((s + n)^2 - s^2))
+
+  for B decoding sequences holding K KV tokens and chunks of n prompt tokens after s
+  computed ones (a chunk attends to the s before it, so a prompt's chunks add up to
+  its whole quadratic term). `fixed` is the profile's d0 for decodes alone and, for a
+  step carrying prompt chunks, `prefill_fixed_ms` or, with both, the larger of the
+  two; so chunking costs one fixed part per chunk, as it does on a GPU.
+  `prefill_fixed_ms` is the profile's a unless set lower, d0 say: a profile measures a
+  through the server, so it holds per-request work (HTTP, tokenization) that occupies
+  no step; the rest of a then delays the request on its way in (sim/fleet.py takes the
+  same setting, so both models can price the same work alike). On a real engine with
+  its compute on a core of its own, d0 predicted what long prompts do to running
+  streams, a overstated it (benchmarks/colocated_interference.py, docs/crossover.md);
+- the step that computes a prompt's last chunk yields its first token, each later
+  step one more.
+
+So a running stream's ITL rises by the prompt work that shares its steps, and a prompt's
+TTFT by the decodes it shares steps with and by its chunking. Deliberately left out,
+as in sim/fleet.py: step-time noise, preemption (admission reserves prompt + output),
+the prefix cache is an LRU of the trace's prefix blocks per engine sized by the KV
+capacity, as the disaggregated model's prefill engines keep.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from pdcluster.control.models import MAX_BATCHED_TOKENS
+from pdcluster.perf import Profile
+from pdcluster.router.policy import Backend, make_policy
+from pdcluster.sim.fleet import Result
+from pdcluster.sim.trace import Trace
+
+# vLLM's default on GPUs of 70 GiB or more (vllm/engine/arg_utils.py get_batch_defaults).
+MAX_NUM_SEQS = 1024
+ARRIVE, STEP_DONE = 0, 1
+
+
+@dataclass(frozen=True)
+class ColocatedConfig:
+    engines: int
+    gpus_per_engine: int = 1
+    max_batched_tokens: int = MAX_BATCHED_TOKENS
+    max_num_seqs: int = MAX_NUM_SEQS
+    # The fixed part of a step carrying prompt tokens; None: the profile's a (see above).
+    # Below a, the rest of a is each request's latency before it reaches the engine, as
+    # in sim/fleet.py's FleetConfig.
+    prefill_fixed_ms: float | None = None
+    router: str = "prefix-aware"
+    max_time_s: float = 48 * 3600.0
+
+
+class ColocatedEngine(Backend):
+    """`inflight_tokens` (what the router weighs) is prompt tokens not yet computed,
+    as the router's colocated pool counts them."""
+
+    def __init__(self, index: int, cache_blocks: int) -> None:
+        super().__init__(f"colocated-{index}", "colocated")
+        self.index = index
+        self.cache: OrderedDict[int, None] = OrderedDict()  # prefix blocks, LRU
+        self.cache_blocks = cache_blocks
+        self.waiting: deque[int] = deque()
+        self.prefilling: deque[list[int]] = deque()  # [request, prompt tokens computed]
+        self.decoding: list[tuple[int, int]] = []  # heap of (step of the last token, request)
+        self.kv = 0  # KV tokens of the decoding sequences
+        self.reserved = 0  # prompt + output of every admitted request
+        self.steps = 0  # steps finished
+        self.busy = False
+        # What the step under way will have done when it ends.
+        self.first_tokens: list[int] = []
+        self.chunks: list[tuple[int, int]] = []
+
+
+@dataclass(frozen=True)
+class Step:
+    """One planned step: its cost and what it computes."""
+
+    ms: float
+    chunks: list[tuple[int, int]]  # (request, prompt tokens)
+    first_tokens: list[int]  # requests whose last chunk it computes
+
+
+class ColocatedFleet:
+    def __init__(self, trace: Trace, profile: Profile, config: ColocatedConfig) -> None:
+        if config.engines < 1:
+            raise ValueError("a colocated fleet needs at least one engine")
+        self.trace, self.profile, self.cfg = trace, profile, config
+        a = profile.prefill_coef[0]
+        self.prefill_fixed_ms = a if config.prefill_fixed_ms is None else min(config.prefill_fixed_ms, a)
+        self.ingress_s = (a - self.prefill_fixed_ms) / 1000.0
+        cache_blocks = max(profile.max_kv_tokens // trace.block_tokens, 1)
+        self.engines = [ColocatedEngine(i, cache_blocks) for i in range(config.engines)]
+        self.router = make_policy(config.router, trace.block_tokens)
+        self.reused_tokens = 0
+        n = len(trace)
+        self.ttft = [math.nan] * n
+        self.first_token = [math.nan] * n
+        self.finish = [math.nan] * n
+        self.events: list[tuple[float, int, int, int]] = []
+        self.seq = 0
+        self.now = 0.0
+
+    def push(self, t: float, kind: int, arg: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, arg))
+
+    def run(self) -> Result:
+        for i, t in enumerate(self.trace.arrival_s):
+            self.push(t + self.ingress_s, ARRIVE, i)
+        while self.events:
+            t, _, kind, arg = heapq.heappop(self.events)
+            if t > self.cfg.max_time_s:
+                break
+            self.now = t
+            if kind == ARRIVE:
+                self.arrive(arg)
+            else:
+                self.step_done(self.engines[arg])
+        tr = self.trace
+        itl = [
+            (self.finish[i] - self.first_token[i]) / (out - 1) if out > 1 else 0.0
+            for i, out in enumerate(tr.output_tokens)
+        ]
+        gpus = self.cfg.engines * self.cfg.gpus_per_engine
+        return Result(
+            f"colocated:{self.cfg.engines}",
+            list(self.ttft),
+            itl,
+            [not math.isnan(f) for f in self.finish],
+            gpus * self.now,
+            self.now,
+            [(0.0, self.cfg.engines, 0, self.cfg.engines, 0, gpus)],
+            reused_tokens=self.reused_tokens,
+        )
+
+    def arrive(self, i: int) -> None:
+        blocks = self.trace.blocks[i]
+        engine: ColocatedEngine = self.router.pick(self.engines, self.trace.input_tokens[i], blocks)  # type: ignore[assignment]
+        self.router.record(engine.id, blocks)
+        engine.waiting.append(i)
+        engine.inflight_tokens += self.trace.input_tokens[i]
+        engine.inflight_requests += 1
+        if not engine.busy:
+            self.start_step(engine)
+
+    # ------------------------------------------------------------------ one step
+    def plan(self, engine: ColocatedEngine) -> Step | None:
+        """What the engine's next step computes (None: nothing to do). Admits waiting
+        requests as vLLM's scheduler does; the rest happens when the step ends."""
+        tr, cfg = self.trace, self.cfg
+        _, b, c = self.profile.prefill_coef
+        d0, d1, d2 = self.profile.decode_coef
+        decodes = len(engine.decoding)
+        budget = cfg.max_batched_tokens - decodes
+        chunks, first, prompt_ms = [], [], 0.0
+        for item in engine.prefilling:  # prompts under way first, in order
+            if budget <= 0:
+                break
+            request, done = item
+            n = min(tr.input_tokens[request] - done, budget)
+            chunks.append((request, n))
+            prompt_ms += b * n + c * ((done + n) ** 2 - done**2)
+            budget -= n
+            if done + n == tr.input_tokens[request]:
+                first.append(request)
+        while engine.waiting and budget > 0:
+            request = engine.waiting[0]
+            need = tr.input_tokens[request] + tr.output_tokens[request]
+            running = decodes + len(engine.prefilling)
+            if running >= cfg.max_num_seqs or (
+                running and engine.reserved + need > self.profile.max_kv_tokens
+            ):
+                break  # waits for a sequence to finish (an empty engine takes anything)
+            engine.waiting.popleft()
+            engine.reserved += need
+            length = tr.input_tokens[request]
+            cached = min(_cached_blocks(engine.cache, tr.blocks[request]) * tr.block_tokens, length - 1)
+            engine.inflight_tokens -= cached
+            self.reused_tokens += cached
+            engine.prefilling.append([request, cached])
+            n = min(length - cached, budget)
+            chunks.append((request, n))
+            prompt_ms += b * n + c * ((cached + n) ** 2 - cached**2)
+            budget -= n
+            if cached + n == length:
+                first.append(request)
+        if not decodes and not chunks:
+            return None
+        fixed = (
+            max(self.prefill_fixed_ms, d0) if chunks and decodes else self.prefill_fixed_ms if chunks else d0
+        )
+        decode_ms = d1 * decodes + d2 * engine.kv if decodes else 0.0
+        return Step(fixed + decode_ms + prompt_ms, chunks, first)
+
+    def start_step(self, engine: ColocatedEngine) -> None:
+        step = self.plan(engine)
+        if step is None:
+            engine.busy = False
+            return
+        engine.busy = True
+        engine.chunks, engine.first_tokens = step.chunks, step.first_tokens
+        self.push(self.now + step.ms / 1000.0, STEP_DONE, engine.index)
+
+    def step_done(self, engine: ColocatedEngine) -> None:
+        tr = self.trace
+        engine.steps += 1
+        step = engine.steps
+        engine.kv += len(engine.decoding)  # one token more for every decoding sequence
+        while engine.decoding and engine.decoding[0][0] <= step:
+            _, request = heapq.heappop(engine.decoding)
+            self.finish[request] = self.now
+            held = tr.input_tokens[request] + tr.output_tokens[request]
+            engine.kv -= held
+            engine.reserved -= held
+            engine.inflight_requests -= 1
+        for _, n in engine.chunks:
+            engine.inflight_tokens -= n
+        progress = dict(engine.chunks)
+        for item in engine.prefilling:
+            item[1] += progress.get(item[0], 0)
+        for request in engine.first_tokens:
+            engine.prefilling.popleft()  # the oldest prompts finish first
+            _remember(engine, tr.blocks[request])
+            self.first_token[request] = self.now
+            self.ttft[request] = self.now - tr.arrival_s[request]
+            out = tr.output_tokens[request]
+            if out <= 1:
+                self.finish[request] = self.now
+                engine.reserved -= tr.input_tokens[request] + out
+                engine.inflight_requests -= 1
+            else:
+                engine.kv += tr.input_tokens[request] + 1
+                heapq.heappush(engine.decoding, (step + out - 1, request))
+        self.start_step(engine)
+
+
+def _cached_blocks(cache: OrderedDict[int, None], blocks: tuple[int, ...]) -> int:
+    n = 0
+    for h in blocks:
+        if h not in cache:
+            break
+        n += 1
+    return n
+
+
+def _remember(engine: ColocatedEngine, blocks: tuple[int, ...]) -> None:
+    for h in blocks:
+        if h in engine.cache:
+            engine.cache.move_to_end(h)
+        else:
+            engine.cache[h] = None
+    while len(engine.cache) > engine.cache_blocks:
+        engine.cache.popitem(last=False)
+
+
+def simulate_colocated(trace: Trace, profile: Profile, config: ColocatedConfig) -> Result:
+    return ColocatedFleet(trace, profile, config).run()
