@@ -15,8 +15,9 @@ import aiohttp
 
 from pdcluster import constants as C
 from pdcluster import metrics, perf
-from pdcluster.api.v1alpha1 import AutoscalingMode, PDClusterSpec, PDClusterStatus
+from pdcluster.api.v1alpha1 import AutoscalingMode, PDClusterSpec, PDClusterStatus, RoleStatus
 from pdcluster.control import Observed, RoleObserved, decide
+from pdcluster.control.modefit import mode_fit
 from pdcluster.io.kube import Kube
 from pdcluster.io.prometheus import Prometheus, PrometheusUnavailable
 from pdcluster.reconcile import AutoscaleResult
@@ -41,6 +42,12 @@ def _unschedulable(pods: list[dict]) -> int:
     return count
 
 
+def _held(status: PDClusterStatus, kind: str) -> tuple[bool, str, str] | None:
+    """A condition as the last run of the autoscaler left it."""
+    c = next((c for c in status.conditions if c.type == kind), None)
+    return (c.status == "True", c.reason, c.message) if c else None
+
+
 class ProfileError(Exception):
     """The spec names a profile that cannot be had; the message says which and why."""
 
@@ -61,16 +68,17 @@ class PrometheusAutoscaler:
             self._session = aiohttp.ClientSession()
         return Prometheus(url, self._session, timeout_s=self.timeout_s)
 
-    async def _observed(self, owner: Owner, status: PDClusterStatus) -> Observed:
-        roles = {}
-        for role in C.ENGINE_ROLES:
+    async def _observed(self, spec: PDClusterSpec, owner: Owner, status: PDClusterStatus) -> Observed:
+        none = RoleObserved(0, 0, 0)
+        roles = dict.fromkeys((*C.ENGINE_ROLES, C.ROLE_COLOCATED), none)
+        for role in spec.engine_roles:
             pods = await self.kube.list(
                 "v1",
                 "Pod",
                 owner.namespace,
                 label_selector=f"{C.LABEL_CLUSTER}={owner.name},{C.LABEL_ROLE}={role}",
             )
-            s = getattr(status, role)
+            s = getattr(status, role) or RoleStatus()
             roles[role] = RoleObserved(
                 desired=s.desired, replicas=s.replicas, ready=s.ready, unschedulable=_unschedulable(pods)
             )
@@ -103,11 +111,10 @@ class PrometheusAutoscaler:
     ) -> AutoscaleResult:
         a = spec.autoscaling
         state = status.autoscaling
-        previous = next((c for c in status.conditions if c.type == "Autoscaling"), None)
-        held = (previous.status == "True", previous.reason, previous.message) if previous else None
+        held, fit = (_held(status, kind) for kind in ("Autoscaling", "ModeFit"))
         due = state is None or not state.last_run_time
         if not due and now - parse(state.last_run_time) < timedelta(seconds=a.interval_seconds):
-            return AutoscaleResult(state, held, (status.ttft_p99_ms, status.itl_p99_ms))
+            return AutoscaleResult(state, held, (status.ttft_p99_ms, status.itl_p99_ms), mode_fit=fit)
         try:
             prior = await self._prior(spec, owner)
         except ProfileError as e:
@@ -115,6 +122,7 @@ class PrometheusAutoscaler:
                 state,
                 (False, "UnknownProfile", f"{e}; holding replicas"),
                 (status.ttft_p99_ms, status.itl_p99_ms),
+                mode_fit=fit,
             )
         url = a.prometheus_url or self.default_url
         events: list[tuple[str, str, str]] = []
@@ -148,14 +156,19 @@ class PrometheusAutoscaler:
                     )
                 else:
                     condition = None
-        observed = await self._observed(owner, status)
+        observed = await self._observed(spec, owner, status)
         new_state, decision = decide(spec, snapshot, state, observed, now, profile=prior)
         if condition is None:
             recommend = "recommend: " if a.mode == AutoscalingMode.recommend else ""
             condition = (True, decision.cause, recommend + decision.summary)
         metrics.DECISIONS.labels(owner.namespace, owner.name, decision.action, decision.cause).inc()
-        changed = state is None or (new_state.prefill, new_state.decode) != (state.prefill, state.decode)
+        counts = ("prefill", "decode", "colocated")
+        changed = state is None or any(getattr(new_state, r) != getattr(state, r) for r in counts)
         if decision.action in ("scale", "recommend") and changed:
             reason = "Scaled" if decision.action == "scale" else "Recommended"
             events.append(("Normal", reason, decision.summary))
-        return AutoscaleResult(new_state, condition, latency, events)
+        if snapshot is not None and snapshot.request_rate > 0:  # else the last advice stands
+            before, fit = fit, mode_fit(spec.mode, a.profile, snapshot.mean_input_tokens, a.slo.itl_ms)
+            if fit is not None and not fit[0] and (before is None or before[0]):
+                events.append(("Normal", "ModeAdvice", fit[2]))
+        return AutoscaleResult(new_state, condition, latency, events, mode_fit=fit)

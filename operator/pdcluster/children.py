@@ -42,6 +42,8 @@ KINDS = {
     ("networking.k8s.io", "v1", "networkpolicies"): "NetworkPolicy",
     ("rbac.authorization.k8s.io", "v1", "roles"): "Role",
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): "RoleBinding",
+    # Roles spanning nodes; a cluster without the LeaderWorkerSet API answers 404 (see _watch).
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"): "LeaderWorkerSet",
     # HPA/KEDA scaling a role in `external` mode must take effect at once.
     (C.GROUP, C.VERSION, C.SCALER_PLURAL): C.SCALER_KIND,
 }
@@ -171,12 +173,15 @@ class Children:
                     for owner in owners:
                         wake(*owner)
             except (ApiError, aiohttp.ClientError, TimeoutError) as e:
-                if first and isinstance(e, ApiError) and e.status in (403, 404):
+                absent = isinstance(e, ApiError) and e.status in (403, 404)
+                if first and absent:
                     # Not allowed or not served (an RBAC or a cluster without the kind):
                     # the rest of the operator works without it; applying such a child
                     # fails and says so in the Degraded condition.
                     first = False
                     listed.release()
-                log.warning("%s watch failed (%s); listing again in %gs", kind, e, retry)
+                    log.warning("%s watch failed (%s); listing again now and then", kind, e)
+                elif not absent:  # still absent: said once, and the Degraded condition says the rest
+                    log.warning("%s watch failed (%s); listing again in %gs", kind, e, retry)
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, MAX_RETRY_SECONDS)

@@ -30,6 +30,10 @@ LABEL_ROLE: Final = f"{GROUP}/role"
 LABEL_KV_REVISION: Final = f"{GROUP}/kv-revision"
 # On each child: a hash of what the operator rendered for it (drift.stamp).
 ANNOTATION_RENDERED: Final = f"{GROUP}/rendered-hash"
+# LeaderWorkerSet (roles spanning nodes): its API and the pod label its webhook sets,
+# "0" on each group's leader (sigs.k8s.io/lws api/leaderworkerset/v1).
+LWS_API_VERSION: Final = "leaderworkerset.x-k8s.io/v1"
+LABEL_LWS_WORKER_INDEX: Final = "leaderworkerset.sigs.k8s.io/worker-index"
 LABEL_NAME: Final = "app.kubernetes.io/name"
 LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
 LABEL_COMPONENT: Final = "app.kubernetes.io/component"

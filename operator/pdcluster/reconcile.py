@@ -31,7 +31,7 @@ from pdcluster.drift import in_sync, merge_patch, stamp
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube
 from pdcluster.render import Owner, Replicas, render_all
-from pdcluster.render.engine import kv_revision
+from pdcluster.render.engine import kv_revision, workload_kind
 from pdcluster.render.router import state_configmap_name
 from pdcluster.render.scaler import role_scaler, scaler_status
 from pdcluster.rollout import Rollout
@@ -49,6 +49,7 @@ class AutoscaleResult:
     condition: tuple[bool, str, str] | None = None  # (ok, reason, message) for the Autoscaling condition
     latency_p99_ms: tuple[int | None, int | None] = (None, None)
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    mode_fit: tuple[bool, str, str] | None = None  # (fits, reason, message) for the ModeFit condition
 
 
 class Autoscaler(Protocol):
@@ -91,7 +92,7 @@ def _left_behind(live: dict[str, Any] | None, owner: Owner) -> str | None:
 
 
 def _workload_role(obj: dict[str, Any]) -> str | None:
-    if obj["kind"] in ("StatefulSet", "Deployment"):
+    if obj["kind"] in ("StatefulSet", "Deployment", "LeaderWorkerSet"):
         role = obj["metadata"]["labels"][C.LABEL_ROLE]
         return role if role in WORKLOAD_ROLES else None
     return None
@@ -166,7 +167,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     scalers: dict[str, dict[str, Any]] = {}
     if spec.autoscaling.enabled and spec.autoscaling.mode == AutoscalingMode.external:
         scalers = await role_scalers(ctx, body, spec, owner)
-    elif spec.autoscaling.enabled and ctx.autoscaler is not None and spec.mode == ServingMode.disaggregated:
+    elif spec.autoscaling.enabled and ctx.autoscaler is not None:
         result = await ctx.autoscaler.step(spec, owner, previous, now)
     external = {role: obj["spec"]["replicas"] for role, obj in scalers.items()}
     replicas = Replicas.choose(spec, result.state, external)
@@ -176,7 +177,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     if spec.mode == ServingMode.disaggregated:
         engines = {}
         for role in C.ENGINE_ROLES:
-            found = await _live(ctx, "apps/v1", "StatefulSet", owner.child(role), owner)
+            found = await _live(ctx, *workload_kind(spec, role), owner.child(role), owner)
             engines[role] = None if _left_behind(found, owner) else found
         rollout = plan_rollout(
             kv_revision(spec), engines, {role: replicas.of(role) for role in C.ENGINE_ROLES}
@@ -225,6 +226,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         if spec.router.kv_probe.enabled and spec.mode == ServingMode.disaggregated
         else None,
         rollout=rollout.progress,
+        mode_fit=result.mode_fit,
     )
     status = compute_status(spec, generation, obs, previous, result.state, now)
     for role, scaler in scalers.items():

@@ -12,7 +12,9 @@ operator rolls one pod of each role first (`partition` = replicas - 1) and lets 
 go on only once each has a new pod and all its pods are Ready: from then on both
 revisions have a pair, and each role replaces one pod at a time. Pods that autoscaling
 adds come at the new revision (ordinals above the partition), so new capacity serves the
-new revision. Level-based: every input is the StatefulSets as they are.
+new revision. Level-based: every input is the StatefulSets as they are. A role spanning
+nodes is a LeaderWorkerSet, rolled the same way a group at a time (its partition counts
+groups).
 """
 
 from __future__ import annotations
@@ -31,8 +33,16 @@ class Rollout:
     progress: str | None = None  # e.g. "prefill 1/2, decode 1/3 updated"
 
 
+def _lws(obj: dict[str, Any]) -> bool:
+    return obj.get("kind") == "LeaderWorkerSet"
+
+
 def _template_revision(sts: dict[str, Any]) -> str | None:
-    labels = ((sts.get("spec") or {}).get("template") or {}).get("metadata", {}).get("labels") or {}
+    spec = sts.get("spec") or {}
+    template = (
+        (spec.get("leaderWorkerTemplate") or {}).get("workerTemplate") if _lws(sts) else spec.get("template")
+    )
+    labels = (template or {}).get("metadata", {}).get("labels") or {}
     return labels.get(C.LABEL_KV_REVISION)
 
 
@@ -70,12 +80,17 @@ def _unobserved(sts: dict[str, Any]) -> bool:
 
 
 def _partition(sts: dict[str, Any]) -> int:
-    update = (sts.get("spec") or {}).get("updateStrategy") or {}
-    return int((update.get("rollingUpdate") or {}).get("partition") or 0)
+    spec = sts.get("spec") or {}
+    if _lws(sts):
+        update = (spec.get("rolloutStrategy") or {}).get("rollingUpdateConfiguration") or {}
+        return int(update.get("partition") or 0)
+    return int(((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition") or 0)
 
 
 def _rolling(sts: dict[str, Any]) -> bool:
     status = _status(sts)
+    if _lws(sts):  # a LeaderWorkerSet reports no revisions: groups not yet updated
+        return _updated(sts) < int((sts.get("spec") or {}).get("replicas") or 0)
     return bool(status.get("updateRevision")) and status.get("currentRevision") != status.get(
         "updateRevision"
     )

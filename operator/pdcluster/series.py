@@ -68,7 +68,7 @@ class Series:
         return ":".join(p for p in parts if p) if self.kind != Kind.engines else f"engines:{self.role}"
 
 
-P, D = "prefill", "decode"
+P, D, C = "prefill", "decode", "colocated"
 SERIES: Final[tuple[Series, ...]] = (
     Series("ttft_ms", Kind.quantile, obs.ROUTER_TTFT),
     Series("ttft_mean_ms", Kind.mean, obs.ROUTER_TTFT),
@@ -97,6 +97,12 @@ SERIES: Final[tuple[Series, ...]] = (
     Series("decode_running", Kind.gauge_sum, obs.VLLM_RUNNING, D),
     Series("decode_kv_usage", Kind.gauge_avg, obs.VLLM_KV_USAGE, D),
     Series("decode_ready", Kind.engines, obs.VLLM_WAITING, D),
+    Series("colocated_ttft_ms", Kind.quantile, obs.VLLM_TTFT, C),
+    Series("colocated_queue_time_q_ms", Kind.quantile, obs.VLLM_QUEUE_TIME, C),
+    Series("colocated_itl_ms", Kind.quantile, obs.VLLM_ITL, C),
+    Series("colocated_kv_usage", Kind.gauge_avg, obs.VLLM_KV_USAGE, C),
+    Series("colocated_waiting", Kind.gauge_sum, obs.VLLM_WAITING, C),
+    Series("colocated_ready", Kind.engines, obs.VLLM_WAITING, C),
 )
 BY_FIELD: Final = {s.field: s for s in SERIES}
 # Does Prometheus hold anything of this cluster at all (the router's or any engine's)?

@@ -10,6 +10,9 @@ Conditions follow Kubernetes conventions and are what GitOps tools read:
                because it cannot trust its inputs (e.g. Prometheus is down).
 - KVTransfer:  present once a router has probed a prefill -> decode pair; False names
                each pair whose KV hand-off failed (router/probe.py), which takes no traffic.
+- ModeFit:     present when autoscaling sees traffic and its profile ships a crossover
+               sweep; False when the other serving mode would serve that traffic clearly
+               better per GPU (control/modefit.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Observation:
     latency_p99_ms: tuple[int | None, int | None] = (None, None)  # router TTFT, ITL
     kv_verdicts: dict[str, str] | None = None  # the router-state ConfigMap's data
     rollout: str | None = None  # a coordinated rollout's progress (rollout.py)
+    mode_fit: tuple[bool, str, str] | None = None  # (fits, reason, message)
 
 
 def kv_transfer(verdicts: dict[str, str] | None) -> tuple[bool, str, str] | None:
@@ -196,6 +200,9 @@ def compute_status(
     if obs.autoscaling is not None:
         ok, reason, message = obs.autoscaling
         conditions.append(_condition(prev, "Autoscaling", ok, reason, message, now_s, generation))
+    if obs.mode_fit is not None:
+        ok, reason, message = obs.mode_fit
+        conditions.append(_condition(prev, "ModeFit", ok, reason, message, now_s, generation))
     handoff = kv_transfer(obs.kv_verdicts)
     if handoff is not None:
         ok, reason, message = handoff

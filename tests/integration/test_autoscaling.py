@@ -150,3 +150,60 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
     await wait_until(
         recovered, timeout=60, interval=1, message="Autoscaling back to True once Prometheus answers"
     )
+
+
+async def test_a_colocated_pool_grows_when_ttft_misses_and_advice_follows_the_traffic(
+    kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, sim_cluster: Any
+) -> None:
+    autoscaling = {
+        "enabled": True,
+        "mode": "auto",
+        "slo": {"ttftMs": 500, "itlMs": 25, "quantile": "p90"},
+        "gpuBudget": 2,
+        "profile": "h200-llama3.1-8b",  # its crossover sweep ships: the ModeFit condition appears
+        "intervalSeconds": 10,
+        "windowSeconds": 30,
+        "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 600,
+        "cooldownSeconds": 10,
+        "scaleUpTimeoutSeconds": 120,
+    }
+    doc = sim_cluster(
+        "colo-slo",
+        mode="colocated",
+        colocated={"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
+        autoscaling=autoscaling,
+    )
+    await pdc.apply(doc)
+
+    async def serving() -> bool:
+        return await pdc.is_true("colo-slo", "Ready")
+
+    await wait_until(serving, timeout=120, message="Ready with 1 colocated engine")
+    router_ip = (await kube.get("v1", "Service", "colo-slo-router", namespace))["spec"]["clusterIP"]
+
+    stop, outcomes = asyncio.Event(), {}
+    traffic = asyncio.create_task(load(router_ip, stop, outcomes))
+    try:
+
+        async def grown() -> dict:
+            state = ((await pdc.get("colo-slo")).get("status") or {}).get("autoscaling") or {}
+            assert state.get("colocated") == 2, (state.get("lastDecision") or {}).get("reason")
+            return state
+
+        state = await wait_until(grown, timeout=240, interval=1, message="the colocated pool grows to 2")
+    finally:
+        stop.set()
+        await traffic
+
+    decision = state["lastDecision"]
+    assert (decision["action"], decision["cause"]) == ("scale", "TTFTOverTarget"), decision
+    assert "prefill" not in state and "decode" not in state
+    sts = await kube.get("apps/v1", "StatefulSet", "colo-slo-colocated", namespace)
+    assert sts["spec"]["replicas"] == 2  # the budget of 2 GPUs bounds it
+    assert (await pdc.get("colo-slo"))["spec"]["colocated"]["replicas"] == 1
+    # 8k prompts at a 25 ms ITL target: the sweep finds disaggregation 1.19x better per GPU.
+    fit = await pdc.condition("colo-slo", "ModeFit")
+    assert fit is not None and (fit["status"], fit["reason"]) == ("False", "OtherModeBetter"), fit
+    assert fit["message"].startswith("disaggregated would serve this traffic")
+    assert outcomes.get(200, 0) > 0 and outcomes.get(-1, 0) == 0, outcomes

@@ -344,10 +344,19 @@ BAD_SPECS = [
     ({"prefill": {"tensorParallelSize": 2, "gpusPerPod": 1}}, "gpusPerPod must be at least"),
     ({"autoscaling": {"enabled": True, "gpuBudget": 1}}, "gpuBudget must cover"),
     (
-        {"mode": "colocated", "autoscaling": {"enabled": True, "mode": "auto"}},
-        "colocated mode autoscales only with autoscaling.mode external",
+        {
+            "mode": "colocated",
+            "colocated": {"minReplicas": 3},
+            "autoscaling": {"enabled": True, "gpuBudget": 2},
+        },
+        "gpuBudget must cover the GPUs of colocated.minReplicas",
     ),
     ({"mode": "mixed"}, 'spec.mode: Unsupported value: "mixed"'),
+    ({"prefill": {"tensorParallelSize": 12, "gpusPerNode": 8}}, "must be a multiple of gpusPerNode"),
+    (
+        {"prefill": {"tensorParallelSize": 16, "dataParallelSize": 2, "gpusPerNode": 8}},
+        "a role spanning nodes",
+    ),
     ({"rdma": {"mode": "infiniband"}}, 'Unsupported value: "infiniband"'),
     ({"prefill": {"replicas": -1}}, "spec.prefill.replicas"),
     ({"engine": {"shmSize": "lots"}}, "spec.engine.shmSize"),

@@ -76,11 +76,11 @@ def test_cel_rules_and_columns() -> None:
     messages = " ".join(r["message"] for r in spec["x-kubernetes-validations"])
     assert "rdma.mode" in messages and "gpuBudget" in messages and "tensorParallelSize" in messages
     role_rules = spec["properties"]["prefill"]["x-kubernetes-validations"]
-    assert {r["fieldPath"] for r in role_rules} == {".minReplicas", ".replicas", ".gpusPerPod"}
+    assert {r["fieldPath"] for r in role_rules} == {".minReplicas", ".replicas", ".gpusPerPod", ".gpusPerNode"}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
         "Ready", "Mode", "Prefill", "Decode", "Ratio", "Colocated", "TTFT-p99", "ITL-p99", "Rollout", "Age",
     ]  # fmt: skip
-    assert "colocated mode autoscales only with autoscaling.mode external" in messages
+    assert "autoscaling.gpuBudget must cover the GPUs of colocated.minReplicas" in messages
     assert version["subresources"] == {"status": {}}
     # Sections default to their full defaults, so CEL rules that read them always apply.
     assert spec["properties"]["prefill"]["default"]["minReplicas"] == 1

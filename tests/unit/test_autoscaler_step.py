@@ -11,8 +11,9 @@ from fakekube import FakeKube
 from test_control_law import T0, metrics, spec
 
 from pdcluster import constants as C
-from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus, RoleStatus
+from pdcluster.api.v1alpha1 import Condition, PDClusterSpec, PDClusterStatus, RoleStatus
 from pdcluster.autoscaler import PrometheusAutoscaler
+from pdcluster.control import MetricsSnapshot, RoleMetrics
 from pdcluster.io.prometheus import PrometheusUnavailable
 from pdcluster.perf import PROFILE_KEY, load, to_json
 from pdcluster.render import Owner
@@ -116,5 +117,69 @@ async def test_pods_the_scheduler_cannot_place_are_counted() -> None:
             }
         )
     a = autoscaler(kube, FakePrometheus(metrics()))
-    observed = await a._observed(OWNER, status())
+    observed = await a._observed(spec(), OWNER, status())
     assert (observed.decode.unschedulable, observed.prefill.unschedulable) == (2, 0)
+
+
+async def test_a_colocated_pool_is_sized_on_its_own_pods_and_metrics() -> None:
+    kube = FakeKube()
+    for i in range(2):
+        kube.put(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": f"c-colocated-{i}",
+                    "namespace": "ns",
+                    "labels": {C.LABEL_CLUSTER: "c", C.LABEL_ROLE: C.ROLE_COLOCATED},
+                },
+            }
+        )
+    s = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "mode": "colocated",
+            "colocated": {"replicas": 2, "maxReplicas": 6},
+            "autoscaling": {"enabled": True, "slo": {"ttftMs": 500, "itlMs": 25}},
+        }
+    )
+    pool = RoleStatus(desired=2, replicas=2, ready=2)
+    snapshot = MetricsSnapshot(
+        window_s=120, request_rate=6.0, ttft_ms=1500.0, itl_ms=20.0, colocated=RoleMetrics(kv_usage=0.5)
+    )
+    result = await autoscaler(kube, FakePrometheus(snapshot)).step(
+        s, OWNER, PDClusterStatus(colocated=pool), T0
+    )
+    assert result.state is not None and result.state.colocated == 4
+    assert (result.state.prefill, result.state.decode) == (None, None)
+    assert result.condition == (True, "TTFTOverTarget", "colocated 2 -> 4: TTFT p90 1500 ms over 500 ms")
+    assert [e[1] for e in result.events] == ["Scaled"]
+
+
+async def test_mode_advice_is_a_condition_an_event_when_it_turns_and_stands_between_runs() -> None:
+    s = auto(spec(profile="h200-llama3.1-8b", slo={"ttftMs": 20000, "itlMs": 100}))
+    long_prompts = metrics(isl=65536.0, rate=0.5)
+    a = autoscaler(FakeKube(), FakePrometheus(long_prompts))
+    result = await a.step(s, OWNER, status(), T0)
+    assert result.mode_fit is not None and result.mode_fit[:2] == (False, "OtherModeBetter")
+    assert ("Normal", "ModeAdvice", result.mode_fit[2]) in result.events
+    # Between runs, and on the next run with the same advice: the condition stands, no new event.
+    before = status().model_copy(
+        update={
+            "autoscaling": result.state,
+            "conditions": [
+                Condition(
+                    type="ModeFit",
+                    status="False",
+                    reason="OtherModeBetter",
+                    message="m",
+                    last_transition_time="2026-03-01T12:00:00Z",
+                )
+            ],
+        }
+    )
+    between = await a.step(s, OWNER, before, T0 + timedelta(seconds=5))
+    assert between.mode_fit == (False, "OtherModeBetter", "m") and not between.events
+    again = await a.step(s, OWNER, before, T0 + timedelta(seconds=60))
+    assert again.mode_fit is not None and not again.mode_fit[0]
+    assert all(e[1] != "ModeAdvice" for e in again.events)

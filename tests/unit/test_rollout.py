@@ -79,10 +79,36 @@ class StatefulSet:
         return sum(p.revision == revision and p.ready_in == 0 for p in self.pods)
 
 
-def roll(planner: Planner, replicas: dict[str, int], start_steps: dict[str, int]) -> list[str]:
+class LeaderWorkerSet(StatefulSet):
+    """The same rolling update over groups (a group is one "pod" here), reported as a
+    LeaderWorkerSet does: partition under rolloutStrategy, the revision label on the
+    group templates, no revisions in status."""
+
+    def body(self) -> dict[str, Any]:
+        sts = super().body()
+        status = {k: v for k, v in sts["status"].items() if not k.endswith("Revision")}
+        template = sts["spec"]["template"]
+        return {
+            "kind": "LeaderWorkerSet",
+            "metadata": sts["metadata"],
+            "spec": {
+                "replicas": self.replicas,
+                "rolloutStrategy": {"rollingUpdateConfiguration": {"partition": self.partition}},
+                "leaderWorkerTemplate": {"leaderTemplate": template, "workerTemplate": template},
+            },
+            "status": status,
+        }
+
+
+def roll(
+    planner: Planner, replicas: dict[str, int], start_steps: dict[str, int], groups: tuple[str, ...] = ()
+) -> list[str]:
     """Steps of a rollout from revision "a" to "b"; returns the steps that had no ready
-    pair of one revision."""
-    sets = {role: StatefulSet("a", replicas[role], start_steps[role]) for role in C.ENGINE_ROLES}
+    pair of one revision. Roles in `groups` span nodes (LeaderWorkerSets)."""
+    sets = {
+        role: (LeaderWorkerSet if role in groups else StatefulSet)("a", replicas[role], start_steps[role])
+        for role in C.ENGINE_ROLES
+    }
     gaps = []
     for step in range(200):
         rollout = planner("b", {role: s.body() for role, s in sets.items()}, replicas)
@@ -118,6 +144,12 @@ def test_a_pair_of_one_revision_is_always_ready(
     replicas: dict[str, int], start_steps: dict[str, int]
 ) -> None:
     assert roll(plan, replicas, start_steps) == []
+
+
+@pytest.mark.parametrize("groups", [(C.ROLE_PREFILL,), (C.ROLE_PREFILL, C.ROLE_DECODE)])
+def test_roles_spanning_nodes_roll_by_groups_the_same_way(groups: tuple[str, ...]) -> None:
+    assert roll(plan, {"prefill": 3, "decode": 2}, {"prefill": 6, "decode": 1}, groups) == []
+    assert roll(independent, {"prefill": 3, "decode": 2}, {"prefill": 6, "decode": 1}, groups)
 
 
 def test_without_coordination_the_roles_drift_apart() -> None:

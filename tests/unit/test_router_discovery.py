@@ -139,6 +139,17 @@ def test_ready_pods_become_backends() -> None:
     )
 
 
+def test_of_a_multi_node_group_only_the_leader_serves() -> None:
+    from pdcluster.router.membership import members_from_pods
+
+    leader, worker = pod("p-0", "prefill", "127.1.0.1", True), pod("p-0-1", "prefill", "127.1.0.2", True)
+    leader["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] = "0"
+    worker["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] = "1"
+    members = members_from_pods([leader, worker, pod("d0", "decode", "127.1.0.3", True)])
+    assert list(members.prefill) == ["http://127.1.0.1:8000"]
+    assert members.decode == frozenset({"http://127.1.0.3:8000"})
+
+
 def test_colocated_engines_form_a_plain_pool() -> None:
     from pdcluster.router.membership import members_from_pods
 

@@ -218,6 +218,20 @@ _ROLE_RULES = [
         "gpusPerPod must be at least tensorParallelSize x pipelineParallelSize x dataParallelSize",
         ".gpusPerPod",
     ),
+    cel(
+        "!has(self.gpusPerNode) || self.tensorParallelSize * self.pipelineParallelSize <= self.gpusPerNode"
+        " || (self.tensorParallelSize * self.pipelineParallelSize) % self.gpusPerNode == 0",
+        "tensorParallelSize x pipelineParallelSize must be a multiple of gpusPerNode (vLLM puts as many ranks "
+        "on every node)",
+        ".gpusPerNode",
+    ),
+    cel(
+        "!has(self.gpusPerNode) || self.tensorParallelSize * self.pipelineParallelSize <= self.gpusPerNode"
+        " || (self.dataParallelSize == 1 && !has(self.gpusPerPod))",
+        "a role spanning nodes (tensorParallelSize x pipelineParallelSize above gpusPerNode) takes neither "
+        "dataParallelSize nor gpusPerPod",
+        ".gpusPerNode",
+    ),
 ]
 
 
@@ -246,6 +260,15 @@ class RoleSpec(Model):
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="`--pipeline-parallel-size`.")
     data_parallel_size: int = Field(1, ge=1, le=64, description="`--data-parallel-size` inside one pod.")
     gpus_per_pod: int | None = Field(None, ge=0, description="GPUs per pod; defaults to TP x PP x DP.")
+    gpus_per_node: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="GPUs one node has for this role. When TP x PP exceeds it, each replica is a group of "
+        "TP x PP / gpusPerNode pods, one per node, run as a LeaderWorkerSet (leaderworkerset.x-k8s.io must be "
+        "installed) with vLLM's multi-node flags; replicas, bounds and the GPU budget count groups, and the "
+        "router sends to each group's leader. Unset: one pod per replica.",
+    )
     gpu_resource_name: str = Field("nvidia.com/gpu", description="Extended resource name for GPUs.")
     resources: Resources | None = Field(None, description="CPU/memory requests and limits.")
     node_selector: StringMap | None = None
@@ -260,9 +283,18 @@ class RoleSpec(Model):
 
     @property
     def gpus(self) -> int:
+        """GPUs one replica holds (a whole group when the role spans nodes)."""
         if self.gpus_per_pod is not None:
             return self.gpus_per_pod
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def nodes(self) -> int:
+        """Pods (nodes) per replica: more than one when TP x PP exceeds gpusPerNode."""
+        model = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.gpus_per_node is None or model <= self.gpus_per_node:
+            return 1
+        return model // self.gpus_per_node
 
 
 class StoreSSDSpec(Model):
@@ -564,7 +596,10 @@ class AutoscalingSpec(Model):
     )
     slo: SLOSpec = section(SLOSpec)
     gpu_budget: int | None = Field(
-        None, ge=1, description="Most GPUs prefill plus decode may hold; unbounded when unset."
+        None,
+        ge=1,
+        description="Most GPUs the engine pools may hold (prefill plus decode, or the colocated pool); "
+        "unbounded when unset.",
     )
     interval_seconds: int = Field(30, ge=5, le=3600, description="How often the control law runs.")
     window_seconds: int = Field(120, ge=15, le=3600, description="PromQL rate window.")
@@ -611,6 +646,7 @@ class ServingMode(StrEnum):
 def _cluster_rules() -> list[dict[str, str]]:
     gpus = "(has(self.{r}.gpusPerPod) ? self.{r}.gpusPerPod : self.{r}.tensorParallelSize * self.{r}.pipelineParallelSize * self.{r}.dataParallelSize)"
     floor = f"self.prefill.minReplicas * {gpus.format(r='prefill')} + self.decode.minReplicas * {gpus.format(r='decode')}"
+    colocated_floor = f"self.colocated.minReplicas * {gpus.format(r='colocated')}"
     return [
         cel(
             "!has(self.kvTransfer.protocol) || self.kvTransfer.protocol != 'rdma' || self.rdma.mode != 'none'",
@@ -631,16 +667,15 @@ def _cluster_rules() -> list[dict[str, str]]:
             ".prefill.tensorParallelSize",
         ),
         cel(
-            # The control law sizes prefill against decode; a colocated pool scales by
-            # its PDRoleScaler (HPA, KEDA) for now.
-            "!has(self.mode) || self.mode != 'colocated' || !has(self.autoscaling.enabled)"
-            " || !self.autoscaling.enabled || self.autoscaling.mode == 'external'",
-            "colocated mode autoscales only with autoscaling.mode external (a PDRoleScaler for HPA or KEDA)",
-            ".autoscaling.mode",
+            f"!has(self.autoscaling.gpuBudget) || (has(self.mode) && self.mode == 'colocated')"
+            f" || self.autoscaling.gpuBudget >= {floor}",
+            "autoscaling.gpuBudget must cover the GPUs of prefill.minReplicas and decode.minReplicas",
+            ".autoscaling.gpuBudget",
         ),
         cel(
-            f"!has(self.autoscaling.gpuBudget) || self.autoscaling.gpuBudget >= {floor}",
-            "autoscaling.gpuBudget must cover the GPUs of prefill.minReplicas and decode.minReplicas",
+            "!has(self.autoscaling.gpuBudget) || !has(self.mode) || self.mode != 'colocated'"
+            f" || self.autoscaling.gpuBudget >= {colocated_floor}",
+            "autoscaling.gpuBudget must cover the GPUs of colocated.minReplicas",
             ".autoscaling.gpuBudget",
         ),
     ]
@@ -656,7 +691,8 @@ class PDClusterSpec(Model):
         ServingMode.disaggregated,
         description="`disaggregated`: a prefill and a decode pool, KV handed from one to the other. "
         "`colocated`: one pool of engines that each serve requests whole (chunked prefill, no KV "
-        "connector), sized by `colocated`; for short, uniform prompts. Changing it replaces the pools.",
+        "connector), sized by `colocated` (and by the control law on TTFT, ITL and KV cache usage when "
+        "autoscaling is on); for short, uniform prompts. Changing it replaces the pools.",
     )
     engine: EngineSpec = section(EngineSpec)
     kv_transfer: KVTransferSpec = section(KVTransferSpec)
@@ -735,8 +771,9 @@ class Decision(Model):
     """One run of the control law."""
 
     time: str
-    prefill: int
-    decode: int
+    prefill: int = Field(0, description="Prefill replicas decided; 0 in colocated mode.")
+    decode: int = Field(0, description="Decode replicas decided; 0 in colocated mode.")
+    colocated: int | None = Field(None, description="Colocated replicas decided; unset when disaggregated.")
     action: str = Field(description="`scale`, `hold` or `recommend`.")
     cause: str = Field(
         "", description="Why, as a code (the Autoscaling condition's reason), e.g. `TTFTOverTarget`."
@@ -807,6 +844,9 @@ class AutoscalingState(Model):
     )
     decode: int | None = Field(
         None, description="Replicas the autoscaler wants for decode (used in `auto` mode)."
+    )
+    colocated: int | None = Field(
+        None, description="Replicas the autoscaler wants for the colocated pool (used in `auto` mode)."
     )
     last_run_time: str | None = None
     last_change_time: str | None = None

@@ -32,6 +32,7 @@ class Cause(StrEnum):
     cooling_down = "CoolingDown"
     scale_up_blocked = "ScaleUpBlocked"  # an earlier scale-up timed out
     within_targets = "WithinTargets"
+    pool_headroom = "PoolHeadroom"  # colocated: fewer engines keep every target
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,9 @@ def summary(
     cause: Cause, f: Figures, current: dict[str, int], target: dict[str, int], role: str | None
 ) -> str:
     """One short line: what changes (or holds) and why."""
-    moves = [f"{r} {current[r]} -> {target[r]}" for r in ("prefill", "decode") if target[r] != current[r]]
-    change = ", ".join(moves) if moves else f"hold {current['prefill']}:{current['decode']}"
+    moves = [f"{r} {current[r]} -> {target[r]}" for r in target if target[r] != current[r]]
+    held = ":".join(str(current[r]) for r in target) + (" colocated" if "colocated" in target else "")
+    change = ", ".join(moves) if moves else f"hold {held}"
     q = f.quantile
     why = {
         Cause.disabled: "autoscaling disabled",
@@ -69,7 +71,7 @@ def summary(
         Cause.ttft_over_target: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms",
         Cause.prefill_short: f"prefill load rising (TTFT {q} {_ms(f.ttft_ms)})",
         Cause.itl_over_target: f"ITL {q} {_ms(f.itl_ms)} over {f.itl_target_ms} ms",
-        Cause.kv_cache_full: f"decode KV cache {0 if f.kv_usage is None else f.kv_usage:.0%} full",
+        Cause.kv_cache_full: f"{role if role == 'colocated' else 'decode'} KV cache {0 if f.kv_usage is None else f.kv_usage:.0%} full",
         Cause.decode_short: f"decode load rising (ITL {q} {_ms(f.itl_ms)})",
         Cause.prefill_headroom: f"TTFT {q} {_ms(f.ttft_ms)} well under {f.ttft_target_ms} ms",
         Cause.decode_headroom: f"ITL {q} {_ms(f.itl_ms)} well under {f.itl_target_ms} ms",
@@ -83,5 +85,7 @@ def summary(
         Cause.cooling_down: "cooling down after the last change",
         Cause.scale_up_blocked: f"{role} scale-up blocked after a timeout",
         Cause.within_targets: f"TTFT {q} {_ms(f.ttft_ms)}, ITL {q} {_ms(f.itl_ms)}: within targets",
+        Cause.pool_headroom: f"TTFT {q} {_ms(f.ttft_ms)} and ITL {q} {_ms(f.itl_ms)} well under "
+        f"{f.ttft_target_ms} and {f.itl_target_ms} ms",
     }[cause]
     return f"{change}: {why}"

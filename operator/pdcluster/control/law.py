@@ -1,4 +1,4 @@
-"""The prefill:decode control law.
+"""The prefill:decode control law (a colocated pool's is pool.py; `decide` runs either).
 
 `decide` runs every `autoscaling.intervalSeconds`. It is pure: everything it remembers
 lives in AutoscalingState (status), the time is passed in, and the latency profile is
@@ -39,10 +39,12 @@ from pdcluster.api.v1alpha1 import (
     LoadSample,
     ObservedMetrics,
     PDClusterSpec,
+    ServingMode,
     TTFTStages,
 )
 from pdcluster.control import learn, models
 from pdcluster.control.cause import Cause, Figures, summary
+from pdcluster.control.pool import decide_pool
 from pdcluster.control.types import MetricsSnapshot, Observed, TTFTBreakdown, breakdown
 from pdcluster.timestamps import parse, time_ms
 
@@ -78,6 +80,8 @@ def decide(
     profile: perf.Profile | None = None,
 ) -> tuple[AutoscalingState, Decision]:
     """One run of the control law: the next state (to status) and the decision taken."""
+    if spec.mode == ServingMode.colocated:
+        return decide_pool(spec, metrics, state, observed.colocated, now)
     return _Run(spec, metrics, state, observed, now, profile).run()
 
 

@@ -24,6 +24,8 @@ class RoleMetrics:
     tokens_per_s: float | None = None  # prefill: prompt tokens prefilled; decode: tokens generated
     ready: float | None = None  # engines reporting, mean over the window
     running: float | None = None  # requests RUNNING, summed over the engines (window mean)
+    waiting: float | None = None  # requests WAITING, summed over the engines (window mean)
+    kv_usage: float | None = None  # 0..1, mean over the engines (window mean)
     # Prompt lengths the engines finished in the window (vllm:request_prompt_tokens):
     # (bucket upper bound, requests in that bucket), the last bound +Inf.
     prompt_tokens: tuple[tuple[float, float], ...] = ()
@@ -54,6 +56,7 @@ class MetricsSnapshot:
     kv_handoff_ms: float | None = None  # vllm:mooncake_xfer_time_seconds (prefill pushes), mean
     prefill: RoleMetrics = field(default_factory=RoleMetrics)
     decode: RoleMetrics = field(default_factory=RoleMetrics)
+    colocated: RoleMetrics = field(default_factory=RoleMetrics)
 
 
 @dataclass(frozen=True)
@@ -108,9 +111,10 @@ class RoleObserved:
 class Observed:
     prefill: RoleObserved
     decode: RoleObserved
+    colocated: RoleObserved = RoleObserved(0, 0, 0)
 
     def role(self, name: str) -> RoleObserved:
-        return self.prefill if name == "prefill" else self.decode
+        return {"prefill": self.prefill, "colocated": self.colocated}.get(name, self.decode)
 
 
 def assemble(
@@ -143,6 +147,12 @@ def assemble(
     prefill_ready: float | None = None,
     decode_ready: float | None = None,
     prompt_tokens: tuple[tuple[float, float], ...] = (),
+    colocated_ttft_ms: float | None = None,
+    colocated_queue_time_q_ms: float | None = None,
+    colocated_itl_ms: float | None = None,
+    colocated_kv_usage: float | None = None,
+    colocated_waiting: float | None = None,
+    colocated_ready: float | None = None,
 ) -> MetricsSnapshot:
     """A snapshot from per-second rates of the router's and the engines' counters.
 
@@ -186,5 +196,13 @@ def assemble(
         ),
         decode=RoleMetrics(
             itl_ms=decode_itl_ms, tokens_per_s=decode_tokens_rate, ready=decode_ready, running=decode_running
+        ),
+        colocated=RoleMetrics(
+            ttft_ms=colocated_ttft_ms,
+            itl_ms=colocated_itl_ms,
+            queue_time_q_ms=colocated_queue_time_q_ms,
+            ready=colocated_ready,
+            waiting=colocated_waiting,
+            kv_usage=colocated_kv_usage,
         ),
     )

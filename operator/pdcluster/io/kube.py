@@ -57,6 +57,7 @@ _RESOURCES: dict[str, tuple[str, bool]] = {
     "PDRoleScaler": ("pdrolescalers", True),
     "ServiceMonitor": ("servicemonitors", True),
     "PodMonitor": ("podmonitors", True),
+    "LeaderWorkerSet": ("leaderworkersets", True),
 }
 
 

@@ -39,7 +39,7 @@ class Replicas:
         a = spec.autoscaling
         source: dict[str, int | None] = {}
         if a.enabled and a.mode == AutoscalingMode.auto and state is not None:
-            source = {role: getattr(state, role) for role in C.ENGINE_ROLES}
+            source = {role: getattr(state, role) for role in spec.engine_roles}
         elif a.enabled and a.mode == AutoscalingMode.external and external is not None:
             source = external
         counts: dict[str, int] = {}

@@ -1,5 +1,5 @@
-"""Engine pools (prefill and decode, or colocated): a StatefulSet, a headless Service
-and a PDB per role.
+"""Engine pools (prefill and decode, or colocated): a StatefulSet (a LeaderWorkerSet
+for a role spanning nodes), a headless Service and a PDB per role.
 
 vLLM is launched as its MooncakeConnector expects (vLLM docs/features/mooncake_connector_usage.md
 and mooncake_connector.py): `--kv-transfer-config` with kv_producer on prefill and
@@ -174,7 +174,8 @@ def resources(role: RoleSpec, spec: PDClusterSpec) -> dict[str, Any]:
     base = role.resources or Resources()
     requests = dict(base.requests or {})
     limits = dict(base.limits or {})
-    extended = {role.gpu_resource_name: role.gpus} if role.gpus else {}
+    per_pod = role.gpus // role.nodes  # a role spanning nodes: one node's share per pod
+    extended = {role.gpu_resource_name: per_pod} if per_pod else {}
     extended |= rdma.extended_resources(spec)
     # Extended resources must have requests equal to limits.
     requests.update(extended)
@@ -294,21 +295,84 @@ def statefulset(
     }
 
 
+def workload_kind(spec: PDClusterSpec, role: str) -> tuple[str, str]:
+    """(apiVersion, kind) of the object that runs a role's pods."""
+    if spec.role(role).nodes > 1:
+        return C.LWS_API_VERSION, "LeaderWorkerSet"
+    return "apps/v1", "StatefulSet"
+
+
+def multi_node_args(r: RoleSpec, *, worker: bool) -> list[str]:
+    """vLLM across the nodes of one group with its own processes, no Ray (vllm/config/
+    parallel.py: nnodes, node_rank, master_addr; vllm/entrypoints/cli/serve.py runs a
+    `--headless` node as workers only, no API server). The LeaderWorkerSet webhook
+    gives every pod of a group LWS_LEADER_ADDRESS and LWS_WORKER_INDEX (0: the leader)."""
+    args = ["--distributed-executor-backend", "mp", "--nnodes", str(r.nodes)]
+    args += ["--node-rank", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)"]
+    return args + (["--headless"] if worker else [])
+
+
+def leaderworkerset(
+    spec: PDClusterSpec, owner: Owner, role: str, replicas: int, partition: int = 0
+) -> dict[str, Any]:
+    """A role spanning nodes: `replicas` groups of `nodes` pods. The leader serves the API
+    and joins the KV hand-off; workers hold the other ranks and serve nothing, so they
+    have no ports, probes or scrape annotations."""
+    r = spec.role(role)
+    leader = pod_template(spec, owner, role)
+    leader["spec"]["containers"][0]["args"] += multi_node_args(r, worker=False)
+    worker = pod_template(spec, owner, role)
+    engine = worker["spec"]["containers"][0]
+    engine["args"] += multi_node_args(r, worker=True)
+    for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe"):
+        engine.pop(key)
+    for key in scrape_annotations(spec.engine.port):
+        worker["metadata"]["annotations"].pop(key)
+    return {
+        "apiVersion": C.LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata(owner, role),
+        "spec": {
+            "replicas": replicas,
+            "startupPolicy": "LeaderCreated",
+            # Groups below the partition keep the old revision for now (rollout.py).
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"partition": partition, "maxUnavailable": 1, "maxSurge": 0},
+            },
+            "leaderWorkerTemplate": {
+                "size": r.nodes,
+                # A rank that dies takes its group's collective with it: restart the group.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": leader,
+                "workerTemplate": worker,
+            },
+        },
+    }
+
+
 def headless_service(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
     ports = [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}]
     if role == C.ROLE_PREFILL:
         ports.append(
             {"name": "bootstrap", "port": spec.kv_transfer.bootstrap_port, "targetPort": "bootstrap"}
         )
+    chosen = selector(owner, role)
+    name = None
+    if spec.role(role).nodes > 1:
+        # The LeaderWorkerSet has a Service of its own name for its pods' DNS; this one
+        # holds the group leaders alone, whose EndpointSlices the routers read.
+        chosen = {**chosen, C.LABEL_LWS_WORKER_INDEX: "0"}
+        name = f"{owner.child(role)}-leaders"
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(owner, role),
+        "metadata": metadata(owner, role, name=name),
         "spec": {
             # Headless: stable pod DNS for each engine (routers follow the pods themselves).
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
-            "selector": selector(owner, role),
+            "selector": chosen,
             "ports": ports,
         },
     }
@@ -326,8 +390,9 @@ def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
 def build_role(
     spec: PDClusterSpec, owner: Owner, role: str, replicas: int, partition: int = 0
 ) -> list[dict[str, Any]]:
+    multi_node = spec.role(role).nodes > 1
     return [
-        statefulset(spec, owner, role, replicas, partition),
+        (leaderworkerset if multi_node else statefulset)(spec, owner, role, replicas, partition),
         headless_service(spec, owner, role),
         disruption_budget(owner, role),
     ]

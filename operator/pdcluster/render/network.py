@@ -14,6 +14,8 @@ The ports and where they come from:
   and store pods; the master's RPC port from both, its metrics port from the router
   (store lookups) and `scrapeFrom`, its HTTP metadata server from both when enabled.
 
+- a role spanning nodes: any port between its pods (the ranks of each group).
+
 RDMA verbs bypass the kernel's network stack, and host-network pods are outside any
 NetworkPolicy: these policies govern the TCP paths only.
 """
@@ -73,6 +75,10 @@ def build_network_policies(spec: PDClusterSpec, owner: Owner) -> list[dict[str, 
             {"from": [_pods(owner, *engines)], "ports": [*bootstrap, _port(*ZMQ_RANDOM_PORTS)]},
         ]
     engine_rules.append({"from": peers, "ports": transfer})
+    if spanning := [role for role in engines if spec.role(role).nodes > 1]:
+        # A group's ranks meet on torch.distributed's store at the leader and then talk
+        # over sockets each picks (NCCL or Gloo, vLLM's message queue): any port.
+        engine_rules.append({"from": [_pods(owner, *spanning)]})
     policies = [
         _policy(owner, "engines", _pods(owner, *engines), engine_rules),
         # Clients come from anywhere the router's Service is reachable from.

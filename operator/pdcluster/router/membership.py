@@ -10,6 +10,9 @@ being deleted, with the container ports named `http`/`bootstrap` (default 8000/8
 This is for clusters whose EndpointSlices cannot hold the pod addresses (the local test
 cluster gives pods loopback addresses, which EndpointSlice validation rejects).
 
+A role spanning nodes runs as LeaderWorkerSet groups: only each group's leader serves
+(worker index 0); its Service `<cluster>-<role>-leaders` selects the leaders alone.
+
 Colocated engines (role `colocated`) form a plain pool: each serves a request whole, with
 no KV hand-off, and is routable as soon as it is ready.
 
@@ -35,6 +38,7 @@ from pdcluster.constants import (
     ENGINE_PORT,
     LABEL_CLUSTER,
     LABEL_KV_REVISION,
+    LABEL_LWS_WORKER_INDEX,
     LABEL_ROLE,
     ROLE_COLOCATED,
     ROLE_DECODE,
@@ -166,6 +170,8 @@ def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
         ip = status.get("podIP")
         if role not in _ENGINE_ROLES or not ip or meta.get("deletionTimestamp"):
             continue
+        if (meta.get("labels") or {}).get(LABEL_LWS_WORKER_INDEX, "0") != "0":
+            continue  # a multi-node group's worker: its leader serves the group
         conditions = status.get("conditions") or []
         if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
             continue

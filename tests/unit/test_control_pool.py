@@ -1,0 +1,158 @@
+"""The colocated pool's control law: decision tables for each guard, and trajectories
+against a small model of a colocated fleet (latency rising with each engine's load)."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
+from pdcluster.control import MetricsSnapshot, Observed, RoleMetrics, RoleObserved, decide
+from pdcluster.control.cause import Cause
+
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+CAPACITY = 2.0  # requests/s one engine of the model serves
+
+
+def spec(replicas: int = 2, **autoscaling: Any) -> PDClusterSpec:
+    auto = {
+        "enabled": True,
+        "slo": {"ttftMs": 500, "itlMs": 25},
+        "intervalSeconds": 30,
+        "windowSeconds": 60,
+        "scaleDownStabilizationSeconds": 120,
+        "cooldownSeconds": 60,
+        **autoscaling,
+    }
+    return PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "mode": "colocated",
+            "colocated": {"replicas": replicas, "minReplicas": 1, "maxReplicas": 10},
+            "autoscaling": auto,
+        }
+    )
+
+
+def pool(desired: int, ready: int | None = None, unschedulable: int = 0) -> Observed:
+    ready = desired if ready is None else ready
+    none = RoleObserved(0, 0, 0)
+    return Observed(none, none, RoleObserved(desired, desired, ready, unschedulable))
+
+
+def fleet(rate: float, engines: int, kv: float = 0.3) -> MetricsSnapshot:
+    """A window of the model fleet: TTFT grows as M/M/1 queueing, ITL with the batch."""
+    u = min(rate / (engines * CAPACITY), 0.97)
+    return MetricsSnapshot(
+        window_s=60,
+        request_rate=rate,
+        ttft_ms=150.0 / (1.0 - u),
+        itl_ms=10.0 + 12.0 * u,
+        mean_input_tokens=1000.0,
+        mean_output_tokens=200.0,
+        colocated=RoleMetrics(kv_usage=kv, ready=engines),
+    )
+
+
+def run(s: PDClusterSpec, rates: list[float], start: int | None = None) -> list[tuple[int, str]]:
+    """The law every 30 s against the model; pods become ready at once."""
+    state, engines, out = None, start or s.colocated.replicas, []
+    for i, rate in enumerate(rates):
+        state, decision = decide(
+            s, fleet(rate, engines), state, pool(engines), T0 + timedelta(seconds=30 * i)
+        )
+        engines = state.colocated
+        out.append((engines, decision.cause))
+    return out
+
+
+def test_load_rising_then_falling_scales_up_fast_and_down_slowly_without_flapping() -> None:
+    rates = [2.0] * 4 + [9.0] * 12 + [2.0] * 20
+    trajectory = run(spec(replicas=2), rates)
+    counts = [n for n, _ in trajectory]
+    # Up: TTFT over target at 9 req/s on 2 engines; never more than maxStep (2) a change.
+    assert counts[:4] == [2, 2, 2, 2]
+    assert max(b - a for a, b in itertools.pairwise(counts)) <= 2
+    peak = max(counts)
+    assert peak >= 6, trajectory  # 9 req/s needs at least 5 engines of 2 req/s within targets
+    # Under the steady 9 req/s: up, then at most a trim of the overshoot, never up again.
+    high = counts[3:16]
+    moves = [b - a for a, b in itertools.pairwise(high) if b != a]
+    assert moves == sorted(moves, reverse=True) and sum(m < 0 for m in moves) <= 1, trajectory
+    assert trajectory[15][1] == Cause.within_targets and counts[14] == counts[15], trajectory
+    # Down: only after the stabilization (120 s = 4 runs), one cooldown apart, never below 1.
+    after = counts[16:]
+    assert after[:4] == [counts[15]] * 4, trajectory
+    assert after[-1] < peak and min(after) >= 1
+    assert any(c == Cause.pool_headroom for _, c in trajectory[16:])
+    assert any(c in (Cause.ttft_over_target, Cause.itl_over_target) for _, c in trajectory[4:8])
+
+
+def test_steady_load_inside_the_band_holds() -> None:
+    trajectory = run(spec(replicas=4), [5.0] * 20)
+    assert {n for n, _ in trajectory} == {4}
+    assert {c for _, c in trajectory} == {Cause.within_targets}
+
+
+def test_the_gpu_budget_and_max_replicas_bound_scale_ups() -> None:
+    s = spec(replicas=2, gpuBudget=3)
+    trajectory = run(s, [30.0] * 8)
+    assert max(n for n, _ in trajectory) == 3
+    state, decision = decide(s, fleet(30.0, 3), None, pool(3), T0)
+    assert state.colocated == 3 and "more than 3 engines" in decision.reason
+
+
+def test_a_full_kv_cache_adds_engines_with_its_own_cause() -> None:
+    s = spec(replicas=2)
+    state, decision = decide(s, fleet(1.0, 2, kv=0.99), None, pool(2), T0)
+    assert state.colocated == 3 and decision.cause == Cause.kv_cache_full
+    assert decision.summary.startswith("colocated 2 -> 3: colocated KV cache")
+
+
+def test_guards_hold_and_say_why() -> None:
+    s = spec(replicas=3)
+    for snapshot, cause in ((None, Cause.metrics_unavailable), (MetricsSnapshot(60, 0.0), Cause.no_traffic)):
+        state, decision = decide(s, snapshot, None, pool(3), T0)
+        assert (state.colocated, decision.cause, decision.action) == (3, cause, "hold")
+    state, decision = decide(spec(replicas=3, enabled=False), fleet(20.0, 3), None, pool(3), T0)
+    assert (state.colocated, decision.cause) == (3, Cause.disabled)
+
+
+def test_recommend_mode_records_and_changes_nothing() -> None:
+    s = spec(replicas=2, mode="recommend")
+    state, decision = decide(s, fleet(9.0, 2), None, pool(2), T0)
+    assert decision.action == "recommend" and decision.colocated > 2
+    # The next run starts again from what runs (the StatefulSet's replicas), not the advice.
+    state, decision = decide(s, fleet(9.0, 2), state, pool(2), T0 + timedelta(seconds=30))
+    assert decision.action == "recommend" and state.last_change_time is None
+
+
+def test_a_scale_up_that_never_becomes_ready_falls_back_and_blocks() -> None:
+    s = spec(replicas=2, scaleUpTimeoutSeconds=60)
+    state, decision = decide(s, fleet(9.0, 2), None, pool(2), T0)
+    assert state.colocated == 4
+    t = T0
+    for _ in range(2):  # two of the four pods never get a node
+        t += timedelta(seconds=30)
+        state, decision = decide(s, fleet(9.0, 2), state, pool(4, ready=2, unschedulable=2), t)
+    assert (state.colocated, decision.cause) == (2, Cause.scale_up_timed_out)
+    assert "2 unschedulable" in decision.reason
+    t += timedelta(seconds=30)
+    state, decision = decide(s, fleet(9.0, 2), state, pool(2), t)
+    assert (state.colocated, decision.cause) == (2, Cause.scale_up_blocked)
+
+
+def test_a_restarted_operator_continues_from_status() -> None:
+    s = spec(replicas=4)
+    state, _ = decide(s, fleet(1.0, 4), None, pool(4), T0)
+    assert state.down_wanted_since == {"colocated": state.last_run_time}
+    # Through status (JSON) and back, as a restarted operator reads it.
+    for seconds in (60, 120):
+        restored = AutoscalingState.model_validate(state.model_dump(by_alias=True, exclude_none=True))
+        state, decision = decide(s, fleet(1.0, 4), restored, pool(4), T0 + timedelta(seconds=seconds))
+    assert state.colocated < 4 and decision.cause == Cause.pool_headroom
+    # A gap longer than three intervals discards the timers: "wanted since" must mean continuously.
+    state, _ = decide(s, fleet(1.0, 4), None, pool(4), T0)
+    state, decision = decide(s, fleet(1.0, 4), state, pool(4), T0 + timedelta(seconds=150))
+    assert state.colocated == 4 and decision.cause == Cause.stabilizing
