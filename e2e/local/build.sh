@@ -2,7 +2,8 @@
 # Builds the local control plane's binaries from Go modules into a cache outside the
 # repository, and reuses them when they are already there:
 #   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (k8s.io/kubernetes)
-#   etcd (go.etcd.io/etcd/server/v3), kwok (sigs.k8s.io/kwok), helm (helm.sh/helm/v3)
+#   etcd (go.etcd.io/etcd/server/v3), kwok (sigs.k8s.io/kwok), helm (helm.sh/helm/v3),
+#   the LeaderWorkerSet controller (sigs.k8s.io/lws) with its CRDs and webhook manifests
 # Prints the bin directory on stdout; progress goes to stderr.
 set -euo pipefail
 
@@ -54,6 +55,18 @@ if [ ! -x "$bin/helm" ]; then
       -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 \
       -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$minor" \
     "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >&2
+fi
+
+# The LeaderWorkerSet controller and what it ships beside its code (CRDs, webhooks).
+lws="$bin/lws-$LWS_VERSION"
+if [ ! -x "$lws/lws-controller" ]; then
+  log "building the LeaderWorkerSet controller $LWS_VERSION"
+  mkdir -p "$lws.tmp"
+  (cd "$here/gomod/lws" && go build -trimpath -ldflags "-s -w" -o "$lws.tmp/lws-controller" sigs.k8s.io/lws/cmd) >&2
+  src="$(cd "$here/gomod/lws" && go list -m -f '{{.Dir}}' sigs.k8s.io/lws)"
+  cp "$src"/config/crd/bases/*.yaml "$src/config/webhook/manifests.yaml" "$lws.tmp/"
+  chmod -R u+w "$lws.tmp"
+  rm -rf "$lws" && mv "$lws.tmp" "$lws"
 fi
 
 # kwok v0.8 ships no default stages; the harness writes its own, but keep the

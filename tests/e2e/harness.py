@@ -154,6 +154,7 @@ CHILD_KINDS = {
     "NetworkPolicy": "networking.k8s.io/v1",
     "Role": "rbac.authorization.k8s.io/v1",
     "RoleBinding": "rbac.authorization.k8s.io/v1",
+    "LeaderWorkerSet": C.LWS_API_VERSION,
 }
 
 
@@ -187,11 +188,12 @@ async def convergence_problems(kube: Kube, body: dict[str, Any]) -> list[str]:
     problems += [f"missing {kind} {n}" for kind, n in desired if (kind, n) not in seen]
     pods = await kube.list("v1", "Pod", namespace, label_selector=selector)
     for obj in desired.values():
-        if obj["kind"] in ("StatefulSet", "Deployment"):
+        if obj["kind"] in ("StatefulSet", "Deployment", "LeaderWorkerSet"):
             role = obj["metadata"]["labels"][C.LABEL_ROLE]
             live = [p for p in pods if p["metadata"]["labels"].get(C.LABEL_ROLE) == role]
-            if len(live) != obj["spec"]["replicas"]:
-                problems.append(f"{len(live)} {role} pods, want {obj['spec']['replicas']}")
+            want = obj["spec"]["replicas"] * obj["spec"].get("leaderWorkerTemplate", {}).get("size", 1)
+            if len(live) != want:
+                problems.append(f"{len(live)} {role} pods, want {want}")
     return problems
 
 

@@ -147,3 +147,17 @@ def test_every_console_script_answers_help(script: str, capsys: pytest.CaptureFi
         importlib.import_module(script).main(["--help"])
     assert exit_.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_multi_node_flags_as_the_operator_renders_them_for_a_group() -> None:
+    group = ["m", "-tp", "16", "--distributed-executor-backend", "mp", "--nnodes", "2"]
+    worker = parse([*group, "--node-rank", "1", "--master-addr", "g-0.g.ns", "--headless"])
+    assert (worker.nnodes, worker.node_rank, worker.master_addr, worker.master_port) == (
+        2,
+        1,
+        "g-0.g.ns",
+        29501,
+    )
+    assert worker.headless
+    leader = parse(["m", "-tp", "16", "-n", "2", "-r", "0", "--master-port", "30000"])
+    assert (leader.nnodes, leader.node_rank, leader.master_port, leader.headless) == (2, 0, 30000, False)

@@ -1,10 +1,11 @@
 """Start, reuse, inspect and stop a local cluster: etcd, kube-apiserver,
-kube-controller-manager, kube-scheduler, kwok, the pod runner and Prometheus, all as
-plain processes on 127.0.0.1 with their state under one run directory."""
+kube-controller-manager, kube-scheduler, kwok, the LeaderWorkerSet controller, the pod
+runner and Prometheus, all as plain processes on 127.0.0.1 with their state under one run directory."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import fcntl
 import hashlib
@@ -29,7 +30,8 @@ from pdcluster.io.kube import ApiError, Kube, KubeConfig
 
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 # Stopped in this order: the pod runner first, so pods get their SIGTERM while the API is up.
-COMPONENTS = ("podrunner", "prometheus", "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
+COMPONENTS = ("podrunner", "prometheus", "lws-controller", "kwok", "kube-scheduler", "kube-controller-manager",
+              "kube-apiserver", "etcd")
 Log = Callable[[str], None]
 
 
@@ -202,7 +204,8 @@ def _start(name: str, pool: nodes.NodePool, scrape_interval: str, vllm: bool, lo
     run.mkdir(parents=True)
     bins = paths.bin_dir()
     shim = bind_shim()
-    ports = {k: _free_port() for k in ("etcd", "etcd_peer", "apiserver", "podrunner", "prometheus")}
+    ports = {k: _free_port() for k in ("etcd", "etcd_peer", "apiserver", "podrunner", "prometheus",
+                                        "lws_webhook", "lws_health")}
     server = f"https://127.0.0.1:{ports['apiserver']}"
     keys = pki.create(
         run / "pki",
@@ -282,12 +285,91 @@ def _start(name: str, pool: nodes.NodePool, scrape_interval: str, vllm: bool, lo
     step("controllers, scheduler, kwok, pod runner and prometheus started")
 
     asyncio.run(_ensure_nodes(state, pool, step))
+    lws = _lws_config(state, keys)
+    asyncio.run(_install_lws(state, keys))
+    start("lws-controller", [str(paths.lws_dir(bins) / "lws-controller"), f"--config={lws}", "--zap-log-level=info"],
+          env={**os.environ, "KUBECONFIG": str(admin)})
+    _wait("lws-controller", lambda: _http_ok(f"http://127.0.0.1:{ports['lws_health']}/readyz")
+          and _listening(ports["lws_webhook"]), timeout=30, proc=state.proc("lws-controller"),
+          log_file=run / "lws-controller.log")
+    step("LeaderWorkerSet controller ready")
     _wait("pod runner", lambda: _http_ok(f"{runner_url}/healthz"), timeout=30, proc=state.proc("podrunner"),
           log_file=run / "podrunner.log")
     _wait("prometheus", lambda: _http_ok(f"{state.prometheus_url}/-/ready"), timeout=30,
           proc=state.proc("prometheus"), log_file=run / "prometheus.log")
     step(f"cluster {name!r} is up: {server}")
     return state
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _lws_config(state: State, keys: pki.Pki) -> Path:
+    """The LeaderWorkerSet controller's configuration: webhooks on loopback with the
+    apiserver's serving certificate (its SANs hold 127.0.0.1, which the apiserver checks
+    when it calls them), no certificate rotation of its own, one replica."""
+    run = Path(state.run_dir)
+    certs = run / "lws-certs"
+    certs.mkdir(exist_ok=True)
+    shutil.copy(keys.apiserver_cert, certs / "tls.crt")
+    shutil.copy(keys.apiserver_key, certs / "tls.key")
+    config = {
+        "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+        "kind": "Configuration",
+        "internalCertManagement": {"enable": False},
+        "webhook": {"host": "127.0.0.1", "port": state.ports["lws_webhook"], "certDir": str(certs)},
+        "metrics": {"bindAddress": "0"},
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{state.ports['lws_health']}"},
+        "leaderElection": {"leaderElect": False},
+    }
+    path = run / "lws-config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def lws_webhooks(manifests: str, port: int, ca_bundle: bytes) -> list[dict[str, Any]]:
+    """The controller's webhook configurations, called at https://127.0.0.1:<port>.
+    As its own deployment patches them: pod webhooks only for pods of a LeaderWorkerSet,
+    so that every other pod is created even while the controller is down."""
+    out = []
+    for doc in yaml.safe_load_all(manifests):
+        if not doc:
+            continue
+        doc["metadata"]["name"] = f"lws-{doc['metadata']['name']}"
+        for hook in doc["webhooks"]:
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}",
+                                    "caBundle": base64.b64encode(ca_bundle).decode()}
+            if any("pods" in rule["resources"] for rule in hook["rules"]):
+                hook["objectSelector"] = {"matchExpressions": [
+                    {"key": "leaderworkerset.sigs.k8s.io/name", "operator": "Exists"}]}
+        out.append(doc)
+    return out
+
+
+async def _install_lws(state: State, keys: pki.Pki) -> None:
+    """CRDs and webhook configurations of the LeaderWorkerSet controller, server-side applied."""
+    source = paths.lws_dir(Path(state.bin_dir))
+    objects = [yaml.safe_load(crd.read_text()) for crd in sorted(source.glob("*_*.yaml"))]
+    objects += lws_webhooks((source / "manifests.yaml").read_text(), state.ports["lws_webhook"],
+                            keys.ca_cert.read_bytes())
+    async with Kube(KubeConfig.from_file(state.kubeconfig)) as kube:
+        for obj in objects:
+            await kube.apply(obj, field_manager="localcluster")
+        deadline = time.monotonic() + 30
+        while not await _established(kube):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the LeaderWorkerSet CRD was not established in 30s")
+            await asyncio.sleep(0.2)
+
+
+async def _established(kube: Kube) -> bool:
+    crd = await kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition",
+                         "leaderworkersets.leaderworkerset.x-k8s.io")
+    conditions = ((crd or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
 
 async def _ensure_nodes(state: State, pool: nodes.NodePool, log: Log) -> None:

@@ -45,7 +45,12 @@ def bin_dir() -> Path:
         f"-kwok-{v['KWOK_VERSION']}-helm-{v['HELM_VERSION']}"
     )
     path = cache_dir() / "bin" / name
-    if all(os.access(path / b, os.X_OK) for b in BINARIES):
+    if all(os.access(path / b, os.X_OK) for b in BINARIES) and lws_dir(path).is_dir():
         return path
     out = subprocess.run([str(LOCAL_DIR / "build.sh")], check=True, stdout=subprocess.PIPE, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def lws_dir(bins: Path) -> Path:
+    """The LeaderWorkerSet controller, its CRDs and webhook manifests (build.sh)."""
+    return bins / f"lws-{versions()['LWS_VERSION']}"

@@ -61,6 +61,12 @@ class SimConfig:
     record: int
     stamp_tokens: bool
     faults: bool = False
+    # one engine across nodes (vLLM's multi-node mode; nodes.py)
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    headless: bool = False
 
     @property
     def role(self) -> str:
@@ -152,6 +158,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)  # vLLM's default on CUDA
+    # vLLM's multi-node mode (vllm/config/parallel.py defaults; --headless: workers only)
+    p.add_argument("--nnodes", "-n", type=int, default=1)
+    p.add_argument("--node-rank", "-r", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29501)
+    p.add_argument("--headless", action="store_true")
     sim = p.add_argument_group("simulator")
     sim.add_argument(
         "--sim-profile", default="h200-llama3.1-8b", help="pdcluster.perf profile, or `zero` (no latency)"
@@ -321,4 +333,9 @@ def parse(argv: list[str]) -> SimConfig:
         record=args.sim_record,
         stamp_tokens=args.sim_stamp_tokens,
         faults=args.sim_faults,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        headless=args.headless,
     )

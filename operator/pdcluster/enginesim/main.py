@@ -8,6 +8,7 @@ import logging
 import signal
 import socket
 import sys
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -18,6 +19,7 @@ from pdcluster.enginesim.cli import SimConfig, parse
 from pdcluster.enginesim.engine import EngineCore, Seq, TransferHook
 from pdcluster.enginesim.kv import BootstrapServer, KvPuller, MooncakeStore, SideChannel, TransferTable
 from pdcluster.enginesim.metrics import EngineMetrics, MetricFamilies
+from pdcluster.enginesim.nodes import Group
 from pdcluster.enginesim.store import PrefixStore
 
 log = logging.getLogger("pdcluster.enginesim")
@@ -195,17 +197,43 @@ class Simulator:
             await self.prefix_store.close()
 
 
-async def serve(config: SimConfig) -> None:
-    sim = Simulator(config)
+async def _until(*aws: Any) -> None:
+    """Until the first of `aws` finishes; the others are cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def serve(config: SimConfig) -> int:
+    """Run until SIGTERM (0) or until a node of a multi-node group leaves (1)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await sim.start()
+    c = config
+    group = Group(c.nnodes, c.node_rank, c.master_addr, c.master_port) if c.nnodes > 1 else None
     try:
-        await stop.wait()
+        if group is not None:
+            follower = c.headless and c.node_rank > 0
+            await _until(group.follow() if follower else group.lead(), stop.wait())
+            if follower:
+                await _until(group.broken.wait(), stop.wait())
+                return 0 if stop.is_set() else 1
+            if stop.is_set():
+                return 0
+        sim = Simulator(config)
+        await sim.start()
+        try:
+            await _until(stop.wait(), *([group.broken.wait()] if group else []))
+        finally:
+            await sim.stop()
+        return 0 if stop.is_set() else 1
     finally:
-        await sim.stop()
+        if group is not None:
+            await group.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,8 +250,10 @@ def main(argv: list[str] | None = None) -> None:
         runner = asyncio.run
     else:
         runner = uvloop.run
+    code = 0
     with contextlib.suppress(KeyboardInterrupt):
-        runner(serve(config))
+        code = runner(serve(config))
+    sys.exit(code)
 
 
 if __name__ == "__main__":

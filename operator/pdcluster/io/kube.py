@@ -58,6 +58,8 @@ _RESOURCES: dict[str, tuple[str, bool]] = {
     "ServiceMonitor": ("servicemonitors", True),
     "PodMonitor": ("podmonitors", True),
     "LeaderWorkerSet": ("leaderworkersets", True),
+    "MutatingWebhookConfiguration": ("mutatingwebhookconfigurations", False),
+    "ValidatingWebhookConfiguration": ("validatingwebhookconfigurations", False),
 }
 
 
