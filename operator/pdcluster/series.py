@@ -97,6 +97,8 @@ SERIES: Final[tuple[Series, ...]] = (
     Series("decode_running", Kind.gauge_sum, obs.VLLM_RUNNING, D),
     Series("decode_kv_usage", Kind.gauge_avg, obs.VLLM_KV_USAGE, D),
     Series("decode_ready", Kind.engines, obs.VLLM_WAITING, D),
+    Series("colocated_prompt_tokens_rate", Kind.rate, obs.VLLM_PROMPT_TOKENS, C),
+    Series("colocated_finished_rate", Kind.rate, obs.VLLM_REQUEST_SUCCESS, C),
     Series("colocated_ttft_ms", Kind.quantile, obs.VLLM_TTFT, C),
     Series("colocated_queue_time_q_ms", Kind.quantile, obs.VLLM_QUEUE_TIME, C),
     Series("colocated_itl_ms", Kind.quantile, obs.VLLM_ITL, C),

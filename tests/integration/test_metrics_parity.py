@@ -50,6 +50,8 @@ PODS = {
     "decode-0": ("demo", "decode"),
     "decode-1": ("demo", "decode"),
     "decode-2": ("demo", "decode"),
+    "colocated-0": ("demo", "colocated"),
+    "colocated-1": ("demo", "colocated"),
     "other-prefill-0": ("other", "prefill"),
 }
 
@@ -194,6 +196,7 @@ async def test_prometheus_and_the_simulator_read_the_same_snapshot(
     assert isinstance(real, MetricsSnapshot) and isinstance(simulated, MetricsSnapshot)
     # Every field the contract fills is there: a parity of Nones would prove nothing.
     assert real.decode.running and real.prefill.prompt_tokens and real.decode_kv_usage is not None
+    assert real.colocated.ttft_ms and real.colocated.kv_usage is not None and real.colocated.ready
     assert (real.request_rate_before is None) == (offset_s < WINDOW_S + STEP_S)
     assert_same(real, simulated, "snapshot")
 

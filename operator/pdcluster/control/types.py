@@ -147,6 +147,8 @@ def assemble(
     prefill_ready: float | None = None,
     decode_ready: float | None = None,
     prompt_tokens: tuple[tuple[float, float], ...] = (),
+    colocated_prompt_tokens_rate: float | None = None,
+    colocated_finished_rate: float | None = None,
     colocated_ttft_ms: float | None = None,
     colocated_queue_time_q_ms: float | None = None,
     colocated_itl_ms: float | None = None,
@@ -159,12 +161,15 @@ def assemble(
     The router counts prompt tokens when it dispatches and requests when they finish, so
     under a backlog finished requests understate demand. The arrival rate is therefore
     prompt tokens arriving / mean prompt, the mean prompt taken from what the prefill
-    engines finished (vllm:prompt_tokens / vllm:request_success on prefill).
+    engines finished (vllm:prompt_tokens / vllm:request_success on prefill; on the
+    colocated engines in colocated mode).
     """
     prompt_tokens_rate = prompt_tokens_rate or 0.0
     prefilled_tokens_rate, prefilled_rate = prefilled_tokens_rate or 0.0, prefilled_rate or 0.0
     finished_rate, generated_tokens_rate = finished_rate or 0.0, generated_tokens_rate or 0.0
     isl = prefilled_tokens_rate / prefilled_rate if prefilled_rate > 0 else 0.0
+    if isl <= 0 and colocated_finished_rate:  # colocated: the engines' own count, as prefill's
+        isl = (colocated_prompt_tokens_rate or 0.0) / colocated_finished_rate
     if isl <= 0 and finished_rate > 0:  # prefill counted requests but no tokens in the window
         isl = prompt_tokens_rate / finished_rate
     if isl <= 0:

@@ -195,6 +195,8 @@ def snapshot(scrapes: Scrapes, t: float, window_s: int, quantile: float) -> Metr
             continue
         first, last = window.first, window.last
         if s.counter:
+            if s.key not in first.counters:
+                continue  # a series this fleet does not export (a pool it has not), as Prometheus has none
             values[s.field] = window.rate(first.counters[s.key], last.counters[s.key])
         elif s.kind == Kind.quantile:
             values[s.field] = window.quantile_ms(s.key, scrapes.bounds[s.key], quantile)
