@@ -99,23 +99,27 @@ async def test_a_profile_from_a_config_map_or_a_clear_error() -> None:
     assert result.condition and result.condition[1] != "UnknownProfile"
 
 
-async def test_pods_the_scheduler_cannot_place_are_counted() -> None:
-    kube = FakeKube()
-    for i in range(2):
+def unschedulable_pods(kube: FakeKube, role: str, count: int) -> None:
+    for i in range(count):
         kube.put(
             {
                 "apiVersion": "v1",
                 "kind": "Pod",
                 "metadata": {
-                    "name": f"c-decode-{i}",
+                    "name": f"c-{role}-{i}",
                     "namespace": "ns",
-                    "labels": {C.LABEL_CLUSTER: "c", C.LABEL_ROLE: C.ROLE_DECODE},
+                    "labels": {C.LABEL_CLUSTER: "c", C.LABEL_ROLE: role},
                 },
                 "status": {
                     "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]
                 },
             }
         )
+
+
+async def test_pods_the_scheduler_cannot_place_are_counted() -> None:
+    kube = FakeKube()
+    unschedulable_pods(kube, C.ROLE_DECODE, 2)
     a = autoscaler(kube, FakePrometheus(metrics()))
     observed = await a._observed(spec(), OWNER, status())
     assert (observed.decode.unschedulable, observed.prefill.unschedulable) == (2, 0)
@@ -123,18 +127,7 @@ async def test_pods_the_scheduler_cannot_place_are_counted() -> None:
 
 async def test_a_colocated_pool_is_sized_on_its_own_pods_and_metrics() -> None:
     kube = FakeKube()
-    for i in range(2):
-        kube.put(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": f"c-colocated-{i}",
-                    "namespace": "ns",
-                    "labels": {C.LABEL_CLUSTER: "c", C.LABEL_ROLE: C.ROLE_COLOCATED},
-                },
-            }
-        )
+    unschedulable_pods(kube, C.ROLE_COLOCATED, 1)
     s = PDClusterSpec.model_validate(
         {
             "model": {"name": "m"},
@@ -150,6 +143,8 @@ async def test_a_colocated_pool_is_sized_on_its_own_pods_and_metrics() -> None:
     result = await autoscaler(kube, FakePrometheus(snapshot)).step(
         s, OWNER, PDClusterStatus(colocated=pool), T0
     )
+    observed = await autoscaler(kube, None)._observed(s, OWNER, PDClusterStatus(colocated=pool))
+    assert (observed.colocated.ready, observed.colocated.unschedulable) == (2, 1)
     assert result.state is not None and result.state.colocated == 4
     assert (result.state.prefill, result.state.decode) == (None, None)
     assert result.condition == (True, "TTFTOverTarget", "colocated 2 -> 4: TTFT p90 1500 ms over 500 ms")
