@@ -156,3 +156,17 @@ def test_a_restarted_operator_continues_from_status() -> None:
     state, _ = decide(s, fleet(1.0, 4), None, pool(4), T0)
     state, decision = decide(s, fleet(1.0, 4), state, pool(4), T0 + timedelta(seconds=150))
     assert state.colocated == 4 and decision.cause == Cause.stabilizing
+
+
+def test_while_engines_start_the_window_counts_only_the_ready_ones() -> None:
+    s = spec(replicas=4)
+    state = AutoscalingState(colocated=4, last_run_time="2026-12-01T11:59:30.000Z")
+    # 2 of 4 ready, TTFT 1.5x its target: 3 engines of the measured kind would do; 4 are coming.
+    slow = MetricsSnapshot(60, 4.0, ttft_ms=750.0, itl_ms=12.0, colocated=RoleMetrics(kv_usage=0.3))
+    state, decision = decide(s, slow, state, pool(4, ready=2), T0)
+    assert (state.colocated, decision.cause) == (4, Cause.stabilizing)
+    assert "scale-up to 4 under way (2 ready)" in decision.reason
+    # Three times over: 2 ready engines x 3 = 6, more than is coming.
+    worse = MetricsSnapshot(60, 4.0, ttft_ms=1500.0, itl_ms=12.0, colocated=RoleMetrics(kv_usage=0.3))
+    state, decision = decide(s, worse, state, pool(4, ready=2), T0 + timedelta(seconds=30))
+    assert (state.colocated, decision.cause) == (6, Cause.ttft_over_target)

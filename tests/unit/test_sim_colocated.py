@@ -137,3 +137,59 @@ def test_a_lower_step_fixed_part_keeps_an_isolated_ttft_and_frees_engine_time() 
     ]
     assert co[0].ttft_s[0] == pytest.approx(co[1].ttft_s[0])
     assert (co[0].ttft_s[1] - co[1].ttft_s[1]) * 1000 == pytest.approx(a - d0, rel=1e-6)
+
+
+def poisson(rng: random.Random, rates: list[tuple[float, float]], prompt: int, output: int) -> Trace:
+    """Arrivals at each (seconds, requests/s) phase in turn."""
+    arrival, t, start = [], 0.0, 0.0
+    for seconds, rate in rates:
+        while True:
+            t += rng.expovariate(rate)
+            if t >= start + seconds:
+                t = start + seconds
+                break
+            arrival.append(t)
+        start += seconds
+    n = len(arrival)
+    return Trace("phases", arrival, [prompt] * n, [output] * n, [()] * n)
+
+
+def test_the_pool_law_sizes_a_simulated_colocated_fleet_up_and_back_down() -> None:
+    """The operator's law (control/pool.py) on the colocated fleet: a load four times
+    what one engine serves within the SLO, between two quiet phases."""
+    from pdcluster.api.v1alpha1 import PDClusterSpec
+
+    spec = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "mode": "colocated",
+            "colocated": {"replicas": 1, "minReplicas": 1, "maxReplicas": 8},
+            "autoscaling": {
+                "enabled": True,
+                "slo": {"ttftMs": 1000, "itlMs": 25},
+                "intervalSeconds": 15,
+                "windowSeconds": 30,
+                "scaleDownStabilizationSeconds": 60,
+                "cooldownSeconds": 15,
+            },
+        }
+    )
+    trace = poisson(random.Random(3), [(120, 1.0), (300, 24.0), (480, 1.0)], 4000, 200)
+    profile = perf.load()
+    dynamic = simulate_colocated(trace, profile, ColocatedConfig(engines=1, autoscaling=spec, startup_s=30))
+    static = simulate_colocated(trace, profile, ColocatedConfig(engines=1))
+    assert all(dynamic.finished)
+    peak = max(row[3] for row in dynamic.timeline)
+    assert peak >= 3, dynamic.decisions
+    assert dynamic.timeline[-1][3] < peak, "never scaled back down"
+    assert {cause for _, _, _, cause in dynamic.decisions} >= {"PoolHeadroom"}
+
+    def within(result: object) -> int:
+        return sum(
+            t <= 1.0 and (i <= 0.025 or o <= 1)
+            for t, i, o in zip(result.ttft_s, result.itl_s, trace.output_tokens, strict=True)  # type: ignore[attr-defined]
+        )
+
+    assert within(dynamic) > 1.5 * within(static)
+    # Fewer GPU-seconds than holding the peak for the whole trace.
+    assert dynamic.gpu_seconds < peak * dynamic.end_s

@@ -8,7 +8,9 @@ Autoscaler's is, on the same signals and guards as the prefill:decode law:
   limit (the observed quantiles; TTFT less the prompt's own prefill is the engines'
   queue time at the quantile when `ttftIncludesPrefill` is off);
 - above target x (1 + tol), or KV above its limit: ceil(engines x pressure), at least
-  one more (more engines lower each one's share of the load in proportion);
+  one more (more engines lower each one's share of the load in proportion); while a
+  scale-up's engines are still starting, the window saw only the ready ones: ceil(ready
+  x pressure), and nothing more if that is already asked for;
 - below target x (1 - tol) on every signal: the fewest engines whose predicted
   pressure, engines x pressure / n, stays under 1 - tol (never the last one);
 - otherwise hold: the band between the two is the hysteresis.
@@ -59,6 +61,7 @@ class _PoolRun:
         self.tol = self.auto.tolerance_percent / 100.0
         self.notes: list[str] = []
         self.cooling = False
+        self.starting = False  # a scale-up's engines are still starting: the change is under way
         gap = None if self.prev.last_run_time is None else (self.now - parse(self.prev.last_run_time))
         stale = gap is None or gap.total_seconds() > max(
             3 * self.auto.interval_seconds, self.auto.window_seconds
@@ -128,7 +131,14 @@ class _PoolRun:
     def _want(self, pressure: float, violated: bool, headroom: bool) -> int:
         cur = self.current
         low, high = self._bounds()
-        if violated:
+        if violated and self._in_flight():
+            # The window measured the engines that are ready, not those still starting:
+            # more only if those would not be enough either.
+            want = max(cur, math.ceil(max(self.observed.ready, 1) * pressure))
+            if want == cur:
+                self.notes.append(f"scale-up to {cur} under way ({self.observed.ready} ready)")
+                self.starting = True
+        elif violated:
             want = max(cur + 1, math.ceil(cur * pressure))
         elif headroom and cur > 1 and not self._in_flight():
             want = max(math.ceil(cur * pressure / (1.0 - self.tol)), 1)
@@ -211,7 +221,7 @@ class _PoolRun:
             return Cause.cooling_down
         if self.blocked and want > self.current:
             return Cause.scale_up_blocked
-        if want != self.current:
+        if want != self.current or self.starting:
             return Cause.stabilizing
         return Cause.within_targets
 

@@ -37,19 +37,25 @@ capacity, as the disaggregated model's prefill engines keep.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from datetime import timedelta
 
+from pdcluster import perf
+from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
+from pdcluster.control import MetricsSnapshot, Observed, RoleMetrics, RoleObserved, decide
 from pdcluster.control.models import MAX_BATCHED_TOKENS
 from pdcluster.perf import Profile
 from pdcluster.router.policy import Backend, make_policy
 from pdcluster.sim.fleet import Result
+from pdcluster.sim.policies import EPOCH
 from pdcluster.sim.trace import Trace
 
 # vLLM's default on GPUs of 70 GiB or more (vllm/engine/arg_utils.py get_batch_defaults).
 MAX_NUM_SEQS = 1024
-ARRIVE, STEP_DONE = 0, 1
+ARRIVE, STEP_DONE, READY, CONTROL = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,9 @@ class ColocatedConfig:
     prefill_fixed_ms: float | None = None
     router: str = "prefix-aware"
     max_time_s: float = 48 * 3600.0
+    # Sized by the control law (control/pool.py) when set; `engines` is then where it starts.
+    autoscaling: PDClusterSpec | None = None
+    startup_s: float = 60.0  # from a scale-up to the new engine serving
 
 
 class ColocatedEngine(Backend):
@@ -82,6 +91,8 @@ class ColocatedEngine(Backend):
         self.reserved = 0  # prompt + output of every admitted request
         self.steps = 0  # steps finished
         self.busy = False
+        self.draining = False  # scaled down: finishes what it has, takes nothing new
+        self.gone = False
         # What the step under way will have done when it ends.
         self.first_tokens: list[int] = []
         self.chunks: list[tuple[int, int]] = []
@@ -104,8 +115,14 @@ class ColocatedFleet:
         a = profile.prefill_coef[0]
         self.prefill_fixed_ms = a if config.prefill_fixed_ms is None else min(config.prefill_fixed_ms, a)
         self.ingress_s = (a - self.prefill_fixed_ms) / 1000.0
-        cache_blocks = max(profile.max_kv_tokens // trace.block_tokens, 1)
-        self.engines = [ColocatedEngine(i, cache_blocks) for i in range(config.engines)]
+        self.cache_blocks = max(profile.max_kv_tokens // trace.block_tokens, 1)
+        self.engines = [ColocatedEngine(i, self.cache_blocks) for i in range(config.engines)]
+        self.serving = list(self.engines)  # ready and not draining: what the router picks from
+        self.starting = 0
+        self.held = [(0.0, config.engines)]  # (since, engines holding GPUs)
+        self.timeline: list[tuple[float, int, int, int, int, int]] = []
+        self.decisions: list[tuple[float, int, int, str]] = []
+        self.state: AutoscalingState | None = None
         self.router = make_policy(config.router, trace.block_tokens)
         self.reused_tokens = 0
         n = len(trace)
@@ -113,6 +130,7 @@ class ColocatedFleet:
         self.first_token = [math.nan] * n
         self.finish = [math.nan] * n
         self.events: list[tuple[float, int, int, int]] = []
+        self.unrouted: deque[int] = deque()
         self.seq = 0
         self.now = 0.0
 
@@ -123,6 +141,10 @@ class ColocatedFleet:
     def run(self) -> Result:
         for i, t in enumerate(self.trace.arrival_s):
             self.push(t + self.ingress_s, ARRIVE, i)
+        auto = self.cfg.autoscaling
+        if auto is not None:
+            self.push(float(auto.autoscaling.interval_seconds), CONTROL, 0)
+        pending = len(self.trace)
         while self.events:
             t, _, kind, arg = heapq.heappop(self.events)
             if t > self.cfg.max_time_s:
@@ -130,28 +152,115 @@ class ColocatedFleet:
             self.now = t
             if kind == ARRIVE:
                 self.arrive(arg)
-            else:
+            elif kind == STEP_DONE:
                 self.step_done(self.engines[arg])
+            elif kind == READY:
+                self.starting -= 1
+                self.serving.append(self.engines[arg])
+                self.dispatch_waiting()
+            elif kind == CONTROL:
+                pending = sum(1 for f in self.finish if math.isnan(f))
+                if pending or any(e.waiting for e in self.engines):
+                    self.control()
+                    self.push(t + auto.autoscaling.interval_seconds, CONTROL, 0)  # type: ignore[union-attr]
         tr = self.trace
         itl = [
             (self.finish[i] - self.first_token[i]) / (out - 1) if out > 1 else 0.0
             for i, out in enumerate(tr.output_tokens)
         ]
-        gpus = self.cfg.engines * self.cfg.gpus_per_engine
+        per = self.cfg.gpus_per_engine
+        held = [*self.held, (self.now, 0)]
+        gpu_seconds = sum((b[0] - a[0]) * a[1] * per for a, b in itertools.pairwise(held))
+        dynamic = self.cfg.autoscaling is not None
         return Result(
-            f"colocated:{self.cfg.engines}",
+            f"colocated:{'pool-law' if dynamic else self.cfg.engines}",
             list(self.ttft),
             itl,
             [not math.isnan(f) for f in self.finish],
-            gpus * self.now,
+            gpu_seconds,
             self.now,
-            [(0.0, self.cfg.engines, 0, self.cfg.engines, 0, gpus)],
+            self.timeline or [(0.0, self.cfg.engines, 0, self.cfg.engines, 0, self.cfg.engines * per)],
+            decisions=self.decisions,
             reused_tokens=self.reused_tokens,
         )
 
+    # ------------------------------------------------------------------ autoscaling
+    def control(self) -> None:
+        """One run of the control law on the last window, as the operator runs it."""
+        spec = self.cfg.autoscaling
+        assert spec is not None
+        auto = spec.autoscaling
+        active = [e for e in self.engines if not e.draining]
+        observed = RoleObserved(len(active), len(active), len(self.serving))
+        none = RoleObserved(0, 0, 0)
+        now = EPOCH + timedelta(seconds=self.now)
+        snapshot = self.snapshot(auto.window_seconds, auto.slo.quantile.fraction)
+        self.state, decision = decide(spec, snapshot, self.state, Observed(none, none, observed), now)
+        target = decision.colocated or len(active)
+        if decision.action == "scale":
+            self.decisions.append((self.now, target, 0, decision.cause))
+        for _ in range(target - len(active)):  # scale up: a new engine serves after its start-up
+            engine = ColocatedEngine(len(self.engines), self.cache_blocks)
+            self.engines.append(engine)
+            self.starting += 1
+            self.push(self.now + self.cfg.startup_s, READY, engine.index)
+        for engine in sorted(active, key=lambda e: -e.index)[: max(len(active) - target, 0)]:
+            engine.draining = True  # scale down: no new requests; it leaves once idle
+            if engine in self.serving:
+                self.serving.remove(engine)
+        self.release_idle()
+        self.held.append((self.now, sum(1 for e in self.engines if not e.gone)))
+        gpus = self.held[-1][1] * self.cfg.gpus_per_engine
+        self.timeline.append((self.now, len(self.serving), 0, target, 0, gpus))
+
+    def release_idle(self) -> None:
+        for engine in self.engines:
+            if engine.draining and not engine.gone and not engine.busy and not engine.waiting:
+                engine.gone = True
+
+    def snapshot(self, window_s: int, quantile: float) -> MetricsSnapshot:
+        """What Prometheus would show of the window: the router's TTFT and ITL quantiles
+        (exact here, not interpolated in histogram buckets), the arrival rate and mean
+        lengths, the pool's KV usage (each engine's reservation) and ready engines."""
+        tr, start = self.trace, self.now - window_s
+        arrived = [i for i in range(len(tr)) if start < tr.arrival_s[i] <= self.now]
+        if not arrived:
+            return MetricsSnapshot(window_s, 0.0)
+        firsts = [self.ttft[i] * 1000.0 for i in range(len(tr)) if start < self.first_token[i] <= self.now]
+        done = [
+            (self.finish[i] - self.first_token[i]) * 1000.0 / (tr.output_tokens[i] - 1)
+            for i in range(len(tr))
+            if start < self.finish[i] <= self.now and tr.output_tokens[i] > 1
+        ]
+        # A request still waiting for its first token is at least that late.
+        waiting = [
+            (self.now - tr.arrival_s[i]) * 1000.0
+            for e in self.engines
+            for i in [*e.waiting, *(item[0] for item in e.prefilling)]
+        ]
+        ttfts = firsts + waiting
+        kv = [e.reserved / self.profile.max_kv_tokens for e in self.serving]
+        return MetricsSnapshot(
+            window_s=window_s,
+            request_rate=len(arrived) / window_s,
+            ttft_ms=perf.percentile(ttfts, 100 * quantile) if ttfts else None,
+            itl_ms=perf.percentile(done, 100 * quantile) if done else None,
+            mean_input_tokens=sum(tr.input_tokens[i] for i in arrived) / len(arrived),
+            mean_output_tokens=sum(tr.output_tokens[i] for i in arrived) / len(arrived),
+            colocated=RoleMetrics(kv_usage=sum(kv) / len(kv) if kv else None, ready=len(self.serving)),
+        )
+
+    def dispatch_waiting(self) -> None:
+        """Requests that arrived with no engine serving go out once one is."""
+        while self.unrouted and self.serving:
+            self.arrive(self.unrouted.popleft())
+
     def arrive(self, i: int) -> None:
         blocks = self.trace.blocks[i]
-        engine: ColocatedEngine = self.router.pick(self.engines, self.trace.input_tokens[i], blocks)  # type: ignore[assignment]
+        if not self.serving:
+            self.unrouted.append(i)
+            return
+        engine: ColocatedEngine = self.router.pick(self.serving, self.trace.input_tokens[i], blocks)  # type: ignore[assignment]
         self.router.record(engine.id, blocks)
         engine.waiting.append(i)
         engine.inflight_tokens += self.trace.input_tokens[i]
@@ -212,6 +321,8 @@ class ColocatedFleet:
         step = self.plan(engine)
         if step is None:
             engine.busy = False
+            if engine.draining:
+                self.release_idle()
             return
         engine.busy = True
         engine.chunks, engine.first_tokens = step.chunks, step.first_tokens
