@@ -170,3 +170,24 @@ def test_while_engines_start_the_window_counts_only_the_ready_ones() -> None:
     worse = MetricsSnapshot(60, 4.0, ttft_ms=1500.0, itl_ms=12.0, colocated=RoleMetrics(kv_usage=0.3))
     state, decision = decide(s, worse, state, pool(4, ready=2), T0 + timedelta(seconds=30))
     assert (state.colocated, decision.cause) == (6, Cause.ttft_over_target)
+
+
+def test_a_saturated_pool_is_sized_by_its_throughput_not_by_its_queue() -> None:
+    """A queue makes TTFT 40x its target; the engines compute half the prompt tokens that
+    arrive, so twice the engines serve the load, not forty times."""
+    s = spec(replicas=2, maxStep=10)
+    saturated = MetricsSnapshot(
+        60,
+        10.0,
+        ttft_ms=20000.0,
+        itl_ms=20.0,
+        mean_input_tokens=1000.0,
+        colocated=RoleMetrics(kv_usage=0.5, tokens_per_s=5000.0, ready=2.0),
+    )
+    state, decision = decide(s, saturated, None, pool(2), T0)
+    assert (state.colocated, decision.cause) == (4, Cause.ttft_over_target)
+    assert "saturated: 2.00x the prompt tokens it computes arrive" in decision.reason
+    # Without the throughput series the pressure sizes it (up to maxReplicas).
+    blind = MetricsSnapshot(60, 10.0, ttft_ms=20000.0, itl_ms=20.0, colocated=RoleMetrics(kv_usage=0.5))
+    state, _ = decide(s, blind, None, pool(2), T0)
+    assert state.colocated == 10

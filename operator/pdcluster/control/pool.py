@@ -128,18 +128,36 @@ class _PoolRun:
             "kv": None if pool.kv_usage is None else pool.kv_usage / models.KV_LIMIT,
         }
 
+    def _backlog(self) -> float | None:
+        """Prompt tokens arriving over those the engines computed in the window: above 1,
+        the pool is saturated and serves at its capacity, so that ratio of today's engines
+        serves the load. None without the series."""
+        m = self.m
+        served = None if m is None else m.colocated.tokens_per_s
+        if m is None or not served or not m.mean_input_tokens:
+            return None
+        return m.request_rate * m.mean_input_tokens / served
+
     def _want(self, pressure: float, violated: bool, headroom: bool) -> int:
         cur = self.current
         low, high = self._bounds()
+        # A queue inflates TTFT well past what more engines need to fix: when the pool is
+        # saturated its throughput says how many, else the pressure does.
+        backlog = self._backlog()
+        factor = backlog if backlog is not None and backlog > 1.0 + self.tol else pressure
+        if backlog is not None and factor is backlog:
+            self.notes.append(f"saturated: {backlog:.2f}x the prompt tokens it computes arrive")
+        # What the window measured: the engines that served in it (its mean), not those
+        # still starting.
+        seen = self.m.colocated.ready if self.m and self.m.colocated.ready else self.observed.ready
         if violated and self._in_flight():
-            # The window measured the engines that are ready, not those still starting:
-            # more only if those would not be enough either.
-            want = max(cur, math.ceil(max(self.observed.ready, 1) * pressure))
+            # More only if the engines measured would not be enough either.
+            want = max(cur, math.ceil(max(seen, 1) * factor))
             if want == cur:
                 self.notes.append(f"scale-up to {cur} under way ({self.observed.ready} ready)")
                 self.starting = True
         elif violated:
-            want = max(cur + 1, math.ceil(cur * pressure))
+            want = max(cur + 1, math.ceil(max(seen, 1) * factor))
         elif headroom and cur > 1 and not self._in_flight():
             want = max(math.ceil(cur * pressure / (1.0 - self.tol)), 1)
         else:

@@ -21,7 +21,7 @@ class RoleMetrics:
         None  # mean of vllm:request_prefill_time_seconds (scheduled to first token)
     )
     steps_per_s: float | None = None  # engine steps (vllm:iteration_tokens_total observations), summed
-    tokens_per_s: float | None = None  # prefill: prompt tokens prefilled; decode: tokens generated
+    tokens_per_s: float | None = None  # prefill, colocated: prompt tokens computed; decode: tokens generated
     ready: float | None = None  # engines reporting, mean over the window
     running: float | None = None  # requests RUNNING, summed over the engines (window mean)
     waiting: float | None = None  # requests WAITING, summed over the engines (window mean)
@@ -206,6 +206,7 @@ def assemble(
             ttft_ms=colocated_ttft_ms,
             itl_ms=colocated_itl_ms,
             queue_time_q_ms=colocated_queue_time_q_ms,
+            tokens_per_s=colocated_prompt_tokens_rate,
             ready=colocated_ready,
             waiting=colocated_waiting,
             kv_usage=colocated_kv_usage,

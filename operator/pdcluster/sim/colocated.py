@@ -123,6 +123,9 @@ class ColocatedFleet:
         self.timeline: list[tuple[float, int, int, int, int, int]] = []
         self.decisions: list[tuple[float, int, int, str]] = []
         self.state: AutoscalingState | None = None
+        self.serving_log = [(0.0, config.engines)]  # (since, engines serving)
+        self.computed_tokens = 0  # prompt tokens computed so far (vllm:prompt_tokens)
+        self.computed_log: list[tuple[float, int]] = []  # (time, computed_tokens) at each control
         self.router = make_policy(config.router, trace.block_tokens)
         self.reused_tokens = 0
         n = len(trace)
@@ -157,6 +160,7 @@ class ColocatedFleet:
             elif kind == READY:
                 self.starting -= 1
                 self.serving.append(self.engines[arg])
+                self.serving_log.append((t, len(self.serving)))
                 self.dispatch_waiting()
             elif kind == CONTROL:
                 pending = sum(1 for f in self.finish if math.isnan(f))
@@ -195,6 +199,7 @@ class ColocatedFleet:
         none = RoleObserved(0, 0, 0)
         now = EPOCH + timedelta(seconds=self.now)
         snapshot = self.snapshot(auto.window_seconds, auto.slo.quantile.fraction)
+        self.computed_log.append((self.now, self.computed_tokens))
         self.state, decision = decide(spec, snapshot, self.state, Observed(none, none, observed), now)
         target = decision.colocated or len(active)
         if decision.action == "scale":
@@ -208,6 +213,7 @@ class ColocatedFleet:
             engine.draining = True  # scale down: no new requests; it leaves once idle
             if engine in self.serving:
                 self.serving.remove(engine)
+                self.serving_log.append((self.now, len(self.serving)))
         self.release_idle()
         self.held.append((self.now, sum(1 for e in self.engines if not e.gone)))
         gpus = self.held[-1][1] * self.cfg.gpus_per_engine
@@ -240,6 +246,8 @@ class ColocatedFleet:
         ]
         ttfts = firsts + waiting
         kv = [e.reserved / self.profile.max_kv_tokens for e in self.serving]
+        before = max((c for t, c in self.computed_log if t <= start), default=0.0)
+        computed = self.computed_tokens - before
         return MetricsSnapshot(
             window_s=window_s,
             request_rate=len(arrived) / window_s,
@@ -247,8 +255,20 @@ class ColocatedFleet:
             itl_ms=perf.percentile(done, 100 * quantile) if done else None,
             mean_input_tokens=sum(tr.input_tokens[i] for i in arrived) / len(arrived),
             mean_output_tokens=sum(tr.output_tokens[i] for i in arrived) / len(arrived),
-            colocated=RoleMetrics(kv_usage=sum(kv) / len(kv) if kv else None, ready=len(self.serving)),
+            colocated=RoleMetrics(
+                kv_usage=sum(kv) / len(kv) if kv else None,
+                ready=self.mean_serving(start),
+                tokens_per_s=computed / window_s,
+            ),
         )
+
+    def mean_serving(self, start: float) -> float:
+        """Engines serving, averaged over [start, now] (Prometheus: engines reporting)."""
+        log = [*self.serving_log, (self.now, len(self.serving))]
+        total = 0.0
+        for (t0, n), (t1, _) in itertools.pairwise(log):
+            total += n * max(min(t1, self.now) - max(t0, start), 0.0)
+        return total / max(self.now - start, 1e-9)
 
     def dispatch_waiting(self) -> None:
         """Requests that arrived with no engine serving go out once one is."""
@@ -342,6 +362,7 @@ class ColocatedFleet:
             engine.inflight_requests -= 1
         for _, n in engine.chunks:
             engine.inflight_tokens -= n
+            self.computed_tokens += n
         progress = dict(engine.chunks)
         for item in engine.prefilling:
             item[1] += progress.get(item[0], 0)

@@ -1,0 +1,121 @@
+"""The colocated pool's control law (control/pool.py) against static colocated fleets,
+in the colocated fleet simulator (sim/colocated.py), without hindsight for the law.
+
+    .venv/bin/python benchmarks/colocated_autoscaling.py [--replicate 6] [--max-engines 12]
+
+The workload is the Azure conversation trace (2023; short prompts, where colocated
+serving fits), its first 30 minutes with other users' copies added (`--replicate`,
+`Trace.replicated`) and three times that load from minute 10 to 15 (`Trace.burst`), on
+simulated H200s (Llama-3.1-8B profile), one engine per GPU, chunked prefill at vLLM's
+default budget, a prefix-aware router, 60 s engine start-up. A request meets the SLO
+with TTFT <= 500 ms and mean ITL <= 25 ms; attainment is the share that does.
+
+- static k: k engines throughout, for every k up to `--max-engines` (the best of them is
+  chosen in hindsight);
+- pool law: the operator's law with a 15 s interval and a 60 s window, starting from 1
+  engine (not from any static fleet's answer), bounded by `--max-engines`; once with its
+  default step and cooldown (2 engines, 60 s), once with 8 engines and 15 s.
+
+It prints each one's attainment and GPU-hours, and for the law the smallest static fleet
+that attains as much (static at equal attainment) and the GPU-hours it saves against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from pdcluster import perf
+from pdcluster.api.v1alpha1 import PDClusterSpec
+from pdcluster.sim.colocated import ColocatedConfig, simulate_colocated
+from pdcluster.sim.fleet import Result
+from pdcluster.sim.trace import Trace, load_trace
+
+AZURE = "AzureLLMInferenceTrace_conv_2023.csv"
+TTFT_S, ITL_S = 0.5, 0.025
+
+
+def workload(replicate: float) -> Trace:
+    base = load_trace(perf.traces_dir() / AZURE).window(0, 1800)
+    return base.replicated(replicate, seed=1).burst(600, 300, 3.0)
+
+
+def attainment(result: Result, trace: Trace) -> float:
+    good = sum(
+        done and t <= TTFT_S and (out <= 1 or i <= ITL_S)
+        for done, t, i, out in zip(
+            result.finished, result.ttft_s, result.itl_s, trace.output_tokens, strict=True
+        )
+    )
+    return good / len(trace)
+
+
+def law(max_engines: int, max_step: int, cooldown_s: int) -> PDClusterSpec:
+    return PDClusterSpec.model_validate(
+        {
+            "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+            "mode": "colocated",
+            "colocated": {"replicas": 1, "minReplicas": 1, "maxReplicas": max_engines},
+            "autoscaling": {
+                "enabled": True,
+                "slo": {"ttftMs": int(TTFT_S * 1000), "itlMs": int(ITL_S * 1000), "quantile": "p90"},
+                "intervalSeconds": 15,
+                "windowSeconds": 60,
+                "maxStep": max_step,
+                "cooldownSeconds": cooldown_s,
+            },
+        }
+    )
+
+
+LAWS = (("defaults: maxStep 2, cooldown 60 s", 2, 60), ("maxStep 8, cooldown 15 s", 8, 15))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicate", type=float, default=6.0, help="users' copies of the trace's load")
+    parser.add_argument("--max-engines", type=int, default=12)
+    args = parser.parse_args()
+    trace = workload(args.replicate)
+    profile = perf.load("h200-llama3.1-8b")
+    print(
+        f"{len(trace)} requests over {trace.span_s / 60:.0f} min, mean prompt "
+        f"{sum(trace.input_tokens) / len(trace):.0f} tokens, mean output {sum(trace.output_tokens) / len(trace):.0f}"
+    )
+    rows: list[tuple[str, float, float]] = []
+    for k in range(1, args.max_engines + 1):
+        r = simulate_colocated(trace, profile, ColocatedConfig(engines=k))
+        rows.append((f"static {k}", attainment(r, trace), r.gpu_seconds / 3600.0))
+    laws = []
+    for label, step, cooldown in LAWS:
+        config = ColocatedConfig(engines=1, autoscaling=law(args.max_engines, step, cooldown), startup_s=60.0)
+        dynamic = simulate_colocated(trace, profile, config)
+        if not math.isfinite(dynamic.gpu_seconds):
+            raise SystemExit("the simulation did not finish")
+        laws.append((f"pool law from 1 engine, {label}", dynamic))
+    print("\n| fleet | attainment | GPU-hours |\n|---|---:|---:|")
+    for name, a, h in rows:
+        print(f"| {name} | {100 * a:.1f}% | {h:.2f} |")
+    for name, dynamic in laws:
+        print(f"| {name} | {100 * attainment(dynamic, trace):.1f}% | {dynamic.gpu_seconds / 3600.0:.2f} |")
+    print()
+    for name, dynamic in laws:
+        got, hours = attainment(dynamic, trace), dynamic.gpu_seconds / 3600.0
+        peak = max(row[3] for row in dynamic.timeline)
+        equal = next(((n, a, h) for n, a, h in rows if a >= got), None)
+        versus = (
+            f"no static fleet of up to {args.max_engines} engines attains as much"
+            if equal is None
+            else f"static at equal attainment: {equal[0]} ({100 * equal[1]:.1f}%, {equal[2]:.2f} GPU-hours), "
+            f"the law uses {hours / equal[2]:.2f}x its GPU-hours"
+        )
+        print(f"{name}: {len(dynamic.decisions)} scaling decisions, peak {peak} engines; {versus}")
+    enough = next(((n, a, h) for n, a, h in rows if a >= 0.9), None)
+    if enough is not None:
+        print(
+            f"smallest static fleet attaining 90% (in hindsight): {enough[0]} ({100 * enough[1]:.1f}%, {enough[2]:.2f} GPU-hours)"
+        )
+
+
+if __name__ == "__main__":
+    main()
