@@ -36,6 +36,7 @@ from pdcluster.control.cause import Cause
 from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.io.prometheus import Prometheus, queries
 from pdcluster.router import store
+from pdcluster.series import SERIES
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm]
 
@@ -413,9 +414,12 @@ async def test_operator_promql_reads_the_real_engines(env: Env) -> None:
 
         async def all_present() -> dict[str, float] | None:
             values = {name: await prom.query(expr) for name, expr in exprs.items()}
-            # A rate of a window before any traffic may be empty, and vLLM 0.32's
-            # MooncakeConnector exports no transfer time (the law then does without it).
-            optional = ("prompt_tokens_rate_before", "kv_handoff_ms")
+            # A rate of a window before any traffic may be empty, vLLM 0.32's
+            # MooncakeConnector exports no transfer time (the law then does without it),
+            # and this cluster runs no colocated pool (its series are the same vLLM
+            # metrics, read here from prefill and decode).
+            colocated = [s.field for s in SERIES if s.role == C.ROLE_COLOCATED]
+            optional = ("prompt_tokens_rate_before", "kv_handoff_ms", *colocated)
             missing[:] = [n for n, v in values.items() if v is None and n not in optional]
             return None if missing else values
 
