@@ -37,15 +37,23 @@ def expected_children(doc: dict[str, Any], spec: PDClusterSpec, namespace: str) 
     ]
 
 
-def check_engine_wiring(sts: dict[str, Any], spec: PDClusterSpec, role: str) -> None:
+def pod_templates(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A StatefulSet's pod template, or a LeaderWorkerSet's leader and worker templates."""
+    if workload["kind"] == "LeaderWorkerSet":
+        group = workload["spec"]["leaderWorkerTemplate"]
+        return [group["leaderTemplate"], group["workerTemplate"]]
+    return [workload["spec"]["template"]]
+
+
+def check_engine_wiring(pod: dict[str, Any], spec: PDClusterSpec, role: str) -> None:
     """What the example asks of an engine pod: GPUs, RDMA resources and network, and the
     MooncakeConnector's role, protocol and devices."""
-    pod = sts["spec"]["template"]
     engine = pod["spec"]["containers"][0]
     limits = engine["resources"]["limits"]
     r = spec.role(role)
-    assert limits[r.gpu_resource_name] == str(r.gpus)
-    assert engine["resources"]["requests"][r.gpu_resource_name] == str(r.gpus)
+    per_pod = r.gpus // r.nodes  # a role spanning nodes: one node's GPUs in each pod of a group
+    assert limits[r.gpu_resource_name] == str(per_pod)
+    assert engine["resources"]["requests"][r.gpu_resource_name] == str(per_pod)
 
     args = engine["args"]
     assert args[args.index("--tensor-parallel-size") + 1] == str(r.tensor_parallel_size)
@@ -122,9 +130,11 @@ async def test_example(
         assert obj["metadata"]["ownerReferences"][0]["uid"] == uid, key
         assert obj["metadata"]["labels"][C.LABEL_CLUSTER] == name, key
     for role in spec.engine_roles:
-        sts = children[("StatefulSet", f"{name}-{role}")]
-        assert sts["spec"]["replicas"] == spec.role(role).replicas
-        check_engine_wiring(sts, spec, role)
+        kind = "LeaderWorkerSet" if spec.role(role).nodes > 1 else "StatefulSet"
+        workload = children[(kind, f"{name}-{role}")]
+        assert workload["spec"]["replicas"] == spec.role(role).replicas
+        for pod in pod_templates(workload):
+            check_engine_wiring(pod, spec, role)
 
     if path.name in SIMULATED:
 
@@ -156,7 +166,8 @@ async def test_example(
     async def engine_pods() -> list[dict[str, Any]]:
         pods = await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}={name}")
         engines = [p for p in pods if p["metadata"]["labels"][C.LABEL_ROLE] in C.ENGINE_ROLES]
-        assert len(engines) == spec.prefill.replicas + spec.decode.replicas, engines
+        want = sum(spec.role(r).replicas * spec.role(r).nodes for r in C.ENGINE_ROLES)
+        assert len(engines) == want, engines
         return engines
 
     engines = await wait_until(engine_pods, timeout=30, message="every engine pod created")
