@@ -573,7 +573,9 @@ async def decode_dies_mid_stream(http: aiohttp.ClientSession, env: Env) -> None:
                 os.killpg(pid, signal.SIGKILL)
     status, plain = await call(http, env.plain, "/v1/completions", body)
     assert status == 200, plain
-    assert len(events) == 201 and events[-1] == "[DONE]", events[-3:]
+    # At most one event a token: vLLM merges the deltas of a stream whose reader fell behind
+    # (vllm/v1/engine/output_processor.py RequestOutputCollector), as busy cores make it.
+    assert len(events) <= 201 and events[-1] == "[DONE]", events[-3:]
     assert text_of("/v1/completions", events) == text_of("/v1/completions", plain)
     choices = [e["choices"][0] for e in events[:-1]]
     assert all(c["token_ids"] is None and c["prompt_token_ids"] is None for c in choices), "ids hidden"

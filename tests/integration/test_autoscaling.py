@@ -158,7 +158,9 @@ async def test_a_colocated_pool_grows_when_ttft_misses_and_advice_follows_the_tr
     autoscaling = {
         "enabled": True,
         "mode": "auto",
-        "slo": {"ttftMs": 500, "itlMs": 25, "quantile": "p90"},
+        # At a 15 ms ITL target the sweep favours disaggregation by 1.24-1.54x from 4k to
+        # 64k prompts, so the advice does not hang on how exactly the mean prompt is seen.
+        "slo": {"ttftMs": 500, "itlMs": 15, "quantile": "p90"},
         "gpuBudget": 2,
         "profile": "h200-llama3.1-8b",  # its crossover sweep ships: the ModeFit condition appears
         "intervalSeconds": 10,
@@ -198,12 +200,14 @@ async def test_a_colocated_pool_grows_when_ttft_misses_and_advice_follows_the_tr
 
     decision = state["lastDecision"]
     # Prompt chunks share the engine's steps with the streams: either target may be the one missed.
-    assert decision["action"] == "scale" and decision["cause"] in ("TTFTOverTarget", "ITLOverTarget"), decision
+    assert decision["action"] == "scale" and decision["cause"] in ("TTFTOverTarget", "ITLOverTarget"), (
+        decision
+    )
     assert "prefill" not in state and "decode" not in state
     sts = await kube.get("apps/v1", "StatefulSet", "colo-slo-colocated", namespace)
     assert sts["spec"]["replicas"] == 2  # the budget of 2 GPUs bounds it
     assert (await pdc.get("colo-slo"))["spec"]["colocated"]["replicas"] == 1
-    # 8k prompts at a 25 ms ITL target: the sweep finds disaggregation 1.19x better per GPU.
+    # 8k prompts at a 15 ms ITL target: the sweep finds disaggregation 1.24x better per GPU.
     fit = await pdc.condition("colo-slo", "ModeFit")
     assert fit is not None and (fit["status"], fit["reason"]) == ("False", "OtherModeBetter"), fit
     assert fit["message"].startswith("disaggregated would serve this traffic")
