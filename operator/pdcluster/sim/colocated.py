@@ -147,7 +147,6 @@ class ColocatedFleet:
         auto = self.cfg.autoscaling
         if auto is not None:
             self.push(float(auto.autoscaling.interval_seconds), CONTROL, 0)
-        pending = len(self.trace)
         while self.events:
             t, _, kind, arg = heapq.heappop(self.events)
             if t > self.cfg.max_time_s:
@@ -162,11 +161,10 @@ class ColocatedFleet:
                 self.serving.append(self.engines[arg])
                 self.serving_log.append((t, len(self.serving)))
                 self.dispatch_waiting()
-            elif kind == CONTROL:
-                pending = sum(1 for f in self.finish if math.isnan(f))
-                if pending or any(e.waiting for e in self.engines):
-                    self.control()
-                    self.push(t + auto.autoscaling.interval_seconds, CONTROL, 0)  # type: ignore[union-attr]
+            # The law runs on while any request is unfinished (arrived or still to come).
+            elif kind == CONTROL and any(math.isnan(f) for f in self.finish):
+                self.control()
+                self.push(t + auto.autoscaling.interval_seconds, CONTROL, 0)  # type: ignore[union-attr]
         tr = self.trace
         itl = [
             (self.finish[i] - self.first_token[i]) / (out - 1) if out > 1 else 0.0
