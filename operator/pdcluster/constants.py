@@ -64,6 +64,12 @@ MAX_CLUSTER_NAME_LEN: Final = 40
 ENGINE_PORT: Final = 8000
 ROUTER_PORT: Final = 8000
 BOOTSTRAP_PORT: Final = 8998
+# vLLM's KV events publisher (config/kv_events.py: endpoint "tcp://*:5557"); DP rank r
+# publishes on this port + r.
+KV_EVENTS_PORT: Final = 5557
+# Its replay socket (replay_endpoint), where a subscriber asks for batches it missed;
+# also offset by the DP rank, so far enough above the events port for 100 ranks.
+KV_EVENTS_REPLAY_PORT: Final = 5657
 
 # Repositories without a registry host: users point them at their own registry.
 IMAGE_REPOSITORY: Final = "pdcluster"

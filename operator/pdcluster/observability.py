@@ -91,6 +91,15 @@ ROUTER_RESUME_OUTCOMES: Final = ("resumed", "not_resumable")
 ROUTER_KV_PROBES: Final = "pdcluster_router_kv_probes"  # counter{outcome}
 ROUTER_KV_PAIRS: Final = "pdcluster_router_kv_pairs"  # gauge{verdict}: passed | failed | unverified
 ROUTER_CIRCUIT_OPENS: Final = "pdcluster_router_circuit_opens"  # counter{role, backend}
+# precise-prefix routing: engines' KV events and prompts' exact block hashes
+ROUTER_KV_EVENT_BATCHES: Final = "pdcluster_router_kv_event_batches"  # counter
+ROUTER_KV_EVENT_LOSSES: Final = "pdcluster_router_kv_event_losses"  # counter{reason}
+ROUTER_KV_EVENT_LOSS_REASONS: Final = ("gap", "disconnect", "undecodable")
+ROUTER_EXACT_BLOCKS: Final = "pdcluster_router_exact_blocks"  # counter{outcome}
+ROUTER_EXACT_OUTCOMES: Final = ("ok", "error", "unsupported")
+# prompt tokens the picked engine holds in its prefix cache, by what says so
+ROUTER_CACHED_PROMPT_TOKENS: Final = "pdcluster_router_cached_prompt_tokens"  # counter{source}
+ROUTER_CACHE_SOURCES: Final = ("events", "guess")
 ROUTER_STORE_OUTCOMES: Final = ("hit", "partial", "miss", "short", "error", "unsupported")
 ROUTER_STORE_LOOKUP_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25,

@@ -329,6 +329,35 @@ async def store_prompt(http: aiohttp.ClientSession, env: Env, body: dict[str, An
     return answer
 
 
+async def test_real_kv_events_reach_the_router(env: Env) -> None:
+    """vLLM's own KV events: once prefill computed a prompt sent through the router, the
+    router's index of that engine holds the prompt's full blocks, under the hashes the
+    router computes itself from /tokenize, so the same prompt again is scored as cached
+    in full by the events."""
+    async with aiohttp.ClientSession() as http:
+        prompt = f"# {uuid.uuid4().hex}\n" + await prompt_of_length(http, env, 300)
+        body = {"model": env.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        status, answer = await call(http, env.router, "/v1/completions", body)
+        assert status == 200, answer
+        blocks = answer["usage"]["prompt_tokens"] // 128  # vLLM's block size on CPU
+
+        async def indexed() -> list[dict[str, Any]]:
+            async with http.get(f"{env.router}/backends") as r:
+                view = await r.json()
+            return [
+                b for b in view["prefill"] if b["kv_events"]["live"] and b["kv_events"]["blocks"] >= blocks
+            ]
+
+        await poll(indexed, 60, f"a prefill engine's KV events in the router, {blocks} blocks or more")
+        cached = await router_counter(http, env, "pdcluster_router_cached_prompt_tokens_total", "source")
+        status, answer = await call(http, env.router, "/v1/completions", body)
+        assert status == 200, answer
+        after = await router_counter(http, env, "pdcluster_router_cached_prompt_tokens_total", "source")
+        batches = await router_counter(http, env, "pdcluster_router_kv_event_batches_total")
+    assert after["events"] - cached.get("events", 0.0) == blocks * 128, (cached, after)
+    assert batches[""] >= 1
+
+
 async def test_a_stored_prefix_skips_prefill(env: Env) -> None:
     """The Mooncake store for real: prefill writes the blocks it computes to the real
     master's pool under the keys the router computes too; the same prompt through the

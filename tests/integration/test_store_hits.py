@@ -101,7 +101,7 @@ async def pool(master: MasterProcess, tmp_path: Path) -> AsyncIterator[Any]:
             "--prefill", f"{p}#bootstrap={bootstrap}",
             "--decode", d,
             "--store-master", master.http,
-            "--store-hash-seed", "0",
+            "--hash-seed", "0",
             "--store-max-computed-tokens", str(MAX_COMPUTED),
         ) as r:  # fmt: skip
             yield p, d, f"http://127.0.0.1:{r.args.port}", master

@@ -25,7 +25,8 @@ def test_the_fixture_is_the_full_list() -> None:
 
 @pytest.mark.parametrize("flag", vllm_flags())
 def test_every_vllm_flag_is_accepted_without_eating_the_next_one(flag: str) -> None:
-    args = [flag] if flag in VALUELESS else [flag, "{}" if flag == "--kv-transfer-config" else "1"]
+    json_flags = ("--kv-transfer-config", "--kv-events-config")
+    args = [flag] if flag in VALUELESS else [flag, "{}" if flag in json_flags else "1"]
     config = parse(["org/model", *args, "--port", "8123", "--served-model-name", "served"])
     assert config.model == "org/model"
     assert config.port == 8123

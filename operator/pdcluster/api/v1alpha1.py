@@ -444,6 +444,7 @@ class MooncakeSpec(Model):
 class RouterPolicy(StrEnum):
     least_loaded = "least-loaded"
     prefix_aware = "prefix-aware"
+    precise_prefix = "precise-prefix"
 
 
 class AdmissionSpec(Model):
@@ -478,7 +479,8 @@ class StoreHitsSpec(Model):
         100,
         ge=1,
         le=10000,
-        description="What a lookup may add to a request; past it, the prompt goes to prefill.",
+        description="What a lookup may add to a request; past it, the prompt goes to prefill. Also bounds "
+        "the precise-prefix policy's call for a prompt's tokens; past it, that policy guesses.",
     )
 
 
@@ -526,7 +528,13 @@ class RouterSpec(Model):
         "IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]}
     )
     port: Port = Field(C.ROUTER_PORT, description="OpenAI-compatible HTTP port; also serves /metrics.")
-    policy: RouterPolicy = Field(RouterPolicy.prefix_aware)
+    policy: RouterPolicy = Field(
+        RouterPolicy.prefix_aware,
+        description="How a prefill (or colocated) engine is picked: least-loaded; prefix-aware, on the "
+        "router's guess of each engine's prefix cache from its own dispatches; precise-prefix, on what the "
+        "engines' caches hold as their KV events say (vLLM --kv-events-config over ZMQ, rendered on those "
+        "engines), guessing where an engine's events are not flowing.",
+    )
     admission: AdmissionSpec = section(AdmissionSpec)
     store_hits: StoreHitsSpec = section(StoreHitsSpec)
     retries: RetrySpec = section(RetrySpec)

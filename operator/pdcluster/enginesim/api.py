@@ -234,6 +234,8 @@ class OpenAIServer:
         # first); without one, the store may hold a prefix.
         tokens = token_ids(prompt) if self.store is not None and remote is None else None
         stored = await self.store.load(tokens) if self.store is not None and tokens else 0
+        cache = core.prefix if remote is None else None
+        hashes = cache.hashes(ids) if cache is not None else []
         seq = Seq(
             prompt_tokens,
             max_tokens,
@@ -242,6 +244,7 @@ class OpenAIServer:
             remote=remote,
             hold_transfer_id=hold,
             stored=stored,
+            cached=cache.cached_tokens(hashes, prompt_tokens) if cache is not None else 0,
         )
         stream = bool(body.get("stream"))
         seq.streaming = stream
@@ -266,6 +269,8 @@ class OpenAIServer:
             core.abort(seq)  # no-op once finished; frees everything on a disconnect
             if tokens and seq.first_token_at:  # prefilled here: its blocks go to the store
                 self.store.save(tokens)  # type: ignore[union-attr]
+            if cache is not None and seq.first_token_at:
+                cache.insert(hashes, ids)
 
     def _core(self, request: web.Request) -> EngineCore | None:
         rank = request.headers.get("X-data-parallel-rank")

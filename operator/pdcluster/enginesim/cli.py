@@ -51,6 +51,9 @@ class SimConfig:
     abort_timeout_s: float
     hash_seed: str | None  # PYTHONHASHSEED: the first block hash's seed
     store_config: dict[str, Any] | None  # MOONCAKE_CONFIG_PATH's JSON, with a store connector
+    prefix_caching: bool  # off unless asked (prefix.py)
+    num_gpu_blocks: int | None  # --num-gpu-blocks-override: the KV cache's size, else the profile's
+    kv_events_config: dict[str, Any] | None  # --kv-events-config, when it enables ZMQ events
     # --sim-*
     profile: str
     time_scale: float
@@ -155,6 +158,9 @@ def _parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens", type=human_readable_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
     )
     p.add_argument("--kv-transfer-config", type=json.loads)
+    p.add_argument("--kv-events-config", type=json.loads)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--num-gpu-blocks-override", type=int)
     p.add_argument("--api-key")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)  # vLLM's default on CUDA
@@ -304,6 +310,17 @@ def parse(argv: list[str]) -> SimConfig:
         parser.error("--sim-time-scale must be positive")
     if args.block_size <= 0:
         parser.error("--block-size must be positive")
+    if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override <= 0:
+        parser.error("--num-gpu-blocks-override must be positive")
+    events = args.kv_events_config
+    if events is not None and not isinstance(events, dict):
+        parser.error("--kv-events-config must be a JSON object")
+    if (
+        events
+        and events.get("enable_kv_cache_events")
+        and events.get("publisher", "zmq") not in ("zmq", "null")
+    ):
+        parser.error("--kv-events-config: publisher must be zmq or null")
     return SimConfig(
         model=model,
         served_model_names=args.served_model_name or [model],
@@ -324,6 +341,11 @@ def parse(argv: list[str]) -> SimConfig:
         abort_timeout_s=_env_float("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", SIM_ABORT_TIMEOUT_S),
         hash_seed=os.environ.get("PYTHONHASHSEED"),
         store_config=_store_config(kv_config),
+        prefix_caching=args.enable_prefix_caching,
+        num_gpu_blocks=args.num_gpu_blocks_override,
+        kv_events_config=events
+        if events and events.get("enable_kv_cache_events") and events.get("publisher", "zmq") == "zmq"
+        else None,
         profile=args.sim_profile,
         time_scale=args.sim_time_scale,
         kv_gbps=args.sim_kv_gbps,

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from pdcluster.enginesim.metrics import EngineMetrics
+from pdcluster.enginesim.prefix import PrefixCache
 from pdcluster.perf import Profile
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Seq:
     __slots__ = (
         "admitted_at",
         "arrival",
+        "cached",
         "computed",
         "eos_at",
         "fetch_task",
@@ -98,9 +100,11 @@ class Seq:
         remote: RemotePrefill | None = None,
         hold_transfer_id: str | None = None,
         stored: int = 0,
+        cached: int = 0,
     ):
         self.prompt_tokens = prompt_tokens
         self.stored = stored  # prompt tokens loaded from the KV store: not computed
+        self.cached = cached  # prompt tokens in the engine's own prefix cache: not computed
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
         self.eos_at = eos_at  # natural length; None never stops on EOS
@@ -170,6 +174,7 @@ class EngineCore:
         self.prefilling: list[Seq] = []
         self.fetching: set[Seq] = set()
         self.decoding: list[Seq] = []
+        self.prefix: PrefixCache | None = None  # with --enable-prefix-caching
         self.kv_used = 0  # includes KV held for transfers
         self._decode_kv = 0  # KV tokens of self.decoding
         self._wake = asyncio.Event()
@@ -230,12 +235,17 @@ class EngineCore:
             self.kv_used += need
             seq.kv = need
             if not seq.admitted_at:
-                # vLLM looks each new request up in its prefix cache; this one holds none.
+                # vLLM looks each new request up in its prefix cache (prefix.py).
                 self.metrics.prefix_queries.inc(seq.prompt_tokens)
-                self.metrics.prefix_hits.inc(0)
-                if seq.stored:
-                    self.metrics.prompt_by_source["external_kv_transfer"].inc(seq.stored)
-                    self.metrics.prompt_tokens.inc(seq.stored)
+                self.metrics.prefix_hits.inc(seq.cached)
+                # vLLM asks its own cache first, the connector for what follows.
+                external = max(seq.stored - seq.cached, 0)
+                if seq.cached:
+                    self.metrics.prompt_by_source["local_cache_hit"].inc(seq.cached)
+                    self.metrics.prompt_tokens.inc(seq.cached)
+                if external:
+                    self.metrics.prompt_by_source["external_kv_transfer"].inc(external)
+                    self.metrics.prompt_tokens.inc(external)
             seq.admitted_at = seq.admitted_at or now
             active += 1
             if seq.remote is not None and self.pull_kv is not None:
@@ -244,7 +254,7 @@ class EngineCore:
                 seq.fetch_task = asyncio.get_running_loop().create_task(self._fetch(seq))
             else:
                 seq.state = State.PREFILLING
-                seq.computed = seq.stored
+                seq.computed = max(seq.stored, seq.cached)
                 self.prefilling.append(seq)
 
     async def _fetch(self, seq: Seq) -> None:
@@ -287,7 +297,7 @@ class EngineCore:
             victim.kv = 0
             victim.state = State.WAITING
             victim.remote = None  # its KV is gone; recompute prompt and output locally
-            victim.stored = 0
+            victim.stored = victim.cached = 0
             self.waiting.appendleft(victim)
             self.metrics.preemptions.inc()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -20,6 +21,7 @@ from pdcluster.enginesim.engine import EngineCore, Seq, TransferHook
 from pdcluster.enginesim.kv import BootstrapServer, KvPuller, MooncakeStore, SideChannel, TransferTable
 from pdcluster.enginesim.metrics import EngineMetrics, MetricFamilies
 from pdcluster.enginesim.nodes import Group
+from pdcluster.enginesim.prefix import EventPublisher, PrefixCache
 from pdcluster.enginesim.store import PrefixStore
 
 log = logging.getLogger("pdcluster.enginesim")
@@ -39,6 +41,10 @@ class Simulator:
     def __init__(self, config: SimConfig):
         self.config = config
         self.profile = load_profile(config.profile)
+        if config.num_gpu_blocks:
+            self.profile = dataclasses.replace(
+                self.profile, max_kv_tokens=config.num_gpu_blocks * config.block_size
+            )
         kv = self.profile.max_kv_tokens
         self.families = MetricFamilies(
             config.max_model_len, kv_tokens=kv if kv < 1 << 40 else None, block_size=config.block_size
@@ -127,6 +133,13 @@ class Simulator:
                 pull_kv=puller.pull if puller else None,
                 on_prefilled=self._on_prefilled(rank),
             )
+            if c.prefix_caching:
+                core.prefix = PrefixCache(
+                    self.profile.max_kv_tokens // c.block_size,
+                    c.block_size,
+                    c.hash_seed,
+                    self._publisher(rank),
+                )
             core.start()
             self.cores.append(core)
         if c.store_config is not None:
@@ -154,6 +167,21 @@ class Simulator:
             log.info("bootstrap server on %s:%d, engine ids %s", bind, c.bootstrap_port, self.engine_ids)
         log.info("role %s, profile %s, time scale %g", c.role, self.profile.name, c.time_scale)
         log.info("Application startup complete.")
+
+    def _publisher(self, rank: int) -> EventPublisher | None:
+        c = self.config
+        if c.kv_events_config is None:
+            return None
+        config = dict(c.kv_events_config)
+        # As for the bootstrap server: the advertised address, not vLLM's wildcard, so
+        # that simulated pods can share a host.
+        bind = c.host_ip or c.host
+        if bind and bind not in ("0.0.0.0", "::"):
+            for key in ("endpoint", "replay_endpoint"):
+                if config.get(key):
+                    config[key] = str(config[key]).replace("*", bind, 1)
+            config.setdefault("endpoint", f"tcp://{bind}:5557")
+        return EventPublisher(config, rank)
 
     async def _faults(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -189,6 +217,8 @@ class Simulator:
             await runner.cleanup()
         for core in self.cores:
             await core.stop()
+            if core.prefix is not None and core.prefix.publisher is not None:
+                await core.prefix.publisher.close()
         if self.session is not None:
             await self.session.close()
         if self.store is not None:

@@ -27,7 +27,7 @@ import math
 from typing import Any
 
 from pdcluster import constants as C
-from pdcluster.api.v1alpha1 import EnvVar, PDClusterSpec, Resources, RoleSpec
+from pdcluster.api.v1alpha1 import EnvVar, PDClusterSpec, Resources, RoleSpec, RouterPolicy
 from pdcluster.render import mooncake, rdma
 from pdcluster.render.names import Owner, env_field, labels, metadata, scrape_annotations, selector
 
@@ -103,6 +103,20 @@ def kv_revision(spec: PDClusterSpec) -> str:
     return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
 
 
+# vLLM's KV events publisher (config/kv_events.py: KVEventsConfig), read by the router.
+KV_EVENTS = {
+    "enable_kv_cache_events": True,
+    "publisher": "zmq",
+    "endpoint": f"tcp://*:{C.KV_EVENTS_PORT}",
+    "replay_endpoint": f"tcp://*:{C.KV_EVENTS_REPLAY_PORT}",
+}
+
+
+def publishes_kv_events(spec: PDClusterSpec, role: str) -> bool:
+    """The precise-prefix router reads the KV events of the engines it picks among."""
+    return spec.router.policy == RouterPolicy.precise_prefix and role in (C.ROLE_PREFILL, C.ROLE_COLOCATED)
+
+
 def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
     r = spec.role(role)
     args = [spec.model.name, "--port", str(spec.engine.port), "--served-model-name", spec.served_model_name]
@@ -116,6 +130,14 @@ def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
     kv = kv_transfer_config(spec, role)
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    if publishes_kv_events(spec, role):
+        # Prefix caching is vLLM's default; said outright for the engine simulator, which
+        # models a prefix cache only when asked.
+        args += [
+            "--enable-prefix-caching",
+            "--kv-events-config",
+            json.dumps(KV_EVENTS, separators=(",", ":")),
+        ]
     if role == C.ROLE_COLOCATED:
         # vLLM's default where the model supports it (arg_utils.py
         # _set_default_chunked_prefill_and_prefix_caching_args); said outright, since
@@ -204,6 +226,9 @@ def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
         ports.append(
             {"name": "bootstrap", "containerPort": spec.kv_transfer.bootstrap_port, "protocol": "TCP"}
         )
+    if publishes_kv_events(spec, role):
+        ports.append({"name": "kv-events", "containerPort": C.KV_EVENTS_PORT, "protocol": "TCP"})
+        ports.append({"name": "kv-replay", "containerPort": C.KV_EVENTS_REPLAY_PORT, "protocol": "TCP"})
     security: dict[str, Any] = {"allowPrivilegeEscalation": False}
     if rdma.capabilities(spec):
         security["capabilities"] = {"add": rdma.capabilities(spec)}

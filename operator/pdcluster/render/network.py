@@ -3,6 +3,8 @@ the pods and ports that need it; egress is not restricted.
 
 The ports and where they come from:
 - engine API (`engine.port`): the router, and `scrapeFrom` for /metrics;
+- with the precise-prefix policy, vLLM's KV events publisher and its replay socket (5557
+  and 5657, plus the DP rank): the router;
 - the prefill bootstrap server (VLLM_MOONCAKE_BOOTSTRAP_PORT): the router (`GET /query`)
   and decode engines (vLLM mooncake_connector.py);
 - vLLM's KV side channel: a ZMQ socket the sender binds with `bind_to_random_port`, in
@@ -25,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster import constants as C
-from pdcluster.api.v1alpha1 import PDClusterSpec, ServingMode
+from pdcluster.api.v1alpha1 import PDClusterSpec, RouterPolicy, ServingMode
 from pdcluster.render.names import Owner, metadata, selector
 
 ZMQ_RANDOM_PORTS = (49152, 65535)  # pyzmq Socket.bind_to_random_port defaults
@@ -75,6 +77,13 @@ def build_network_policies(spec: PDClusterSpec, owner: Owner) -> list[dict[str, 
             {"from": [_pods(owner, *engines)], "ports": [*bootstrap, _port(*ZMQ_RANDOM_PORTS)]},
         ]
     engine_rules.append({"from": peers, "ports": transfer})
+    if spec.router.policy == RouterPolicy.precise_prefix:
+        # The router subscribes to the engines' KV events and asks their replay sockets
+        # for what it missed: DP rank r on each port + r.
+        last = max(spec.role(role).data_parallel_size for role in engines) - 1
+        events = [_port(C.KV_EVENTS_PORT, C.KV_EVENTS_PORT + last)]
+        events.append(_port(C.KV_EVENTS_REPLAY_PORT, C.KV_EVENTS_REPLAY_PORT + last))
+        engine_rules.append({"from": router, "ports": events})
     if spanning := [role for role in engines if spec.role(role).nodes > 1]:
         # A group's ranks meet on torch.distributed's store at the leader and then talk
         # over sockets each picks (NCCL or Gloo, vLLM's message queue): any port.

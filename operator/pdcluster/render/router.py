@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster import constants as C
-from pdcluster.api.v1alpha1 import PDClusterSpec, ServingMode
+from pdcluster.api.v1alpha1 import PDClusterSpec, RouterPolicy, ServingMode
 from pdcluster.render.names import (
     Owner,
     env_field,
@@ -63,7 +63,18 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
         args.append(f"--api-key-file={API_KEY_DIR}/{r.api_key_secret.key}")
     if spec.engine.api_key_secret:
         args.append(f"--engine-api-key-file={ENGINE_KEY_DIR}/{spec.engine.api_key_secret.key}")
-    return args + store_hit_args(spec, owner)
+    store = store_hit_args(spec, owner)
+    if store or r.policy == RouterPolicy.precise_prefix:
+        # Both hash prompts as the engines do: vLLM seeds its block hashes with this.
+        args.append(f"--hash-seed={spec.engine.python_hash_seed}")
+    if r.policy == RouterPolicy.precise_prefix:
+        args += [
+            f"--kv-events-port={C.KV_EVENTS_PORT}",
+            f"--kv-events-replay-port={C.KV_EVENTS_REPLAY_PORT}",
+            # Hashing a prompt as the engines do asks one for its tokens, as a store lookup does.
+            f"--exact-timeout={r.store_hits.lookup_timeout_ms / 1000:g}",
+        ]
+    return args + store
 
 
 def store_hit_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
@@ -80,7 +91,6 @@ def store_hit_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     master = f"http://{owner.child(C.ROLE_MOONCAKE_MASTER)}:{spec.mooncake.metrics_port}"
     return [
         f"--store-master={master}",
-        f"--store-hash-seed={spec.engine.python_hash_seed}",
         f"--store-max-computed-tokens={hits.max_computed_tokens}",
         f"--store-lookup-timeout={hits.lookup_timeout_ms / 1000:g}",
     ]

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import aiohttp
 
-from pdcluster.constants import ROUTER_PORT
+from pdcluster.constants import KV_EVENTS_PORT, ROUTER_PORT
 from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.router import openai
 from pdcluster.router.http import HttpServer
-from pdcluster.router.membership import Members, Pool, parse_static, watch_kube
-from pdcluster.router.policy import Admission, make_policy
+from pdcluster.router.kvevents import KvEventFeed, Source
+from pdcluster.router.membership import Members, Pool, Upstream, parse_static, watch_kube
+from pdcluster.router.policy import POLICIES, Admission, PreciseCache, make_policy
 from pdcluster.router.probe import KvProber
 from pdcluster.router.prompt import BLOCK_TOKENS
 from pdcluster.router.server import MAX_BODY_BYTES, Router, RouterConfig
@@ -72,7 +73,37 @@ def parser() -> argparse.ArgumentParser:
         "without --prefill/--decode",
     )
     p.add_argument("--model", help="served model name; requests naming another model get 404")
-    p.add_argument("--policy", choices=("least-loaded", "prefix-aware"), default="least-loaded")
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="least-loaded",
+        help="precise-prefix: prefix-aware on the engines' KV events (vLLM --kv-events-config, ZMQ), "
+        "guessing where an engine's events are not flowing",
+    )
+    events = p.add_argument_group("KV events (precise-prefix)")
+    events.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=KV_EVENTS_PORT,
+        help="the engines' KV event port (their endpoint's; a DP rank publishes on it plus its rank)",
+    )
+    events.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        help="the engines' KV event replay port (their replay_endpoint's, plus the DP rank), where the "
+        "router asks for the batches it missed; unset: none",
+    )
+    events.add_argument("--kv-events-topic", default="", help="the engines' KV event topic")
+    events.add_argument(
+        "--exact-timeout",
+        type=float,
+        default=0.1,
+        help="seconds that hashing a prompt as the engines do (their /tokenize) may add to a request",
+    )
+    p.add_argument(
+        "--hash-seed",
+        help="the engines' PYTHONHASHSEED (it seeds vLLM's block hashes); unset: none",
+    )
     slo = p.add_argument_group("admission")
     slo.add_argument("--admission-ttft-ms", type=float, default=500.0, help="TTFT target")
     slo.add_argument(
@@ -96,9 +127,6 @@ def parser() -> argparse.ArgumentParser:
     store = p.add_argument_group("Mooncake store: prompts whose prefix is stored skip prefill")
     store.add_argument(
         "--store-master", metavar="URL", help="the master's HTTP port, e.g. http://master:9003"
-    )
-    store.add_argument(
-        "--store-hash-seed", help="the engines' PYTHONHASHSEED (it seeds vLLM's block hashes); unset: none"
     )
     store.add_argument(
         "--store-max-computed-tokens",
@@ -166,6 +194,7 @@ class RouterService:
         self._watcher: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
         self._publishing: asyncio.Task[None] | None = None
+        self._events: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         args = self.args
@@ -186,7 +215,7 @@ class RouterService:
             store = StoreIndex(
                 UpstreamPool(),
                 args.store_master,
-                hash_seed=args.store_hash_seed,
+                hash_seed=args.hash_seed,
                 max_computed_tokens=args.store_max_computed_tokens,
                 timeout_s=args.store_lookup_timeout,
                 engine_headers=f"Authorization: Bearer {engine_key}\r\n".encode() if engine_key else b"",
@@ -201,6 +230,8 @@ class RouterService:
                 max_attempts=max(args.max_attempts, 1),
                 prefill_timeout_s=args.prefill_timeout,
                 resume_streams=not args.no_resume_streams,
+                hash_seed=args.hash_seed,
+                exact_timeout_s=args.exact_timeout,
             ),
             self.pool,
             self.session,
@@ -232,6 +263,16 @@ class RouterService:
             self._prober = loop.create_task(self.router.prober.run())
             if publisher is not None:
                 self._publish(publisher)
+        if isinstance(self.router.policy, PreciseCache):
+            metrics = self.router.metrics
+            feed = KvEventFeed(
+                self.router.policy.index,
+                self._event_sources,
+                topic=args.kv_events_topic,
+                on_batch=lambda engine: metrics.kv_event_batches.inc(),
+                on_loss=lambda engine, reason: metrics.kv_event_losses[reason].inc(),
+            )
+            self._events = loop.create_task(feed.run())
         self._http = HttpServer(self.router.handle, openai.error_body, MAX_BODY_BYTES)
         await self._http.start(args.host, args.port)
         log.info(
@@ -242,6 +283,18 @@ class RouterService:
             "off" if admission is None else "on",
             args.store_master or "off",
         )
+
+    def _event_sources(self) -> list[Source]:
+        """Where the engines the policy picks among publish their KV events: each prefill
+        DP rank on the ports plus its rank (as vLLM offsets them), a colocated engine on the ports."""
+        pool, port, replay = self.pool, self.args.kv_events_port, self.args.kv_events_replay_port
+        assert pool is not None
+
+        def source(u: Upstream) -> Source:
+            rank = u.engine.dp_rank if u.engine is not None else 0
+            return Source(u.id, u.origin.host, port + rank, None if replay is None else replay + rank)
+
+        return [source(u) for u in [*pool.prefill, *pool.colocated]]
 
     def _publish(self, publisher: StatePublisher) -> None:
         """Write the verdicts in the background; a newer change waits for the write before."""
@@ -276,7 +329,7 @@ class RouterService:
     async def stop(self) -> None:
         if self._http is not None:  # the drain has waited for in-flight requests: cut the rest
             await self._http.close()
-        for task in (self._watcher, self._prober, self._publishing):
+        for task in (self._watcher, self._prober, self._publishing, self._events):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -286,8 +339,8 @@ class RouterService:
             await self.pool.close()
         if self.router is not None:
             self.router.upstream.close()
-            if self.router.store is not None:
-                self.router.store.upstream.close()
+            if self.router.engine_tokens is not None:
+                self.router.engine_tokens.upstream.close()
         if self.session is not None:
             await self.session.close()
 

@@ -146,4 +146,25 @@ class RouterMetrics:
             obs.ROUTER_KV_PAIRS, "Prefill -> decode pairs by probe verdict (failed ones take no traffic).",
             ("verdict",), registry=r,
         )  # fmt: skip
+        self.kv_event_batches = Counter(
+            obs.ROUTER_KV_EVENT_BATCHES,
+            "KV event batches received from engines (precise-prefix).",
+            registry=r,
+        )
+        losses = Counter(
+            obs.ROUTER_KV_EVENT_LOSSES, "Times an engine's KV events could no longer be trusted, by reason; "
+            "its cache counts as unknown until its next batch.", ("reason",), registry=r,
+        )  # fmt: skip
+        self.kv_event_losses = {reason: losses.labels(reason) for reason in obs.ROUTER_KV_EVENT_LOSS_REASONS}
+        exact = Counter(
+            obs.ROUTER_EXACT_BLOCKS, "Prompts hashed as the engines hash them (precise-prefix), by outcome.",
+            ("outcome",), registry=r,
+        )  # fmt: skip
+        self.exact_blocks = {outcome: exact.labels(outcome) for outcome in obs.ROUTER_EXACT_OUTCOMES}
+        cached = Counter(
+            obs.ROUTER_CACHED_PROMPT_TOKENS, "Prompt tokens the picked engine holds in its prefix cache, as its "
+            "KV events say (events) or as the router guesses from its own dispatches (guess).", ("source",),
+            registry=r,
+        )  # fmt: skip
+        self.cached_prompt_tokens = {source: cached.labels(source) for source in obs.ROUTER_CACHE_SOURCES}
         r.register(_LoadCollector(snapshot))

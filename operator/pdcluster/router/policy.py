@@ -10,9 +10,11 @@ Shapes:
   caller-maintained load counters `inflight_requests` and `inflight_tokens` (prompt
   tokens not yet prefilled on a prefill backend; KV tokens held on a decode backend).
   Callers may subclass it to carry addresses; policies only read the fields below.
-- `policy.pick(backends, prompt_tokens, block_hashes) -> Backend | None`: choose among
-  `backends` (None only when it is empty). `block_hashes` are chained prefix-block
-  hashes (pdcluster.router.prompt.block_hashes, or a trace's `hash_ids`).
+- `policy.pick(backends, prompt_tokens, block_hashes, exact) -> Backend | None`: choose
+  among `backends` (None only when it is empty). `block_hashes` are chained prefix-block
+  hashes (pdcluster.router.prompt.block_hashes, or a trace's `hash_ids`); `exact`, when
+  known, are the prompt's blocks as the engines hash them (`ExactBlocks`), which the
+  precise policy matches against what the engines' KV events say they hold (`KvIndex`).
 - `policy.record(backend_id, block_hashes)`: after dispatch, so a cache-aware policy
   learns what each backend now holds; `policy.forget(backend_id)` when it leaves or
   restarts (its cache is gone).
@@ -53,16 +55,30 @@ def _least_loaded(backends: Sequence[Backend], turn: int) -> Backend | None:
     return best[turn % len(best)]
 
 
+@dataclass(frozen=True)
+class ExactBlocks:
+    """A prompt's full blocks as its engines hash them (vLLM's prefix-cache hashes, which
+    its KV events name), `block_tokens` tokens each, first block first."""
+
+    block_tokens: int
+    hashes: Sequence[Hashable]
+
+
 class LeastLoaded:
     """Least outstanding work: the backend with the fewest tokens in flight."""
 
     needs_block_hashes = False
+    needs_exact_blocks = False
 
     def __init__(self) -> None:
         self._turn = 0
 
     def pick(
-        self, backends: Sequence[Backend], prompt_tokens: int = 0, block_hashes: Sequence[Hashable] = ()
+        self,
+        backends: Sequence[Backend],
+        prompt_tokens: int = 0,
+        block_hashes: Sequence[Hashable] = (),
+        exact: ExactBlocks | None = None,
     ) -> Backend | None:
         self._turn += 1
         return _least_loaded(backends, self._turn)
@@ -87,6 +103,7 @@ class PrefixAware:
     """
 
     needs_block_hashes = True
+    needs_exact_blocks = False
 
     def __init__(self, block_tokens: int, max_imbalance_tokens: int = 16384, capacity_blocks: int = 65536):
         self.block_tokens = block_tokens
@@ -107,24 +124,38 @@ class PrefixAware:
         return matched
 
     def pick(
-        self, backends: Sequence[Backend], prompt_tokens: int = 0, block_hashes: Sequence[Hashable] = ()
+        self,
+        backends: Sequence[Backend],
+        prompt_tokens: int = 0,
+        block_hashes: Sequence[Hashable] = (),
+        exact: ExactBlocks | None = None,
     ) -> Backend | None:
         self._turn += 1
         least = _least_loaded(backends, self._turn)
-        if least is None or not block_hashes:
+        if least is None or not (block_hashes or exact):
             return least
         bound = least.inflight_tokens + self.max_imbalance_tokens
-        best, best_cost = least, least.inflight_tokens + self._uncached(least, prompt_tokens, block_hashes)
+        best, best_cost = (
+            least,
+            least.inflight_tokens + self.uncached(least.id, prompt_tokens, block_hashes, exact),
+        )
         for backend in backends:
             if backend is least or backend.inflight_tokens > bound:
                 continue
-            cost = backend.inflight_tokens + self._uncached(backend, prompt_tokens, block_hashes)
+            cost = backend.inflight_tokens + self.uncached(backend.id, prompt_tokens, block_hashes, exact)
             if cost < best_cost:
                 best, best_cost = backend, cost
         return best
 
-    def _uncached(self, backend: Backend, prompt_tokens: int, block_hashes: Sequence[Hashable]) -> int:
-        return max(prompt_tokens - self.matched_blocks(backend.id, block_hashes) * self.block_tokens, 0)
+    def uncached(
+        self,
+        backend_id: str,
+        prompt_tokens: int,
+        block_hashes: Sequence[Hashable],
+        exact: ExactBlocks | None = None,
+    ) -> int:
+        """Prompt tokens this backend would compute: all but its cached prefix."""
+        return max(prompt_tokens - self.matched_blocks(backend_id, block_hashes) * self.block_tokens, 0)
 
     def record(self, backend_id: str, block_hashes: Sequence[Hashable]) -> None:
         cached = self._cached.setdefault(backend_id, OrderedDict())
@@ -138,7 +169,98 @@ class PrefixAware:
         self._cached.pop(backend_id, None)
 
 
+# Where a block lives, as KV events name it (vllm/distributed/kv_events.py: MEDIUM_*): a
+# block offloaded to CPU is still held after the GPU copy is removed.
+_MEDIUM_BITS = {None: 1, "GPU": 1, "CPU": 2}
+_OTHER_MEDIUM = 4
+
+
+class KvIndex:
+    """What each engine's prefix cache holds, as its KV events say (BlockStored,
+    BlockRemoved, AllBlocksCleared), by block hash.
+
+    An engine's entry is trusted (`live`) from the first event batch after `reset` until
+    the next `reset`: its feed resets it when it (re)connects, when a sequence number is
+    skipped (events lost: a removal may be among them) and when the engine restarts."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, dict[Hashable, int]] = {}  # engine -> block -> media bits
+        self._live: set[str] = set()
+
+    def live(self, engine: str) -> bool:
+        return engine in self._live
+
+    def blocks(self, engine: str) -> int:
+        return len(self._held.get(engine, ()))
+
+    def reset(self, engine: str) -> None:
+        """Forget the engine's blocks and distrust it until its next batch."""
+        self._held.pop(engine, None)
+        self._live.discard(engine)
+
+    def batch(self, engine: str, events: Sequence[tuple[str, Sequence[Hashable], str | None]]) -> None:
+        """Apply one batch of events: (kind, block hashes, medium) each."""
+        held = self._held.setdefault(engine, {})
+        self._live.add(engine)
+        for kind, hashes, medium in events:
+            bit = _MEDIUM_BITS.get(medium, _OTHER_MEDIUM)
+            if kind == "BlockStored":
+                for h in hashes:
+                    held[h] = held.get(h, 0) | bit
+            elif kind == "BlockRemoved":
+                for h in hashes:
+                    left = held.get(h, 0) & ~bit
+                    if left:
+                        held[h] = left
+                    else:
+                        held.pop(h, None)
+            elif kind == "AllBlocksCleared":
+                held.clear()
+
+    def matched_blocks(self, engine: str, hashes: Sequence[Hashable]) -> int:
+        held = self._held.get(engine)
+        if not held:
+            return 0
+        matched = 0
+        for h in hashes:
+            if h not in held:
+                break
+            matched += 1
+        return matched
+
+
+class PreciseCache(PrefixAware):
+    """PrefixAware on what the engines' prefix caches hold, from their KV events (the
+    precise prefix-cache scoring of llm-d and vllm-router), where the prompt's engine
+    block hashes are known and the engine's events are live; elsewhere PrefixAware's own
+    guess, which it keeps learning from every dispatch."""
+
+    needs_exact_blocks = True
+
+    def __init__(self, block_tokens: int, index: KvIndex | None = None, **kwargs: int):
+        super().__init__(block_tokens, **kwargs)
+        self.index = index if index is not None else KvIndex()
+
+    def uncached(
+        self,
+        backend_id: str,
+        prompt_tokens: int,
+        block_hashes: Sequence[Hashable],
+        exact: ExactBlocks | None = None,
+    ) -> int:
+        if exact is None or not self.index.live(backend_id):
+            return super().uncached(backend_id, prompt_tokens, block_hashes)
+        return max(
+            prompt_tokens - self.index.matched_blocks(backend_id, exact.hashes) * exact.block_tokens, 0
+        )
+
+    def forget(self, backend_id: str) -> None:
+        super().forget(backend_id)
+        self.index.reset(backend_id)
+
+
 Policy = LeastLoaded | PrefixAware
+POLICIES = ("least-loaded", "prefix-aware", "precise-prefix")
 
 
 def make_policy(name: str, block_tokens: int) -> Policy:
@@ -146,7 +268,9 @@ def make_policy(name: str, block_tokens: int) -> Policy:
         return LeastLoaded()
     if name == "prefix-aware":
         return PrefixAware(block_tokens)
-    raise ValueError(f"unknown policy {name!r} (least-loaded, prefix-aware)")
+    if name == "precise-prefix":
+        return PreciseCache(block_tokens)
+    raise ValueError(f"unknown policy {name!r} ({', '.join(POLICIES)})")
 
 
 @dataclass(frozen=True)

@@ -40,14 +40,15 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pdcluster.constants import ROLE_COLOCATED
 from pdcluster.router import openai
 from pdcluster.router.http import Request, Response, Stream
+from pdcluster.router.kvevents import block_id
 from pdcluster.router.membership import Pool, Upstream
 from pdcluster.router.metrics import RouterMetrics
-from pdcluster.router.policy import Admission, LeastLoaded, Policy
+from pdcluster.router.policy import Admission, ExactBlocks, LeastLoaded, Policy, PreciseCache, PrefixAware
 from pdcluster.router.probe import KvProber
 from pdcluster.router.prompt import block_hashes, count_tokens, prompt_of
 from pdcluster.router.protocol import MooncakeProtocol
 from pdcluster.router.resume import TokenTrail, as_chat, fix_usage, resumable
-from pdcluster.router.store import Lookup, StoreIndex
+from pdcluster.router.store import EngineTokens, Lookup, LookupFailed, StoreIndex, engine_block_hashes
 from pdcluster.router.upstream import Response as UpstreamResponse
 from pdcluster.router.upstream import UpstreamError, UpstreamPool
 
@@ -76,6 +77,8 @@ class RouterConfig:
     max_attempts: int = 3  # per request, across prefill and decode engines
     prefill_timeout_s: float = 120.0
     resume_streams: bool = True
+    hash_seed: str | None = None  # the engines' PYTHONHASHSEED, which seeds vLLM's block hashes
+    exact_timeout_s: float = 0.1  # what hashing a prompt as the engines do may add to a request
 
 
 def _error(
@@ -96,6 +99,15 @@ class Router:
     ):
         self.config = config
         self.store = store
+        # A prompt's token ids and its engines' block facts: for the store's lookups and
+        # for the precise policy's exact block hashes.
+        self.engine_tokens = (
+            store.engines
+            if store is not None
+            else EngineTokens(UpstreamPool(), _engine_auth(config))
+            if policy.needs_exact_blocks
+            else None
+        )
         self.pool = pool
         self.session = session  # for the odd non-generate call (/v1/models)
         self.upstream = UpstreamPool()
@@ -113,9 +125,7 @@ class Router:
         self._engine_key_header = (
             {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
         )
-        self._engine_auth = (
-            f"Authorization: Bearer {config.engine_api_key}\r\n".encode() if config.engine_api_key else b""
-        )
+        self._engine_auth = _engine_auth(config)
         self._routes: dict[str, dict[str, Any]] = {
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
@@ -173,7 +183,16 @@ class Router:
         return Response(body=generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
     async def backends(self, request: Request) -> Response:
-        return Response(body=orjson.dumps(self.pool.describe()), content_type=_JSON)
+        view = self.pool.describe()
+        if isinstance(self.policy, PreciseCache):
+            index = self.policy.index
+            for role in ("prefill", ROLE_COLOCATED):
+                for backend in view[role]:
+                    backend["kv_events"] = {
+                        "live": index.live(backend["id"]),
+                        "blocks": index.blocks(backend["id"]),
+                    }
+        return Response(body=orjson.dumps(view), content_type=_JSON)
 
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
@@ -248,10 +267,15 @@ class Router:
         decodes = self._usable(self.pool.routable(self.pool.decode, started))
         # Only engines of one revision exchange KV (rollout.py): a prefill needs a partner.
         revisions = {d.revision for d in decodes}
-        paired = [p for p in prefills if p.revision in revisions]
-        first = self.policy.pick(
-            paired + self.pool.routable(self.pool.colocated, started), prompt_tokens, hashes
+        candidates = [p for p in prefills if p.revision in revisions] + self.pool.routable(
+            self.pool.colocated, started
         )
+        exact, tokens = await self._exact_blocks(body, chat, candidates)
+        if tokens is not None:
+            prompt_tokens = len(tokens)
+        first = self.policy.pick(candidates, prompt_tokens, hashes, exact)
+        if first is not None and isinstance(self.policy, PrefixAware):
+            self._count_cached(first, prompt_tokens, hashes, exact)
         if first is not None and first.role == ROLE_COLOCATED:
             prefill, decode = first, first  # colocated: one engine does both
         else:
@@ -263,7 +287,7 @@ class Router:
             return self._reject(
                 "no_backend", 503, "no ready prefill and decode backends, nor colocated engines"
             )
-        lookup = None if decode is prefill else await self._look_up(decode, body, chat, prompt_tokens)
+        lookup = None if decode is prefill else await self._look_up(decode, body, chat, prompt_tokens, tokens)
         if lookup is not None and lookup.outcome == "hit":
             # Decode loads the stored prefix and computes the rest: no prefill, so no
             # prefill queue to predict either.
@@ -357,13 +381,57 @@ class Router:
     def _usable(self, upstreams: list[Upstream]) -> list[Upstream]:
         return upstreams if self.prober is None else self.prober.usable(upstreams)
 
+    async def _exact_blocks(
+        self, body: dict[str, Any], chat: bool, candidates: list[Upstream]
+    ) -> tuple[ExactBlocks | None, list[int] | None]:
+        """For the precise policy: the prompt's blocks as its engines hash them, and its
+        token ids, from a candidate engine's /tokenize (none for a token-id prompt) within
+        `exact_timeout_s`; (None, None) otherwise, and the policy guesses."""
+        if self.engine_tokens is None or not self.policy.needs_exact_blocks or not candidates:
+            return None, None
+        outcomes = self.metrics.exact_blocks
+        if "cache_salt" in body:  # it changes the engines' hashes
+            outcomes["unsupported"].inc()
+            return None, None
+        # An engine whose facts are known costs one call (or none), a new one three.
+        url = next((c.url for c in candidates if self.engine_tokens.known(c.url)), candidates[0].url)
+        try:
+            async with asyncio.timeout(self.config.exact_timeout_s):
+                facts = await self.engine_tokens.facts_of(url)
+                if facts is None:
+                    outcomes["unsupported"].inc()
+                    return None, None
+                tokens = await self.engine_tokens.tokens(url, body, chat)
+        except (UpstreamError, LookupFailed, TimeoutError, orjson.JSONDecodeError, KeyError, IndexError,
+                TypeError, ValueError) as e:  # fmt: skip
+            log.debug("no exact block hashes: %r", e)
+            outcomes["error"].inc()
+            return None, None
+        outcomes["ok"].inc()
+        digests = engine_block_hashes(tokens, facts.block_size, self.config.hash_seed)
+        return ExactBlocks(facts.block_size, [block_id(d) for d in digests]), tokens
+
+    def _count_cached(
+        self, backend: Upstream, prompt_tokens: int, hashes: Any, exact: ExactBlocks | None
+    ) -> None:
+        policy = self.policy
+        assert isinstance(policy, PrefixAware)
+        cached = prompt_tokens - policy.uncached(backend.id, prompt_tokens, hashes, exact)
+        precise = isinstance(policy, PreciseCache) and exact is not None and policy.index.live(backend.id)
+        self.metrics.cached_prompt_tokens["events" if precise else "guess"].inc(cached)
+
     async def _look_up(
-        self, decode: Upstream, body: dict[str, Any], chat: bool, estimate: int
+        self,
+        decode: Upstream,
+        body: dict[str, Any],
+        chat: bool,
+        estimate: int,
+        tokens: list[int] | None = None,
     ) -> Lookup | None:
         if self.store is None:
             return None
         began = time.monotonic()
-        lookup = await self.store.lookup(decode.url, body, chat, estimate)
+        lookup = await self.store.lookup(decode.url, body, chat, estimate, tokens)
         self.metrics.store_lookup_time.observe(time.monotonic() - began)
         self.metrics.store_lookups[lookup.outcome].inc()
         if lookup.outcome == "error":
@@ -738,6 +806,10 @@ class _Flow:
 
 def _header_lines(headers: list[tuple[str, str]]) -> bytes:
     return "".join(f"{name}: {value}\r\n" for name, value in headers).encode()
+
+
+def _engine_auth(config: RouterConfig) -> bytes:
+    return f"Authorization: Bearer {config.engine_api_key}\r\n".encode() if config.engine_api_key else b""
 
 
 def _discard(task: asyncio.Task[UpstreamResponse]) -> None:

@@ -60,15 +60,20 @@ def _pickle_sha256(value: Any) -> bytes:
     return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-def block_keys(tokens: list[int], block_size: int, model: str, hash_seed: str | None) -> list[str]:
-    """The store keys of the prompt's full blocks, first block first."""
+def engine_block_hashes(tokens: list[int], block_size: int, hash_seed: str | None) -> list[bytes]:
+    """vLLM's prefix-cache hashes of the prompt's full blocks, first block first."""
     parent = _pickle_sha256(hash_seed if hash_seed is not None else NONE_HASH_SEED)
-    prefix = f"{model}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"
-    keys = []
+    hashes = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = _pickle_sha256((parent, tuple(tokens[start : start + block_size]), None))
-        keys.append(prefix + parent.hex())
-    return keys
+        hashes.append(parent)
+    return hashes
+
+
+def block_keys(tokens: list[int], block_size: int, model: str, hash_seed: str | None) -> list[str]:
+    """The store keys of the prompt's full blocks, first block first."""
+    prefix = f"{model}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"
+    return [prefix + h.hex() for h in engine_block_hashes(tokens, block_size, hash_seed)]
 
 
 def loadable_tokens(stored: list[bool], block_size: int, prompt_tokens: int) -> int:
@@ -112,48 +117,38 @@ def _cache_config(metrics_text: str) -> dict[str, str]:
     return {}
 
 
-class StoreIndex:
-    """Prompt-hit lookups against one master, for the engines the router routes to."""
+async def _get(upstream: UpstreamPool, origin: Origin, path: str, headers: bytes = b"") -> tuple[int, bytes]:
+    response = await upstream.request(origin, b"GET", path.encode(), headers, b"")
+    try:
+        return response.status, await response.read()
+    finally:
+        response.close()
 
-    def __init__(
-        self,
-        upstream: UpstreamPool,
-        master_url: str,
-        *,
-        hash_seed: str | None,
-        max_computed_tokens: int,
-        timeout_s: float,
-        engine_headers: bytes = b"",
-    ):
+
+class EngineTokens:
+    """A prompt's exact token ids and the facts its block hashes need, from the engines
+    themselves: /tokenize (the same tokenizer and chat template as the request will get)
+    and /v1/models and /metrics (model, block size, hash algorithm), once per engine."""
+
+    def __init__(self, upstream: UpstreamPool, engine_headers: bytes = b""):
         self.upstream = upstream
         self.engine_headers = engine_headers  # an engine API key, for its /v1 routes
-        # Any master: under HA a Service over all of them, where a standby answers 503
-        # and names the leader (/leader), whose HTTP port is the same.
-        self.master = Origin.parse(master_url)
-        self.leader = self.master
-        self.hash_seed = hash_seed
-        self.max_computed_tokens = max_computed_tokens
-        self.timeout_s = timeout_s
         self._facts: dict[str, EngineFacts | None] = {}  # by engine URL; None: cannot be keyed
 
     def forget(self, url: str) -> None:
         self._facts.pop(url, None)
 
-    async def _get(self, origin: Origin, path: str, headers: bytes = b"") -> tuple[int, bytes]:
-        response = await self.upstream.request(origin, b"GET", path.encode(), headers, b"")
-        try:
-            return response.status, await response.read()
-        finally:
-            response.close()
+    def known(self, url: str) -> bool:
+        return self._facts.get(url) is not None
 
-    async def _facts_of(self, url: str) -> EngineFacts | None:
+    async def facts_of(self, url: str) -> EngineFacts | None:
         if url in self._facts:
             return self._facts[url]
         origin = Origin.parse(url)
-        status, models = await self._get(origin, "/v1/models", self.engine_headers)
+        status, models = await _get(self.upstream, origin, "/v1/models", self.engine_headers)
         if status != 200:
             raise LookupFailed(f"{url}/v1/models answered HTTP {status}")
-        status, metrics = await self._get(origin, "/metrics")
+        status, metrics = await _get(self.upstream, origin, "/metrics")
         if status != 200:
             raise LookupFailed(f"{url}/metrics answered HTTP {status}")
         root = str(orjson.loads(models)["data"][0].get("root") or "")
@@ -163,12 +158,12 @@ class StoreIndex:
             model, int(config.get("block_size") or 0), config.get("prefix_caching_hash_algo", "")
         )
         if not _SAFE_KEY.fullmatch(model) or facts.block_size <= 0 or facts.hash_algo != SUPPORTED_HASH:
-            log.warning("store lookups off for %s: keys not computable (%s)", url, facts)
+            log.warning("no exact block hashes for %s: not computable (%s)", url, facts)
             facts = None
         self._facts[url] = facts
         return facts
 
-    async def _tokens(self, url: str, body: dict[str, Any], chat: bool) -> list[int]:
+    async def tokens(self, url: str, body: dict[str, Any], chat: bool) -> list[int]:
         if not chat and isinstance(body.get("prompt"), list):
             prompt = body["prompt"]
             ids = prompt[0] if prompt and isinstance(prompt[0], list) else prompt
@@ -191,6 +186,37 @@ class StoreIndex:
         if response.status != 200:
             raise LookupFailed(f"/tokenize answered HTTP {response.status}")
         return list(orjson.loads(payload)["tokens"])
+
+
+class StoreIndex:
+    """Prompt-hit lookups against one master, for the engines the router routes to."""
+
+    def __init__(
+        self,
+        upstream: UpstreamPool,
+        master_url: str,
+        *,
+        hash_seed: str | None,
+        max_computed_tokens: int,
+        timeout_s: float,
+        engine_headers: bytes = b"",
+        engines: EngineTokens | None = None,
+    ):
+        self.upstream = upstream
+        self.engines = engines if engines is not None else EngineTokens(upstream, engine_headers)
+        # Any master: under HA a Service over all of them, where a standby answers 503
+        # and names the leader (/leader), whose HTTP port is the same.
+        self.master = Origin.parse(master_url)
+        self.leader = self.master
+        self.hash_seed = hash_seed
+        self.max_computed_tokens = max_computed_tokens
+        self.timeout_s = timeout_s
+
+    def forget(self, url: str) -> None:
+        self.engines.forget(url)
+
+    async def _get(self, origin: Origin, path: str) -> tuple[int, bytes]:
+        return await _get(self.upstream, origin, path)
 
     async def _stored(self, keys: list[str]) -> list[bool]:
         """Which keys the master holds, up to the first it lacks: only the leading run
@@ -230,19 +256,28 @@ class StoreIndex:
         host = str(view["leader_address"]).rpartition(":")[0]  # its RPC address
         return Origin(host.strip("[]"), self.master.port)
 
-    async def lookup(self, decode_url: str, body: dict[str, Any], chat: bool, estimate: int) -> Lookup:
+    async def lookup(
+        self,
+        decode_url: str,
+        body: dict[str, Any],
+        chat: bool,
+        estimate: int,
+        tokens: list[int] | None = None,
+    ) -> Lookup:
         """How much of this request's prompt decode would load from the store; `estimate`
-        is the router's guess of its tokens (a prompt clearly under one block costs no call)."""
+        is the router's guess of its tokens (a prompt clearly under one block costs no
+        call), `tokens` its ids where the router has them already."""
         if "cache_salt" in body:
             return Lookup("unsupported", reason="cache_salt changes the block hashes")
         try:
             async with asyncio.timeout(self.timeout_s):
-                facts = await self._facts_of(decode_url)
+                facts = await self.engines.facts_of(decode_url)
                 if facts is None:
                     return Lookup("unsupported", reason="the engine's block keys cannot be computed")
                 if estimate < facts.block_size // 2:
                     return Lookup("short")
-                tokens = await self._tokens(decode_url, body, chat)
+                if tokens is None:
+                    tokens = await self.engines.tokens(decode_url, body, chat)
                 keys = block_keys(tokens, facts.block_size, facts.model, self.hash_seed)
                 if not keys:
                     return Lookup("short", len(tokens))

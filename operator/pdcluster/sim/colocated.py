@@ -48,7 +48,7 @@ from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
 from pdcluster.control import MetricsSnapshot, Observed, RoleMetrics, RoleObserved, decide
 from pdcluster.control.models import MAX_BATCHED_TOKENS
 from pdcluster.perf import Profile
-from pdcluster.router.policy import Backend, make_policy
+from pdcluster.router.policy import Backend, ExactBlocks, KvIndex, PreciseCache, make_policy
 from pdcluster.sim.fleet import Result
 from pdcluster.sim.policies import EPOCH
 from pdcluster.sim.trace import Trace
@@ -127,6 +127,7 @@ class ColocatedFleet:
         self.computed_tokens = 0  # prompt tokens computed so far (vllm:prompt_tokens)
         self.computed_log: list[tuple[float, int]] = []  # (time, computed_tokens) at each control
         self.router = make_policy(config.router, trace.block_tokens)
+        self.kv_index = self.router.index if isinstance(self.router, PreciseCache) else None
         self.reused_tokens = 0
         n = len(trace)
         self.ttft = [math.nan] * n
@@ -278,7 +279,8 @@ class ColocatedFleet:
         if not self.serving:
             self.unrouted.append(i)
             return
-        engine: ColocatedEngine = self.router.pick(self.serving, self.trace.input_tokens[i], blocks)  # type: ignore[assignment]
+        exact = ExactBlocks(self.trace.block_tokens, blocks) if self.kv_index is not None else None
+        engine: ColocatedEngine = self.router.pick(self.serving, self.trace.input_tokens[i], blocks, exact)  # type: ignore[assignment]
         self.router.record(engine.id, blocks)
         engine.waiting.append(i)
         engine.inflight_tokens += self.trace.input_tokens[i]
@@ -366,7 +368,7 @@ class ColocatedFleet:
             item[1] += progress.get(item[0], 0)
         for request in engine.first_tokens:
             engine.prefilling.popleft()  # the oldest prompts finish first
-            _remember(engine, tr.blocks[request])
+            _remember(engine, tr.blocks[request], self.kv_index)
             self.first_token[request] = self.now
             self.ttft[request] = self.now - tr.arrival_s[request]
             out = tr.output_tokens[request]
@@ -389,14 +391,18 @@ def _cached_blocks(cache: OrderedDict[int, None], blocks: tuple[int, ...]) -> in
     return n
 
 
-def _remember(engine: ColocatedEngine, blocks: tuple[int, ...]) -> None:
+def _remember(engine: ColocatedEngine, blocks: tuple[int, ...], index: KvIndex | None) -> None:
+    """The engine caches a prompt's blocks; with an index, its KV events say so at once."""
+    added = []
     for h in blocks:
         if h in engine.cache:
             engine.cache.move_to_end(h)
         else:
             engine.cache[h] = None
-    while len(engine.cache) > engine.cache_blocks:
-        engine.cache.popitem(last=False)
+            added.append(h)
+    evicted = [engine.cache.popitem(last=False)[0] for _ in range(len(engine.cache) - engine.cache_blocks)]
+    if index is not None:
+        index.batch(engine.id, [("BlockStored", added, None), ("BlockRemoved", evicted, None)])
 
 
 def simulate_colocated(trace: Trace, profile: Profile, config: ColocatedConfig) -> Result:

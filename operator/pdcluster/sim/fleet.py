@@ -44,7 +44,7 @@ from typing import Protocol
 from pdcluster.control.models import MAX_BATCHED_TOKENS
 from pdcluster.observability import Histogram
 from pdcluster.perf import Profile
-from pdcluster.router.policy import Backend, LeastLoaded, make_policy
+from pdcluster.router.policy import Backend, ExactBlocks, LeastLoaded, PreciseCache, make_policy
 from pdcluster.sim import metrics as M
 from pdcluster.sim.store import Found, StoreConfig, TieredStore
 from pdcluster.sim.trace import Trace
@@ -171,6 +171,8 @@ class Fleet:
         self.policy = policy
         self.cfg = config
         self.router = make_policy(config.router, trace.block_tokens)
+        # precise-prefix: the engines' caches as their KV events tell, without delay
+        self.kv_index = self.router.index if isinstance(self.router, PreciseCache) else None
         self.decode_router = LeastLoaded()
         self.now = 0.0
         self.events: list[tuple[float, int, int, object, int]] = []
@@ -324,6 +326,7 @@ class Fleet:
             engine.state = READY
             self.set_held(gpus)
             self.ready[role].append(engine)
+            self.events_from(engine)
         else:
             self.pending.append(engine)
 
@@ -355,11 +358,17 @@ class Fleet:
             self.set_held(engine.gpus)
             self.push(self.now + self.cfg.startup_s, ENGINE_READY, engine)
 
+    def events_from(self, engine: Engine) -> None:
+        """A ready prefill engine's (empty) cache is known from its first event batch on."""
+        if self.kv_index is not None and engine.role == "prefill":
+            self.kv_index.batch(engine.id, [])
+
     def engine_ready(self, engine: Engine) -> None:
         if engine.state != STARTING:
             return
         engine.state = READY
         self.ready[engine.role].append(engine)
+        self.events_from(engine)
         self.mark()
         backlog = self.backlog[engine.role]
         while backlog:
@@ -416,7 +425,8 @@ class Fleet:
             self.backlog["prefill"].append(i)
             return
         blocks = self.trace.blocks[i]
-        engine: PrefillEngine = self.router.pick(engines, self.trace.input_tokens[i], blocks)  # type: ignore[assignment]
+        exact = ExactBlocks(self.trace.block_tokens, blocks) if self.kv_index is not None else None
+        engine: PrefillEngine = self.router.pick(engines, self.trace.input_tokens[i], blocks, exact)  # type: ignore[assignment]
         self.router.record(engine.id, blocks)
         engine.queue.append(i)
         engine.inflight_tokens += self.trace.input_tokens[i]
@@ -503,13 +513,18 @@ class Fleet:
         for i, _ in batch:
             if self.store is not None:
                 self.store.write(tr.blocks[i])
+            added = []
             for h in tr.blocks[i]:
                 if h in cache:
                     cache.move_to_end(h)
                 else:
                     cache[h] = None
-            while len(cache) > engine.cache_blocks:
-                cache.popitem(last=False)
+                    added.append(h)
+            evicted = [cache.popitem(last=False)[0] for _ in range(len(cache) - engine.cache_blocks)]
+            if self.kv_index is not None:
+                self.kv_index.batch(
+                    engine.id, [("BlockStored", added, None), ("BlockRemoved", evicted, None)]
+                )
             ttft_hist.observe(self.now - tr.arrival_s[i])
             prefill_hist.observe(took_s)  # each request of a batch is in PREFILL the whole batch
             self.counters[M.PREFILL_PROMPT_TOKENS] += tr.input_tokens[i]

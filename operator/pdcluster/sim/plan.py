@@ -33,6 +33,7 @@ from pdcluster import observability as obs
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.control import models
+from pdcluster.router.policy import POLICIES
 from pdcluster.sim.dynamo import Dynamo, DynamoLoad
 from pdcluster.sim.fleet import FleetConfig, Result, simulate
 from pdcluster.sim.llmd import LLMD
@@ -408,7 +409,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--startup-s", type=float, default=60.0, help="engine start-up delay")
     parser.add_argument("--link-gbps", type=float, default=200.0, help="P->D KV transfer bandwidth")
-    parser.add_argument("--router", choices=("prefix-aware", "least-loaded"), default="prefix-aware")
+    parser.add_argument("--router", choices=POLICIES, default="prefix-aware")
     parser.add_argument(
         "--policy",
         action="append",
