@@ -3,7 +3,8 @@
 # repository, and reuses them when they are already there:
 #   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (k8s.io/kubernetes)
 #   etcd (go.etcd.io/etcd/server/v3), kwok (sigs.k8s.io/kwok), helm (helm.sh/helm/v3),
-#   the LeaderWorkerSet controller (sigs.k8s.io/lws) with its CRDs and webhook manifests
+#   the LeaderWorkerSet controller (sigs.k8s.io/lws) with its CRDs and webhook manifests,
+#   a minimal OpenTelemetry Collector (gomod/otelcol: OTLP receiver, file exporter)
 # Prints the bin directory on stdout; progress goes to stderr.
 set -euo pipefail
 
@@ -67,6 +68,17 @@ if [ ! -x "$lws/lws-controller" ]; then
   cp "$src"/config/crd/bases/*.yaml "$src/config/webhook/manifests.yaml" "$lws.tmp/"
   chmod -R u+w "$lws.tmp"
   rm -rf "$lws" && mv "$lws.tmp" "$lws"
+fi
+
+# A minimal OpenTelemetry Collector (OTLP in, OTLP JSON lines to a file) for tests that
+# check the traces a component sends; its factories are in gomod/otelcol/main.go.
+otelcol="$bin/otelcol-$OTELCOL_VERSION"
+if [ ! -x "$otelcol/otelcol" ]; then
+  log "building the OpenTelemetry Collector $OTELCOL_VERSION"
+  mkdir -p "$otelcol.tmp"
+  (cd "$here/gomod/otelcol" && go build -trimpath -ldflags "-s -w -X main.version=$OTELCOL_VERSION" \
+    -o "$otelcol.tmp/otelcol" .) >&2
+  rm -rf "$otelcol" && mv "$otelcol.tmp" "$otelcol"
 fi
 
 # kwok v0.8 ships no default stages; the harness writes its own, but keep the

@@ -45,7 +45,11 @@ def bin_dir() -> Path:
         f"-kwok-{v['KWOK_VERSION']}-helm-{v['HELM_VERSION']}"
     )
     path = cache_dir() / "bin" / name
-    if all(os.access(path / b, os.X_OK) for b in BINARIES) and lws_dir(path).is_dir():
+    if (
+        all(os.access(path / b, os.X_OK) for b in BINARIES)
+        and lws_dir(path).is_dir()
+        and os.access(otelcol_binary(path), os.X_OK)
+    ):
         return path
     out = subprocess.run([str(LOCAL_DIR / "build.sh")], check=True, stdout=subprocess.PIPE, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
@@ -54,3 +58,8 @@ def bin_dir() -> Path:
 def lws_dir(bins: Path) -> Path:
     """The LeaderWorkerSet controller, its CRDs and webhook manifests (build.sh)."""
     return bins / f"lws-{versions()['LWS_VERSION']}"
+
+
+def otelcol_binary(bins: Path) -> Path:
+    """The minimal OpenTelemetry Collector (gomod/otelcol, built by build.sh)."""
+    return bins / f"otelcol-{versions()['OTELCOL_VERSION']}" / "otelcol"
