@@ -30,6 +30,7 @@ import yarl
 from harness import OperatorProcess, StreamLoad, install_crd, settled, start_operator
 from prometheus_client.parser import text_string_to_metric_families
 
+from localcluster.otelcol import Collector
 from pdcluster import constants as C
 from pdcluster import profiling
 from pdcluster.control.cause import Cause
@@ -96,6 +97,7 @@ class Env:
     prometheus: str
     model: str
     max_model_len: int
+    collector: Collector  # receives the router's and the engines' traces
 
     async def pods(self, role: str) -> list[dict[str, Any]]:
         return await self.kube.list(
@@ -127,6 +129,8 @@ async def poll(predicate: Any, timeout: float, message: str, interval: float = 1
 async def env(vllm_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
     doc = example()
     namespace = f"vllm-{uuid.uuid4().hex[:5]}"
+    collector = Collector(tmp_path_factory.mktemp("otelcol")).start()
+    doc["spec"]["tracing"] = {"enabled": True, "endpoint": collector.http_endpoint}
     async with Kube(KubeConfig.from_file(vllm_cluster.kubeconfig)) as kube:
         await install_crd(kube)
         await kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
@@ -175,8 +179,10 @@ async def env(vllm_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> As
                 prometheus=vllm_cluster.prometheus_url,
                 model=doc["spec"]["model"]["servedModelName"],
                 max_model_len=doc["spec"]["model"]["maxModelLen"],
+                collector=collector,
             )
         finally:
+            collector.stop()
             operator.kill(signal.SIGTERM)
             await kube.delete("v1", "Namespace", namespace)
             await kube.request("DELETE", f"/api/v1/namespaces/{namespace}/pods")
@@ -327,6 +333,41 @@ async def store_prompt(http: aiohttp.ClientSession, env: Env, body: dict[str, An
 
     await poll(stored, 30, f"the prompt's {len(keys)} blocks in the master, under the router's keys")
     return answer
+
+
+async def test_a_trace_holds_the_routers_and_the_engines_spans(env: Env) -> None:
+    """One request, one trace: the router's spans continue the client's traceparent, and
+    each real vLLM engine's own request span (vllm/v1/engine/output_processor.py:
+    do_tracing) is a child of the router's span for its exchange."""
+    trace_id = uuid.uuid4().hex
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{env.router}/v1/completions",
+            json={"model": env.model, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0},
+            headers={"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"},
+            timeout=REQUEST_TIMEOUT,
+        ) as r,
+    ):
+        assert r.status == 200, await r.text()
+
+    async def received() -> dict[str, list[Any]] | None:
+        spans: dict[str, list[Any]] = {}
+        for span in env.collector.spans():
+            if span.trace_id == trace_id:
+                spans.setdefault(span.name, []).append(span)
+        return spans if len(spans.get("llm_request", [])) == 2 and "prefill" in spans else None
+
+    spans = await poll(received, 60, "the router's and both engines' spans at the collector", interval=0.5)
+    [root], [prefill], [decode] = spans["router /v1/completions"], spans["prefill"], spans["decode"]
+    assert root.service_name == "pdcluster-router"
+    assert {s.name for s in env.collector.spans() if s.parent_span_id == root.span_id} >= {
+        "admission", "prefill", "kv_handoff", "decode"
+    }  # fmt: skip
+    engines = {s.resource["pdcluster.role"]: s for s in spans["llm_request"]}
+    assert {s.service_name for s in engines.values()} == {"vllm"}
+    assert engines["prefill"].parent_span_id == prefill.span_id
+    assert engines["decode"].parent_span_id == decode.span_id
 
 
 async def test_real_kv_events_reach_the_router(env: Env) -> None:

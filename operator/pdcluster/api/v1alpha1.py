@@ -246,6 +246,35 @@ class NetworkPolicySpec(Model):
     )
 
 
+class TracingSpec(Model):
+    """OpenTelemetry traces of each request: the router's spans (admission, prefill, KV
+    hand-off, decode, streaming) and the engines' own (vLLM --otlp-traces-endpoint), one
+    trace per request through W3C traceparent, sent over OTLP/HTTP."""
+
+    model_config = Model.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel("!self.enabled || has(self.endpoint)", "tracing needs an endpoint", ".endpoint")
+            ]
+        }
+    }
+
+    enabled: bool = Field(False, description="Trace requests (off: no spans, no traceparent).")
+    endpoint: str | None = Field(
+        None,
+        pattern=r"^https?://[^/\s]+$",
+        description="The OTLP/HTTP receiver's base URL, e.g. http://otel-collector.observability:4318; "
+        "spans go to <endpoint>/v1/traces.",
+    )
+    sample_percent: int = Field(
+        100, ge=0, le=100, description="Share of requests traced; a client's sampled traceparent is followed."
+    )
+
+    @property
+    def traces_url(self) -> str:
+        return f"{self.endpoint}/v1/traces"
+
+
 class RoleSpec(Model):
     """One engine pool (prefill, decode, or colocated): a StatefulSet of identical vLLM pods."""
 
@@ -712,6 +741,7 @@ class PDClusterSpec(Model):
     router: RouterSpec = section(RouterSpec)
     autoscaling: AutoscalingSpec = section(AutoscalingSpec)
     network_policy: NetworkPolicySpec = section(NetworkPolicySpec)
+    tracing: TracingSpec = section(TracingSpec)
     suspend: bool = Field(False, description="Scale both roles and the router to zero; keep everything else.")
     paused: bool = Field(False, description="Stop applying changes to children; status keeps being reported.")
 

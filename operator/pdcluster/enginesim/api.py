@@ -188,7 +188,7 @@ class OpenAIServer:
         if self.config.record:
             headers = {
                 k: request.headers[k]
-                for k in ("X-Request-Id", "X-data-parallel-rank")
+                for k in ("X-Request-Id", "X-data-parallel-rank", "traceparent")
                 if k in request.headers
             }
             self.recorded.append(

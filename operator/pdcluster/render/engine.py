@@ -138,6 +138,9 @@ def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
             "--kv-events-config",
             json.dumps(KV_EVENTS, separators=(",", ":")),
         ]
+    if spec.tracing.enabled:
+        # Over OTLP/HTTP (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL in engine_env), as the router.
+        args += ["--otlp-traces-endpoint", spec.tracing.traces_url]
     if role == C.ROLE_COLOCATED:
         # vLLM's default where the model supports it (arg_utils.py
         # _set_default_chunked_prefill_and_prefix_caching_args); said outright, since
@@ -183,6 +186,17 @@ def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, A
     ):
         if ref is not None:
             env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if spec.tracing.enabled:
+        # vllm/tracing/otel.py picks its exporter by this (gRPC by default); the SDK names
+        # the engine's spans' resource from the other two.
+        env += [
+            {"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": "http/protobuf"},
+            {"name": "OTEL_SERVICE_NAME", "value": "vllm"},
+            {
+                "name": "OTEL_RESOURCE_ATTRIBUTES",
+                "value": f"pdcluster.cluster={owner.name},pdcluster.role={role}",
+            },
+        ]
     env += rdma.env(spec) + rdma.transfer_env(spec)
     # A name set twice is invalid in a server-side apply (env is a map keyed by name):
     # the user's entries replace ours, the role's replace the engine's.

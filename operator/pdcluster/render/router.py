@@ -63,6 +63,11 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
         args.append(f"--api-key-file={API_KEY_DIR}/{r.api_key_secret.key}")
     if spec.engine.api_key_secret:
         args.append(f"--engine-api-key-file={ENGINE_KEY_DIR}/{spec.engine.api_key_secret.key}")
+    if spec.tracing.enabled:
+        args += [
+            f"--otlp-traces-endpoint={spec.tracing.traces_url}",
+            f"--trace-sample-ratio={spec.tracing.sample_percent / 100:g}",
+        ]
     store = store_hit_args(spec, owner)
     if store or r.policy == RouterPolicy.precise_prefix:
         # Both hash prompts as the engines do: vLLM seeds its block hashes with this.

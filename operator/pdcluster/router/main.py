@@ -173,6 +173,19 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="end a stream with an error when its decode engine dies, instead of resuming it",
     )
+    traces = p.add_argument_group("tracing")
+    traces.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="send OpenTelemetry spans of each request over OTLP/HTTP to this URL, e.g. "
+        "http://collector:4318/v1/traces, and a traceparent to the engines; unset: no tracing",
+    )
+    traces.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        default=1.0,
+        help="the share of requests traced (a client's sampled traceparent is followed)",
+    )
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
     )
@@ -263,6 +276,10 @@ class RouterService:
             self._prober = loop.create_task(self.router.prober.run())
             if publisher is not None:
                 self._publish(publisher)
+        if args.otlp_traces_endpoint:
+            from pdcluster.router.tracing import Tracing  # only when tracing: its imports cost
+
+            self.router.tracing = Tracing(args.otlp_traces_endpoint, args.trace_sample_ratio)
         if isinstance(self.router.policy, PreciseCache):
             metrics = self.router.metrics
             feed = KvEventFeed(
@@ -341,6 +358,9 @@ class RouterService:
             self.router.upstream.close()
             if self.router.engine_tokens is not None:
                 self.router.engine_tokens.upstream.close()
+            if self.router.tracing is not None:
+                # Sends what is still batched; in a thread, as the exporter blocks.
+                await asyncio.to_thread(self.router.tracing.shutdown)
         if self.session is not None:
             await self.session.close()
 
@@ -363,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
         parser().error("--kube needs --cluster")
     if not args.kube and not (args.prefill and args.decode) and not args.colocated:
         parser().error("give --kube, at least one --prefill and one --decode, or --colocated")
+    if not 0.0 <= args.trace_sample_ratio <= 1.0:
+        parser().error("--trace-sample-ratio must be between 0 and 1")
     if not args.kube and bool(args.prefill) != bool(args.decode):
         parser().error("--prefill and --decode come together: a prefill needs a decode to hand its KV to")
     try:

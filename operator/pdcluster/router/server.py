@@ -30,7 +30,7 @@ import re
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import orjson
@@ -51,6 +51,11 @@ from pdcluster.router.resume import TokenTrail, as_chat, fix_usage, resumable
 from pdcluster.router.store import EngineTokens, Lookup, LookupFailed, StoreIndex, engine_block_hashes
 from pdcluster.router.upstream import Response as UpstreamResponse
 from pdcluster.router.upstream import UpstreamError, UpstreamPool
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from pdcluster.router.tracing import RequestTrace, Tracing
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,6 +120,7 @@ class Router:
         self.decode_policy = LeastLoaded()
         self.admission = admission
         self.prober: KvProber | None = None  # set by the service when hand-offs are verified
+        self.tracing: Tracing | None = None  # set by the service with --otlp-traces-endpoint
         self.protocol = MooncakeProtocol()
         self.metrics = RouterMetrics(self._load_snapshot)
         self.draining = False
@@ -237,7 +243,22 @@ class Router:
         return _error(status, message, param)
 
     async def _generate(self, request: Request, path: str, chat: bool) -> Response | Stream:
+        if self.tracing is None:
+            return await self._serve(request, path, chat, None)
+        trace = self.tracing.request(path, request.headers.get("traceparent"))
+        status = 499  # the client left (or the request was cancelled) before an answer
+        try:
+            answer = await self._serve(request, path, chat, trace)
+            status = answer.status if isinstance(answer, Response) else 200
+            return answer
+        finally:
+            trace.end(status)
+
+    async def _serve(
+        self, request: Request, path: str, chat: bool, trace: RequestTrace | None
+    ) -> Response | Stream:
         started = time.monotonic()
+        arrived_ns = time.time_ns() if trace is not None else 0
         if self.draining:
             return self._reject("draining", 503, "the router is shutting down")
         if not self._authorized(request):
@@ -312,6 +333,17 @@ class Router:
         self.inflight += 1
         self.idle.clear()
         job = _Job(self, request, path, chat, body, request_id, started)
+        if trace is not None:
+            job.trace = trace
+            trace.root.set_attribute("pdcluster.request_id", request_id)
+            trace.stage(
+                "admission",
+                arrived_ns,
+                **{
+                    "pdcluster.prompt_tokens": prompt_tokens,
+                    "pdcluster.store": lookup.outcome if lookup else "",
+                },
+            )
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 return await job.run(None if prefill is decode else prefill, decode, prompt_tokens)
@@ -467,7 +499,7 @@ class _Job:
 
     __slots__ = (
         "body", "chat", "failures", "last_token_at", "original", "path", "request", "request_id",
-        "response", "resumed_tokens", "router", "sends_chat", "sent", "started", "tokens", "trail",
+        "response", "resumed_tokens", "router", "sends_chat", "sent", "started", "tokens", "trace", "trail",
     )  # fmt: skip
 
     def __init__(
@@ -500,6 +532,7 @@ class _Job:
         self.last_token_at = 0.0
         self.resumed_tokens = 0
         self.failures: list[str] = []
+        self.trace: RequestTrace | None = None
 
     async def run(self, prefill: Upstream | None, decode: Upstream, prompt_tokens: int) -> Response | Stream:
         router = self.router
@@ -624,8 +657,24 @@ class _Flow:
         return _Retry(role, upstream, f"{role} {upstream.id}: {reason}", mid_stream)
 
     async def run(self, transfer_id: str) -> Response | Stream:
+        trace = self.job.trace
+        if trace is None:
+            return await self._exchange(transfer_id, None)
+        decode = trace.span(
+            "decode", **{"pdcluster.engine": self.decode.id, "pdcluster.role": self.decode.role}
+        )
+        try:
+            return await self._exchange(transfer_id, decode)
+        except _Retry as failure:
+            decode.set_attribute("pdcluster.failure", failure.reason)
+            raise
+        finally:
+            decode.end()
+
+    async def _exchange(self, transfer_id: str, decode_span: Span | None) -> Response | Stream:
         job = self.job
         router = job.router
+        trace = job.trace
         protocol = router.protocol
         body = job.body
         decode_body = body if job.trail is None else {**body, "return_token_ids": True}
@@ -637,26 +686,34 @@ class _Flow:
             prefill_bytes = orjson.dumps(protocol.prefill_body(body, transfer_id))
             decode_bytes = orjson.dumps(protocol.decode_body(decode_body, transfer_id, engine))
         path = job.path.encode()
+        decode_headers = router.engine_headers(protocol.decode_headers(job.request_id))
+        if trace is not None and decode_span is not None:
+            decode_headers += trace.header(decode_span)
         decode_task = asyncio.get_running_loop().create_task(
-            router.upstream.request(
-                self.decode.origin,
-                b"POST",
-                path,
-                router.engine_headers(protocol.decode_headers(job.request_id)),
-                decode_bytes,
-            )
+            router.upstream.request(self.decode.origin, b"POST", path, decode_headers, decode_bytes)
         )
+        prefilled_ns = 0
         try:
             if self.prefill is not None:
-                await self._run_prefill(
-                    path,
-                    prefill_bytes,
-                    router.engine_headers(protocol.prefill_headers(job.request_id, engine)),
-                )
+                prefill_headers = router.engine_headers(protocol.prefill_headers(job.request_id, engine))
+                prefill_span = None
+                if trace is not None:
+                    prefill_span = trace.span("prefill", **{"pdcluster.engine": self.prefill.id})
+                    prefill_headers += trace.header(prefill_span)
+                try:
+                    await self._run_prefill(path, prefill_bytes, prefill_headers)
+                finally:
+                    if prefill_span is not None:
+                        prefill_span.end()
+                        prefilled_ns = time.time_ns()
             upstream = await self._await_decode(decode_task)
         except BaseException:
             _discard(decode_task)
             raise
+        if trace is not None:
+            answered_ns = time.time_ns()
+            if prefilled_ns:
+                trace.stage("kv_handoff", prefilled_ns, answered_ns)
         try:
             if upstream.status != 200:
                 payload = await upstream.read()
@@ -668,7 +725,10 @@ class _Flow:
                     router.pool.invalidate(self.prefill)
                 raise self._failed(self.decode, f"HTTP {upstream.status}")
             if body.get("stream"):
-                return await self._relay_stream(upstream)
+                stream = await self._relay_stream(upstream)
+                if trace is not None:
+                    trace.stage("stream", answered_ns, **{"pdcluster.tokens": job.tokens})
+                return stream
             return await self._relay_body(upstream)
         except UpstreamError as e:  # decode broke off mid-answer
             raise self._failed(self.decode, str(e), mid_stream=job.response is not None) from e
