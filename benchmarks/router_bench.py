@@ -10,6 +10,8 @@ time, so what is measured is the HTTP path):
   relay    the router's HTTP front, upstream client and protocol doing the two requests
            and nothing else: the most any router can reach on this machine
   router   pdcluster-router in front of 1 prefill + 1 decode
+  traced   the same with tracing on (--otlp-traces-endpoint): every request's spans
+           exported over OTLP/HTTP to the canned server, which answers 200
   mooncake python -m mooncake.vllm_v1_proxy_server in front of the same two (needs the
            `bench` extra: fastapi, uvicorn). It waits for the prefill answer before it
            calls decode, and with vLLM 0.33's in-tree connector it gets no KV parameters
@@ -585,7 +587,7 @@ def orchestrate(args: argparse.Namespace) -> None:
     procs = _Procs(logdir)
     names = ("prefill", "bootstrap", "decode", "router", "relay", "mooncake", "canned", "rt-prefill",
              "rt-bootstrap", "rt-decode", "rt-router", "fk-prefill", "fk-decode", "fk-router", "sglang",
-             "sglang-nodelay", "sglang-metrics", "sglang-nodelay-metrics")  # fmt: skip
+             "sglang-nodelay", "sglang-metrics", "sglang-nodelay-metrics", "traced")  # fmt: skip
     ports = {name: _free_port() for name in names}
     kv = '{"kv_connector":"MooncakeConnector","kv_role":"%s"}'
     sim = [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1", "--sim-profile", "zero"]
@@ -621,6 +623,18 @@ def orchestrate(args: argparse.Namespace) -> None:
             )  # fmt: skip
 
         pd_with_router("", sim)
+        # The same router and engines with tracing on: every request's spans exported over
+        # OTLP/HTTP to the canned server (it answers 200), so the figure is the router's own cost.
+        procs.start(
+            "traced",
+            [
+                _bin("pdcluster-router"), "--host", "127.0.0.1", "--port", str(ports["traced"]),
+                "--log-level", "WARNING",
+                "--prefill", f"http://127.0.0.1:{ports['prefill']}#bootstrap={ports['bootstrap']}",
+                "--decode", f"http://127.0.0.1:{ports['decode']}",
+                "--otlp-traces-endpoint", f"http://127.0.0.1:{ports['canned']}/v1/traces",
+            ],
+        )  # fmt: skip
         # A second pair at real time for per-token latency: zero-latency engines emit a
         # stream's tokens in one burst, which measures relay throughput, not latency.
         pd_with_router("rt-", [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1"])
@@ -646,11 +660,13 @@ def orchestrate(args: argparse.Namespace) -> None:
         _wait_http(f"http://127.0.0.1:{ports['decode']}/health")
         _wait_http(f"http://127.0.0.1:{ports['router']}/ready")
         _wait_http(f"http://127.0.0.1:{ports['rt-router']}/ready")
+        _wait_http(f"http://127.0.0.1:{ports['traced']}/ready")
         _wait_port(ports["relay"])
         if have_mooncake:
             _wait_http(f"http://127.0.0.1:{ports['mooncake']}/healthcheck")
 
-        setups = [("ceiling", "canned"), ("direct", "decode"), ("relay", "relay"), ("router", "router")]
+        setups = [("ceiling", "canned"), ("direct", "decode"), ("relay", "relay"), ("router", "router"),
+                  ("traced", "traced")]  # fmt: skip
         if have_mooncake:
             setups.append(("mooncake", "mooncake"))
         setups += [(name, name) for name in anchor]
@@ -702,7 +718,7 @@ def _print_throughput(
         for setup, _ in setups:
             r = results[(workload, setup)]
             cpu = r["cpu_us"]
-            proxy = cpu.get(setup, math.nan) if setup in ("router", "relay", "mooncake") else math.nan
+            proxy = cpu.get(setup, math.nan) if setup in ("router", "traced", "relay", "mooncake") else math.nan
             engines = (cpu["prefill"], cpu["decode"]) if setup != "ceiling" else (math.nan, math.nan)
             print(
                 f"{workload:9s} {setup:9s} {r['rps']:7.0f} {_fmt(r['p50_ms']):>7s} {_fmt(r['p99_ms']):>7s} "
@@ -717,6 +733,11 @@ def _print_throughput(
         line = (
             f"{workload}: router {router['rps'] / direct['rps']:.0%} of direct req/s "
             f"(bare relay {bare['rps'] / direct['rps']:.0%})"
+        )
+        traced = results[(workload, "traced")]
+        line += (
+            f"; traced {traced['rps'] / router['rps']:.0%} of its req/s at "
+            f"{traced['cpu_us']['traced'] / router['cpu_us']['router']:.2f}x its CPU per request"
         )
         mooncake = results.get((workload, "mooncake"))
         if have_mooncake and mooncake and mooncake["rps"]:

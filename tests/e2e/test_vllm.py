@@ -99,6 +99,14 @@ class Env:
     max_model_len: int
     collector: Collector  # receives the router's and the engines' traces
 
+    def example(self) -> dict[str, Any]:
+        """The example as applied here, tracing to the collector: an apply without it
+        would take tracing off, and so roll every engine."""
+        doc = example()
+        doc["metadata"]["namespace"] = self.namespace
+        doc["spec"]["tracing"] = {"enabled": True, "endpoint": self.collector.http_endpoint}
+        return doc
+
     async def pods(self, role: str) -> list[dict[str, Any]]:
         return await self.kube.list(
             "v1", "Pod", self.namespace, label_selector=f"{C.LABEL_CLUSTER}={NAME},{C.LABEL_ROLE}={role}"
@@ -521,8 +529,7 @@ async def test_pdctl_profile_measures_a_real_engine_and_the_operator_takes_it(en
     assert measured.name == f"measured-{env.model}"
     assert measured.max_kv_tokens > env.max_model_len  # num_gpu_blocks x block_size of a real cache
     assert all(x >= 0 for x in (*measured.prefill_coef, *measured.decode_coef)), measured
-    doc = example()
-    doc["metadata"]["namespace"] = env.namespace
+    doc = env.example()
     doc["spec"]["autoscaling"]["profileConfigMap"] = "tiny-profile"
     await env.kube.apply(doc, field_manager="kubectl-test")
 
@@ -547,8 +554,7 @@ async def test_pdctl_profile_measures_a_real_engine_and_the_operator_takes_it(en
 
 
 async def set_decode_replicas(env: Env, replicas: int) -> None:
-    doc = example()
-    doc["metadata"]["namespace"] = env.namespace
+    doc = env.example()
     doc["spec"]["decode"]["replicas"] = replicas
     await env.kube.apply(doc, field_manager="kubectl-test")
 
@@ -646,6 +652,7 @@ async def decode_dies_mid_stream(http: aiohttp.ClientSession, env: Env) -> None:
     # At most one event a token: vLLM merges the deltas of a stream whose reader fell behind
     # (vllm/v1/engine/output_processor.py RequestOutputCollector), as busy cores make it.
     assert len(events) <= 201 and events[-1] == "[DONE]", events[-3:]
+    assert all("choices" in e for e in events[:-1]), [e for e in events[:-1] if "choices" not in e]
     assert text_of("/v1/completions", events) == text_of("/v1/completions", plain)
     choices = [e["choices"][0] for e in events[:-1]]
     assert all(c["token_ids"] is None and c["prompt_token_ids"] is None for c in choices), "ids hidden"

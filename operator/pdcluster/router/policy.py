@@ -135,17 +135,24 @@ class PrefixAware:
         if least is None or not (block_hashes or exact):
             return least
         bound = least.inflight_tokens + self.max_imbalance_tokens
-        best, best_cost = (
-            least,
-            least.inflight_tokens + self.uncached(least.id, prompt_tokens, block_hashes, exact),
-        )
+        best, best_cost = least, self.cost(least, prompt_tokens, block_hashes, exact)
         for backend in backends:
             if backend is least or backend.inflight_tokens > bound:
                 continue
-            cost = backend.inflight_tokens + self.uncached(backend.id, prompt_tokens, block_hashes, exact)
+            cost = self.cost(backend, prompt_tokens, block_hashes, exact)
             if cost < best_cost:
                 best, best_cost = backend, cost
         return best
+
+    def cost(
+        self,
+        backend: Backend,
+        prompt_tokens: int,
+        block_hashes: Sequence[Hashable],
+        exact: ExactBlocks | None,
+    ) -> tuple[int, ...]:
+        """What sending the prompt to `backend` costs; the smallest wins."""
+        return (backend.inflight_tokens + self.uncached(backend.id, prompt_tokens, block_hashes, exact),)
 
     def uncached(
         self,
@@ -253,6 +260,19 @@ class PreciseCache(PrefixAware):
         return max(
             prompt_tokens - self.index.matched_blocks(backend_id, exact.hashes) * exact.block_tokens, 0
         )
+
+    def cost(
+        self,
+        backend: Backend,
+        prompt_tokens: int,
+        block_hashes: Sequence[Hashable],
+        exact: ExactBlocks | None,
+    ) -> tuple[int, ...]:
+        # Between engines the events rate alike (most often: none holds the prompt any
+        # more), the one the guess says had it: a conversation keeps to one engine, whose
+        # cache then holds one share of the conversations instead of all of them.
+        guessed = super().uncached(backend.id, prompt_tokens, block_hashes)
+        return (*super().cost(backend, prompt_tokens, block_hashes, exact), guessed)
 
     def forget(self, backend_id: str) -> None:
         super().forget(backend_id)
