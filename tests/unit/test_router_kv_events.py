@@ -106,6 +106,20 @@ def test_precise_routes_by_the_events_and_guesses_where_there_are_none() -> None
     assert not policy.index.live("b") and policy.index.blocks("b") == 0
 
 
+def test_precise_breaks_a_tie_of_the_events_with_the_guess() -> None:
+    policy = PreciseCache(64)
+    a, b = Backend("a", "prefill"), Backend("b", "prefill")
+    for engine in ("a", "b"):
+        policy.index.batch(engine, [])  # live, and neither holds the prompt any more
+    policy.record("b", [1, 2])  # but the conversation went to b before
+    exact = ExactBlocks(16, [10, 11])
+    # Whichever of the two is the least loaded's turn, the conversation keeps to b.
+    assert [policy.pick([a, b], 128, [1, 2], exact) for _ in range(4)] == [b] * 4
+    # What the events say still comes first.
+    policy.index.batch("a", [("BlockStored", [10, 11], "GPU")])
+    assert policy.pick([a, b], 128, [1, 2], exact) is a
+
+
 def test_precise_still_bounds_imbalance() -> None:
     policy = PreciseCache(64, max_imbalance_tokens=100)
     busy, idle = Backend("busy", "prefill", 1, 500), Backend("idle", "prefill")

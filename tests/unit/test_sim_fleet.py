@@ -3,6 +3,7 @@ accounting, and its Prometheus emulation."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -198,3 +199,29 @@ def test_a_restarted_autoscaler_replays_the_same_run() -> None:
     assert live.decisions, "the load should make the autoscaler act"
     assert live.decisions == again.decisions
     assert live.ttft_s == again.ttft_s
+
+
+def test_the_engines_events_reuse_at_least_what_the_routers_guess_does() -> None:
+    # Five conversations, a turn each every few seconds, on two prefill engines whose caches
+    # hold ten 512-token blocks: too few for all of them, so engines evict what the guess
+    # (which never sees an eviction) still counts on, and most prompts are held by neither
+    # engine: there the events tie, and keeping a conversation on its engine still pays.
+    rng = random.Random(3)
+    arrival, inputs, outputs, blocks = [], [], [], []
+    for turn in range(6):
+        for conv in rng.sample(range(5), 5):
+            arrival.append(turn * 5.0 + conv * 0.5)
+            inputs.append((turn + 1) * 512)
+            outputs.append(4)
+            blocks.append(tuple(conv * 100 + k for k in range(turn + 1)))
+    order = sorted(range(len(arrival)), key=arrival.__getitem__)
+    chats = Trace(
+        "chats", [arrival[i] for i in order], [inputs[i] for i in order], [outputs[i] for i in order],
+        [blocks[i] for i in order],
+    )  # fmt: skip
+    small = dataclasses.replace(PROFILE, max_kv_tokens=10 * 512)
+    reused = {
+        router: simulate(chats, small, Static(2, 2), FleetConfig(gpus=4, router=router)).reused_tokens
+        for router in ("least-loaded", "prefix-aware", "precise-prefix")
+    }
+    assert reused["precise-prefix"] >= reused["prefix-aware"] > reused["least-loaded"], reused
