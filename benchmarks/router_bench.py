@@ -12,6 +12,7 @@ time, so what is measured is the HTTP path):
   router   pdcluster-router in front of 1 prefill + 1 decode
   traced   the same with tracing on (--otlp-traces-endpoint): every request's spans
            exported over OTLP/HTTP to the canned server, which answers 200
+  traced10 the same tracing 10% of requests (--trace-sample-ratio 0.1)
   mooncake python -m mooncake.vllm_v1_proxy_server in front of the same two (needs the
            `bench` extra: fastapi, uvicorn). It waits for the prefill answer before it
            calls decode, and with vLLM 0.33's in-tree connector it gets no KV parameters
@@ -587,7 +588,7 @@ def orchestrate(args: argparse.Namespace) -> None:
     procs = _Procs(logdir)
     names = ("prefill", "bootstrap", "decode", "router", "relay", "mooncake", "canned", "rt-prefill",
              "rt-bootstrap", "rt-decode", "rt-router", "fk-prefill", "fk-decode", "fk-router", "sglang",
-             "sglang-nodelay", "sglang-metrics", "sglang-nodelay-metrics", "traced")  # fmt: skip
+             "sglang-nodelay", "sglang-metrics", "sglang-nodelay-metrics", "traced", "traced10")  # fmt: skip
     ports = {name: _free_port() for name in names}
     kv = '{"kv_connector":"MooncakeConnector","kv_role":"%s"}'
     sim = [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1", "--sim-profile", "zero"]
@@ -625,16 +626,18 @@ def orchestrate(args: argparse.Namespace) -> None:
         pd_with_router("", sim)
         # The same router and engines with tracing on: every request's spans exported over
         # OTLP/HTTP to the canned server (it answers 200), so the figure is the router's own cost.
-        procs.start(
-            "traced",
-            [
-                _bin("pdcluster-router"), "--host", "127.0.0.1", "--port", str(ports["traced"]),
-                "--log-level", "WARNING",
-                "--prefill", f"http://127.0.0.1:{ports['prefill']}#bootstrap={ports['bootstrap']}",
-                "--decode", f"http://127.0.0.1:{ports['decode']}",
-                "--otlp-traces-endpoint", f"http://127.0.0.1:{ports['canned']}/v1/traces",
-            ],
-        )  # fmt: skip
+        for name, ratio in (("traced", "1"), ("traced10", "0.1")):
+            procs.start(
+                name,
+                [
+                    _bin("pdcluster-router"), "--host", "127.0.0.1", "--port", str(ports[name]),
+                    "--log-level", "WARNING",
+                    "--prefill", f"http://127.0.0.1:{ports['prefill']}#bootstrap={ports['bootstrap']}",
+                    "--decode", f"http://127.0.0.1:{ports['decode']}",
+                    "--otlp-traces-endpoint", f"http://127.0.0.1:{ports['canned']}/v1/traces",
+                    "--trace-sample-ratio", ratio,
+                ],
+            )  # fmt: skip
         # A second pair at real time for per-token latency: zero-latency engines emit a
         # stream's tokens in one burst, which measures relay throughput, not latency.
         pd_with_router("rt-", [_bin("pdcluster-engine-sim"), "serve", "sim", "--host", "127.0.0.1"])
@@ -661,12 +664,13 @@ def orchestrate(args: argparse.Namespace) -> None:
         _wait_http(f"http://127.0.0.1:{ports['router']}/ready")
         _wait_http(f"http://127.0.0.1:{ports['rt-router']}/ready")
         _wait_http(f"http://127.0.0.1:{ports['traced']}/ready")
+        _wait_http(f"http://127.0.0.1:{ports['traced10']}/ready")
         _wait_port(ports["relay"])
         if have_mooncake:
             _wait_http(f"http://127.0.0.1:{ports['mooncake']}/healthcheck")
 
         setups = [("ceiling", "canned"), ("direct", "decode"), ("relay", "relay"), ("router", "router"),
-                  ("traced", "traced")]  # fmt: skip
+                  ("traced", "traced"), ("traced10", "traced10")]  # fmt: skip
         if have_mooncake:
             setups.append(("mooncake", "mooncake"))
         setups += [(name, name) for name in anchor]
@@ -690,6 +694,7 @@ def orchestrate(args: argparse.Namespace) -> None:
                     if best is None or r["rps"] > best["rps"]:
                         results[(workload, setup)] = r
         _print_throughput(results, [sp for sp in setups if sp[0] not in anchor], args, have_mooncake)
+        _print_tracing(rounds)
         if anchor:
             _print_anchor(rounds, anchor, procs, ports, args)
         else:
@@ -700,6 +705,18 @@ def orchestrate(args: argparse.Namespace) -> None:
         print(f"\nlogs in {logdir}")
     finally:
         procs.stop()
+
+
+def _print_tracing(rounds: list[dict[tuple[str, str], dict[str, Any]]]) -> None:
+    """What tracing costs the router: per-round ratios against the same router untraced
+    (one round's setups run back to back, so they share that round's neighbours)."""
+    print(f"\ntracing on / off, medians over {len(rounds)} rounds of per-round ratios:")
+    for workload in WORKLOADS:
+        for name in ("traced", "traced10"):
+            pairs = [(r[(workload, name)], r[(workload, "router")]) for r in rounds]
+            rps = statistics.median(t["rps"] / o["rps"] for t, o in pairs if o["rps"])
+            cpu = statistics.median(t["cpu_us"][name] / o["cpu_us"]["router"] for t, o in pairs)
+            print(f"  {workload:9s} {name:9s} req/s {rps:.2f}x  router CPU per request {cpu:.2f}x")
 
 
 def _print_throughput(
@@ -718,7 +735,7 @@ def _print_throughput(
         for setup, _ in setups:
             r = results[(workload, setup)]
             cpu = r["cpu_us"]
-            proxy = cpu.get(setup, math.nan) if setup in ("router", "traced", "relay", "mooncake") else math.nan
+            proxy = cpu.get(setup, math.nan) if setup in ("router", "traced", "traced10", "relay", "mooncake") else math.nan
             engines = (cpu["prefill"], cpu["decode"]) if setup != "ceiling" else (math.nan, math.nan)
             print(
                 f"{workload:9s} {setup:9s} {r['rps']:7.0f} {_fmt(r['p50_ms']):>7s} {_fmt(r['p99_ms']):>7s} "
@@ -733,11 +750,6 @@ def _print_throughput(
         line = (
             f"{workload}: router {router['rps'] / direct['rps']:.0%} of direct req/s "
             f"(bare relay {bare['rps'] / direct['rps']:.0%})"
-        )
-        traced = results[(workload, "traced")]
-        line += (
-            f"; traced {traced['rps'] / router['rps']:.0%} of its req/s at "
-            f"{traced['cpu_us']['traced'] / router['cpu_us']['router']:.2f}x its CPU per request"
         )
         mooncake = results.get((workload, "mooncake"))
         if have_mooncake and mooncake and mooncake["rps"]:

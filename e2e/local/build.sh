@@ -16,6 +16,9 @@ source "$here/versions.env"
 cache="${PDCLUSTER_CACHE:-$HOME/.cache/pdcluster}"
 bin="$cache/bin/k8s-v$KUBERNETES_VERSION-etcd-v$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION"
 mkdir -p "$bin"
+# One build at a time: a test that needs a binary may call this while `make deps` runs.
+exec 9>"$bin/.build.lock"
+flock 9
 export CGO_ENABLED=0 GOFLAGS="${GOFLAGS:--buildvcs=false}"
 log() { echo "build.sh: $*" >&2; }
 

@@ -1,72 +1,125 @@
-"""The router's spans, read from the OpenTelemetry SDK's in-memory exporter."""
+"""The router's spans, as the OTLP JSON it would send (decoded here)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Any
 
+import orjson
 import pytest
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.render.engine import engine_args, engine_env
 from pdcluster.render.names import Owner
 from pdcluster.render.router import router_args
-from pdcluster.router.tracing import Tracing, parent_of
+from pdcluster.router.tracing import CLIENT, SERVER, Tracing, parent_of
 
-CLIENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-@pytest.fixture
-def exported() -> InMemorySpanExporter:
-    return InMemorySpanExporter()
+CLIENT_HEADER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
-def tracing(exported: InMemorySpanExporter, ratio: float = 1.0) -> Tracing:
-    return Tracing("http://127.0.0.1:1/v1/traces", ratio, SimpleSpanProcessor(exported))
+def tracing(ratio: float = 1.0, **kwargs: Any) -> Tracing:
+    return Tracing("http://127.0.0.1:1/v1/traces", ratio, **kwargs)
 
 
-def test_a_request_is_one_trace_whose_stages_are_children_of_its_root(exported: InMemorySpanExporter) -> None:
-    request = tracing(exported).request("/v1/completions", None)
+def sent(t: Tracing) -> dict[str, dict[str, Any]]:
+    """The spans of the batch `t` would send now, by name, attributes as a dict."""
+    body = t.take()
+    if body is None:
+        return {}
+    [resource] = orjson.loads(body)["resourceSpans"]
+    assert resource["resource"]["attributes"] == [
+        {"key": "service.name", "value": {"stringValue": "pdcluster-router"}}
+    ]
+    [scope] = resource["scopeSpans"]
+    spans = {}
+    for span in scope["spans"]:
+        span["attributes"] = {a["key"]: a["value"] for a in span["attributes"]}
+        spans[span["name"]] = span
+    return spans
+
+
+def test_a_request_is_one_trace_whose_stages_are_children_of_its_root() -> None:
+    t = tracing()
+    request = t.request("/v1/completions", None)
     start = time.time_ns()
-    request.stage("admission", start, **{"pdcluster.prompt_tokens": 12})
-    prefill = request.span("prefill")
+    request.stage("admission", start, **{"pdcluster.prompt_tokens": 12, "pdcluster.store": "hit"})
+    prefill = request.span("prefill", **{"pdcluster.engine": "p-0"})
     header = request.header(prefill)
-    prefill.end()
+    request.end_span(prefill)
+    assert sent(t) == {}  # nothing leaves before the request ends
     request.end(200)
-    spans = {s.name: s for s in exported.get_finished_spans()}
+    spans = sent(t)
     assert set(spans) == {"router /v1/completions", "admission", "prefill"}
     root = spans["router /v1/completions"]
-    assert root.parent is None and root.attributes["http.response.status_code"] == 200
+    assert "parentSpanId" not in root and root["kind"] == SERVER and "status" not in root
+    assert root["attributes"]["http.response.status_code"] == {"intValue": "200"}
     for child in ("admission", "prefill"):
-        assert spans[child].parent.span_id == root.context.span_id
-        assert spans[child].context.trace_id == root.context.trace_id
-    assert (
-        spans["admission"].start_time == start
-        and spans["admission"].attributes["pdcluster.prompt_tokens"] == 12
-    )
+        assert spans[child]["parentSpanId"] == root["spanId"] and spans[child]["kind"] == CLIENT
+        assert spans[child]["traceId"] == root["traceId"] and len(root["traceId"]) == 32
+    admission = spans["admission"]
+    assert admission["startTimeUnixNano"] == str(start) <= admission["endTimeUnixNano"]
+    assert admission["attributes"] == {
+        "pdcluster.prompt_tokens": {"intValue": "12"},
+        "pdcluster.store": {"stringValue": "hit"},
+    }
     # The header an engine gets names the prefill span: vLLM's spans become its children.
-    c = spans["prefill"].context
-    assert header == f"traceparent: 00-{c.trace_id:032x}-{c.span_id:016x}-01\r\n".encode()
+    p = spans["prefill"]
+    assert header == f"traceparent: 00-{p['traceId']}-{p['spanId']}-01\r\n".encode()
+    assert t.take() is None  # sent once
 
 
-def test_a_clients_traceparent_is_continued_and_its_sampling_followed(exported: InMemorySpanExporter) -> None:
-    t = tracing(exported)
-    t.request("/v1/chat/completions", CLIENT).end(502)
-    t.request("/v1/completions", CLIENT[:-2] + "00").end(200)  # the client did not sample it
-    [root] = exported.get_finished_spans()
-    assert f"{root.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
-    assert f"{root.parent.span_id:016x}" == "b7ad6b7169203331"
-    assert root.status.status_code.name == "ERROR"
+def test_a_clients_traceparent_is_continued_and_its_sampling_followed() -> None:
+    t = tracing()
+    t.request("/v1/chat/completions", CLIENT_HEADER).end(502)
+    unsampled = t.request("/v1/completions", CLIENT_HEADER[:-2] + "00")  # the client did not sample it
+    assert unsampled.header(unsampled.root).endswith(b"-00\r\n")  # nor will the engines
+    unsampled.end(200)
+    [root] = sent(t).values()
+    assert root["traceId"] == "0af7651916cd43dd8448eb211c80319c"
+    assert root["parentSpanId"] == "b7ad6b7169203331"
+    assert root["status"] == {"code": 2}  # ERROR
 
 
-def test_the_sample_ratio_holds_for_requests_without_a_parent(exported: InMemorySpanExporter) -> None:
-    t = tracing(exported, ratio=0.0)
-    request = t.request("/v1/completions", None)
-    request.stage("admission", time.time_ns())
-    request.end(200)
-    assert exported.get_finished_spans() == ()
-    assert request.header(request.root).endswith(b"-00\r\n")  # engines are told not to sample
+@pytest.mark.parametrize("ratio", [0.0, 0.25, 1.0])
+def test_the_sample_ratio_holds_for_requests_without_a_parent(ratio: float) -> None:
+    t = tracing(ratio, max_queued_spans=10**6)
+    for _ in range(2000):
+        request = t.request("/v1/completions", None)
+        request.stage("admission", time.time_ns())
+        request.end(200)
+    sampled = t.queued_spans / 2 / 2000
+    # Which traces are sampled is random, but the count is bounded: 2000 draws at p=0.25
+    # stay within 0.25 +- 0.06 with probability 1 - 1e-10.
+    assert sampled == ratio if ratio in (0.0, 1.0) else abs(sampled - ratio) < 0.06
+
+
+def test_a_full_queue_drops_and_counts_instead_of_growing() -> None:
+    t = tracing(max_queued_spans=5)
+    for _ in range(4):
+        request = t.request("/v1/completions", None)
+        request.stage("admission", time.time_ns())
+        request.end(200)
+    assert t.queued_spans == 4 and t.dropped_spans == 4  # two traces of two spans each fit
+
+
+async def test_batches_leave_when_full_and_on_close() -> None:
+    bodies: list[bytes] = []
+    t = tracing(batch_spans=4, interval_s=60, sink=bodies.append)
+    t.start()
+    try:
+        for _ in range(2):
+            request = t.request("/v1/completions", None)
+            request.stage("admission", time.time_ns())
+            request.end(200)
+        async with asyncio.timeout(5):
+            while not bodies:
+                await asyncio.sleep(0.01)
+        request = t.request("/v1/completions", None)
+        request.end(200)
+    finally:
+        await t.close()
+    assert [len(orjson.loads(b)["resourceSpans"][0]["scopeSpans"][0]["spans"]) for b in bodies] == [4, 1]
 
 
 @pytest.mark.parametrize(

@@ -277,9 +277,10 @@ class RouterService:
             if publisher is not None:
                 self._publish(publisher)
         if args.otlp_traces_endpoint:
-            from pdcluster.router.tracing import Tracing  # only when tracing: its imports cost
+            from pdcluster.router.tracing import Tracing
 
             self.router.tracing = Tracing(args.otlp_traces_endpoint, args.trace_sample_ratio)
+            self.router.tracing.start()
         if isinstance(self.router.policy, PreciseCache):
             metrics = self.router.metrics
             feed = KvEventFeed(
@@ -359,8 +360,7 @@ class RouterService:
             if self.router.engine_tokens is not None:
                 self.router.engine_tokens.upstream.close()
             if self.router.tracing is not None:
-                # Sends what is still batched; in a thread, as the exporter blocks.
-                await asyncio.to_thread(self.router.tracing.shutdown)
+                await self.router.tracing.close()  # sends what is still batched
         if self.session is not None:
             await self.session.close()
 

@@ -53,9 +53,7 @@ from pdcluster.router.upstream import Response as UpstreamResponse
 from pdcluster.router.upstream import UpstreamError, UpstreamPool
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
-    from pdcluster.router.tracing import RequestTrace, Tracing
+    from pdcluster.router.tracing import RequestTrace, Span, Tracing
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -669,7 +667,7 @@ class _Flow:
             decode.set_attribute("pdcluster.failure", failure.reason)
             raise
         finally:
-            decode.end()
+            trace.end_span(decode)
 
     async def _exchange(self, transfer_id: str, decode_span: Span | None) -> Response | Stream:
         job = self.job
@@ -703,8 +701,8 @@ class _Flow:
                 try:
                     await self._run_prefill(path, prefill_bytes, prefill_headers)
                 finally:
-                    if prefill_span is not None:
-                        prefill_span.end()
+                    if trace is not None and prefill_span is not None:
+                        trace.end_span(prefill_span)
                         prefilled_ns = time.time_ns()
             upstream = await self._await_decode(decode_task)
         except BaseException:
