@@ -220,6 +220,23 @@ def kinds_named(kube: FakeKube, role: str) -> set[tuple[str, str]]:
     return {(k, n) for (k, _, n) in kube.objects if n == f"c-{role}"}
 
 
+async def test_a_suspended_role_keeps_no_disruption_budget() -> None:
+    """A budget over no pod guards nothing and draws a NoPods warning from the disruption
+    controller: suspending deletes the budgets, resuming brings them back."""
+    kube = FakeKube()
+    body = pdcluster(kube)
+    await cached_run(kube, body)
+    budgets = {(k, n) for (k, _, n) in kube.objects if k == "PodDisruptionBudget"}
+    assert budgets == {("PodDisruptionBudget", "c-prefill"), ("PodDisruptionBudget", "c-decode")}
+    kube.objects[(C.KIND, "ns", "c")].others["spec"]["suspend"] = True
+    await cached_run(kube, body)
+    assert not any(k == "PodDisruptionBudget" for (k, _, _) in kube.objects)
+    assert kube.live("StatefulSet", "c-prefill") is not None  # everything else stays
+    kube.objects[(C.KIND, "ns", "c")].others["spec"]["suspend"] = False
+    await cached_run(kube, body)
+    assert {(k, n) for (k, _, n) in kube.objects if k == "PodDisruptionBudget"} == budgets
+
+
 async def test_switching_to_colocated_replaces_the_pools() -> None:
     kube = FakeKube()
     body = pdcluster(kube)

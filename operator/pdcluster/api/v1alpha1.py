@@ -742,7 +742,10 @@ class PDClusterSpec(Model):
     autoscaling: AutoscalingSpec = section(AutoscalingSpec)
     network_policy: NetworkPolicySpec = section(NetworkPolicySpec)
     tracing: TracingSpec = section(TracingSpec)
-    suspend: bool = Field(False, description="Scale both roles and the router to zero; keep everything else.")
+    suspend: bool = Field(
+        False,
+        description="Scale every workload to zero and drop the roles' disruption budgets (they would guard no pod); keep everything else.",
+    )
     paused: bool = Field(False, description="Stop applying changes to children; status keeps being reported.")
 
     def role(self, name: str) -> RoleSpec:

@@ -430,8 +430,12 @@ def build_role(
     spec: PDClusterSpec, owner: Owner, role: str, replicas: int, partition: int = 0
 ) -> list[dict[str, Any]]:
     multi_node = spec.role(role).nodes > 1
-    return [
+    objects = [
         (leaderworkerset if multi_node else statefulset)(spec, owner, role, replicas, partition),
         headless_service(spec, owner, role),
-        disruption_budget(owner, role),
     ]
+    # A budget over no pod guards nothing, and the disruption controller warns about it
+    # (NoPods) for as long as it exists: suspended or scaled to zero, a role has none.
+    if replicas > 0:
+        objects.append(disruption_budget(owner, role))
+    return objects
