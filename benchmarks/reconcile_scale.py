@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ WRITES = {"POST", "PUT", "PATCH", "APPLY", "DELETE"}
 # (this script's /metrics scrapes, health checks).
 NOT_OURS = {"leases", ""}
 RESYNC_S = 30.0
+CORES = os.cpu_count() or 1
 
 
 def free_port() -> int:
@@ -120,9 +122,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def component_cpu(state: cluster.State) -> dict[str, float]:
-    """CPU seconds so far of every control-plane process, and of this script."""
-    out = {"this script": cpu_seconds(os.getpid())}
+def component_cpu(state: cluster.State, operator_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the operator, every control-plane process, and this script."""
+    out = {"operator": cpu_seconds(operator_pid), "this script": cpu_seconds(os.getpid())}
     for name in state.procs:
         with contextlib.suppress(OSError, IndexError):  # stopped
             out[name] = cpu_seconds(state.proc(name).pid)
@@ -130,11 +132,13 @@ def component_cpu(state: cluster.State) -> dict[str, float]:
 
 
 async def watch_progress(
-    kube: Kube, namespace: str, count: int, started: float
-) -> tuple[float, float, float]:
+    kube: Kube, namespace: str, count: int, started: float, at_last: Callable[[], Any]
+) -> tuple[float, float, float, Any]:
     """Seconds to the first and the last PDCluster with a status for its generation, and
-    until all are stable; from a watch, so that measuring does not load the apiserver with
-    a list of every PDCluster twice a second."""
+    until all are stable, and what `at_last` returned at the last one's status; from a
+    watch, so that measuring does not load the apiserver with a list of every PDCluster
+    twice a second."""
+    snapshot = None
     converged: set[str] = set()
     settled: set[str] = set()
     first = last = None
@@ -149,9 +153,9 @@ async def watch_progress(
         if converged and first is None:
             first = now
         if len(converged) == count and last is None:
-            last = now
+            last, snapshot = now, at_last()
         if last is not None and len(settled) == count:
-            return first, last, now  # the workload controllers caught up too: nothing left to report
+            return first, last, now, snapshot  # the workload controllers caught up too
         if now > 900:
             raise SystemExit(f"{count}: {len(converged)} converged, {len(settled)} stable after 900 s")
     raise AssertionError("a watch does not end")
@@ -185,7 +189,7 @@ async def one(state: cluster.State, count: int, rest_s: float) -> dict:
             await asyncio.sleep(3)  # the operator's watches up
             before = apiserver_requests(state)
             cpu0 = cpu_seconds(operator.proc.pid)
-            components0 = component_cpu(state)
+            components0 = component_cpu(state, operator.proc.pid)
             started = time.monotonic()
             gate = asyncio.Semaphore(32)
 
@@ -196,13 +200,16 @@ async def one(state: cluster.State, count: int, rest_s: float) -> dict:
                 async with gate:
                     await retried(lambda: kube.apply(doc, field_manager="reconcile-scale"))
 
-            progress = asyncio.create_task(watch_progress(kube, namespace, count, started))
+            progress = asyncio.create_task(
+                watch_progress(
+                    kube, namespace, count, started, lambda: component_cpu(state, operator.proc.pid)
+                )
+            )
             await asyncio.gather(*(create(i) for i in range(count)))
             created_s = time.monotonic() - started
-            first, last, quiet = await progress
+            first, last, quiet, components1 = await progress
             converged = apiserver_requests(state)
             cpu1, rss_converged = cpu_seconds(operator.proc.pid), rss_mib(operator.proc.pid)
-            components1 = component_cpu(state)
             await asyncio.sleep(RESYNC_S)  # the last wake-ups of the burst pass
             rest0, cpu2, rec0 = (
                 apiserver_requests(state),
@@ -242,8 +249,8 @@ async def one(state: cluster.State, count: int, rest_s: float) -> dict:
         "rss_mib_converged": round(rss_converged, 1),
         "rss_mib_at_rest": round(rss_rest, 1),
         "cpu_s_converging": round(cpu1 - cpu0, 1),
-        # Where the cores went while converging: the control plane's processes and this script.
-        "cpu_s_converging_by_process": {
+        # Where the cores went until the last status: were they busy, and with what?
+        "cpu_s_to_last_status_by_process": {
             name: round(components1[name] - seconds, 1)
             for name, seconds in components0.items()
             if name in components1
@@ -278,9 +285,12 @@ def main() -> None:
               f"| {r['writes_at_rest']:.0f} | {r['reads_per_cluster_per_resync']} | {r['rss_mib_at_rest']} MiB "
               f"| {r['cpu_s_converging']} s | {r['cpu_ms_per_reconcile_at_rest']} ms |")  # fmt: skip
     big = results[-1]
-    by_process = sorted(big["cpu_s_converging_by_process"].items(), key=lambda kv: -kv[1])
-    print(f"CPU seconds while {big['count']} converged, by process: operator {big['cpu_s_converging']}, "
-          + ", ".join(f"{name} {seconds}" for name, seconds in by_process))  # fmt: skip
+    for r in results:
+        by_process = sorted(r["cpu_s_to_last_status_by_process"].items(), key=lambda kv: -kv[1])
+        busy = sum(seconds for _, seconds in by_process) / (CORES * r["last_status_s"])
+        print(f"{r['count']}: CPU seconds until the last status, by process: "
+              + ", ".join(f"{name} {seconds}" for name, seconds in by_process)
+              + f"; {busy:.0%} of {CORES} cores")  # fmt: skip
     met = {
         "converge in 60 s": big["last_status_s"] <= 60,
         "no traceback or ERROR": all(r["failures"] == 0 for r in results),

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # Child events arrive in bursts (one per object we apply); reconcile once per burst.
 DEBOUNCE_SECONDS = 0.2
 MAX_BACKOFF_SECONDS = 60.0
-MAX_CONCURRENT_RECONCILES = 8  # a reconcile makes a few requests: well inside the client's pool of 32
+MAX_CONCURRENT_RECONCILES = 8  # each applies a few children at once: inside the client's pool (io/kube.py)
 
 
 def wake_after(body: dict[str, Any], resync: float) -> float:

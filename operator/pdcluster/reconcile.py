@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -30,7 +32,7 @@ from pdcluster.children import Children
 from pdcluster.drift import in_sync, merge_patch, stamp
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube
-from pdcluster.render import Owner, Replicas, render_all
+from pdcluster.render import Owner, Replicas, apply_stage, render_all
 from pdcluster.render.engine import kv_revision, workload_kind
 from pdcluster.render.router import state_configmap_name
 from pdcluster.render.scaler import role_scaler, scaler_status
@@ -192,21 +194,24 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     applied: dict[str, list[str]] = {"Created": [], "Updated": []}  # one event each, after the status
     if not spec.paused:
         applied["Deleted"] = await _delete_left_behind(ctx, owner, desired, live, problems)
-        for obj in desired:
-            key = _key(obj)
-            if _workload_role(obj) in blocked or in_sync(obj, live[key]):
-                continue
-            created = live[key] is None
-            try:
-                live[key] = await ctx.kube.apply(obj, field_manager=C.FIELD_MANAGER)
-            except ApiError as e:
-                problems.append(
-                    Problem("ApplyFailed", f"{obj['kind']} {obj['metadata']['name']}: {e.message}")
-                )
-                continue
-            verb = "Created" if created else "Updated"
-            log.info("%s %s/%s %s", verb, owner.namespace, obj["metadata"]["name"], obj["kind"])
-            applied[verb].append(f"{obj['kind']} {obj['metadata']['name']}")
+        stale = [o for o in desired if _workload_role(o) not in blocked and not in_sync(o, live[_key(o)])]
+        # A new PDCluster has fourteen children: one round trip per stage, not per child.
+        for _, stage in itertools.groupby(stale, key=apply_stage):
+            batch = list(stage)
+            outcomes = await asyncio.gather(
+                *(ctx.kube.apply(obj, field_manager=C.FIELD_MANAGER) for obj in batch), return_exceptions=True
+            )
+            for obj, outcome in zip(batch, outcomes, strict=True):
+                name = f"{obj['kind']} {obj['metadata']['name']}"
+                if isinstance(outcome, ApiError):
+                    problems.append(Problem("ApplyFailed", f"{name}: {outcome.message}"))
+                    continue
+                if isinstance(outcome, BaseException):
+                    raise outcome  # transient (the worker retries) or a bug
+                verb = "Created" if live[_key(obj)] is None else "Updated"
+                live[_key(obj)] = outcome
+                log.info("%s %s/%s %s", verb, owner.namespace, obj["metadata"]["name"], obj["kind"])
+                applied[verb].append(name)
         applied["Deleted"] += await _prune(ctx, owner, desired, problems)
 
     workloads = {_workload_role(obj): live[_key(obj)] for obj in desired if _workload_role(obj) is not None}

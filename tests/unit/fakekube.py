@@ -9,6 +9,7 @@ apiserver's managed fields do. Every write is logged in order, events included."
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class FakeKube:
         self.objects: dict[tuple[str, str, str], _Stored] = {}
         self.writes: list[tuple[str, str, str]] = []  # (verb, kind, name) in order
         self.fail_status_writes: ApiError | None = None
+        self.fail_applies: dict[tuple[str, str], ApiError] = {}  # (kind, name) -> the apiserver's answer
+        self.applying = self.most_applying = 0  # applies in flight: now, and the most at once
         self._versions = itertools.count(1)
         self._uids: set[str] = set()
         self._caches: list[Children] = []
@@ -133,6 +136,12 @@ class FakeKube:
         self, obj: dict[str, Any], *, field_manager: str, force: bool = True, dry_run: bool = False
     ) -> dict[str, Any]:
         meta = obj["metadata"]
+        self.applying += 1
+        self.most_applying = max(self.most_applying, self.applying)
+        await asyncio.sleep(0)  # a round trip: others may start meanwhile
+        self.applying -= 1
+        if (failure := self.fail_applies.get((obj["kind"], meta["name"]))) is not None:
+            raise failure
         key = (obj["kind"], meta.get("namespace", ""), meta["name"])
         stored = self.objects.get(key)
         if stored is None:

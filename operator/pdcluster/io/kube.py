@@ -206,6 +206,11 @@ class KubeConfig:
         return (token if scheme.lower() == "bearer" else value).strip() or None
 
 
+# Each watch holds one for good (the operator's: about a dozen); the rest carry requests,
+# the operator's at most 8 reconciles x the few children of one apply stage.
+CONNECTIONS = 64
+
+
 class Kube:
     """Async client. Use as `async with Kube(KubeConfig.load()) as kube:`."""
 
@@ -217,7 +222,7 @@ class Kube:
     async def __aenter__(self) -> Kube:
         self._session = aiohttp.ClientSession(
             base_url=self.config.server,
-            connector=aiohttp.TCPConnector(ssl=self.config.ssl_context(), limit=32),
+            connector=aiohttp.TCPConnector(ssl=self.config.ssl_context(), limit=CONNECTIONS),
             timeout=self._timeout,
             json_serialize=json.dumps,
         )

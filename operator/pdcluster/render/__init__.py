@@ -14,7 +14,7 @@ from pdcluster.render.names import Owner
 from pdcluster.render.network import build_network_policies
 from pdcluster.render.router import build_router
 
-__all__ = ["Owner", "Replicas", "render_all"]
+__all__ = ["Owner", "Replicas", "apply_stage", "render_all"]
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,22 @@ def render_all(
         objects += build_role(spec, owner, role, replicas.of(role), (partitions or {}).get(role, 0))
     objects += build_router(spec, owner, suspended=spec.suspend)
     objects += build_network_policies(spec, owner)
-    order = {
-        "ConfigMap": 0,
-        "ServiceAccount": 0,
-        "Role": 1,
-        "RoleBinding": 2,
-        "Service": 3,
-        "PodDisruptionBudget": 4,
-        "NetworkPolicy": 4,  # before the pods it admits traffic to
-    }
-    return sorted(objects, key=lambda o: order.get(o["kind"], 5))
+    return sorted(objects, key=apply_stage)
+
+
+# What must exist before what: a Role before its binding, Services and network policies
+# before the pods they serve or admit; workloads last.
+_STAGES = {
+    "ConfigMap": 0,
+    "ServiceAccount": 0,
+    "Role": 1,
+    "RoleBinding": 2,
+    "Service": 3,
+    "PodDisruptionBudget": 4,
+    "NetworkPolicy": 4,
+}
+
+
+def apply_stage(obj: dict[str, Any]) -> int:
+    """Objects of one stage may be applied together; stages go in order."""
+    return _STAGES.get(obj["kind"], 5)
