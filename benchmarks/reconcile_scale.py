@@ -314,10 +314,13 @@ def why_not(target: str, r: dict) -> str:
         v for k, v in during.items() if k.startswith("APPLY ") or k in ("PATCH pdclusters", "POST events")
     )
     if target.startswith("converge"):
+        cpu = r["cpu_s_to_last_status_by_process"]
+        busy = sum(cpu.values()) / (CORES * r["last_status_s"])
         return (
             f"{writes:.0f} writes reached the apiserver while converging, {ours:.0f} of them the operator's "
-            f"(applies, status patches, events); the operator used {r['cpu_s_converging']} s of CPU in "
-            f"{r['last_status_s']} s, on the cores the apiserver, etcd and the controllers share"
+            f"(applies, status patches, events); until the last status the {CORES} cores were {busy:.0%} busy, "
+            f"{cpu.get('kube-apiserver', 0)} s in the apiserver and {cpu.get('operator', 0)} s in the operator: "
+            "more cores or fewer writes per PDCluster, not the operator's own speed, would move it"
         )
     if target.startswith("RSS"):
         return f"{r['rss_mib_at_rest']} MiB at rest for {r['count']} PDClusters"
