@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from localcluster import kubeconfig, nodes, paths, pki, procs, prometheus
+from localcluster.ports import free_port
 from pdcluster.io.kube import ApiError, Kube, KubeConfig
 
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -91,12 +92,6 @@ def _lock(name: str) -> Iterator[None]:
     with open(lock_path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tls(p: pki.Pki) -> ssl.SSLContext:
@@ -204,7 +199,7 @@ def _start(name: str, pool: nodes.NodePool, scrape_interval: str, vllm: bool, lo
     run.mkdir(parents=True)
     bins = paths.bin_dir()
     shim = bind_shim()
-    ports = {k: _free_port() for k in ("etcd", "etcd_peer", "apiserver", "podrunner", "prometheus",
+    ports = {k: free_port() for k in ("etcd", "etcd_peer", "apiserver", "podrunner", "prometheus",
                                         "lws_webhook", "lws_health")}
     server = f"https://127.0.0.1:{ports['apiserver']}"
     keys = pki.create(

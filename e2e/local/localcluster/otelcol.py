@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from localcluster import paths
+from localcluster.ports import free_port
 
 HOST = "127.0.0.1"
 _READY = "Everything is ready."  # logged once every pipeline has started
@@ -111,12 +112,6 @@ def read_spans(path: Path) -> list[Span]:
     return spans
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex((HOST, port)) == 0
@@ -128,8 +123,8 @@ class Collector:
     def __init__(self, workdir: Path, *, grpc: bool = False, binary: Path | None = None) -> None:
         self.workdir = workdir
         self.binary = binary or paths.otelcol_binary(paths.bin_dir())
-        self.http_port = _free_port()
-        self.grpc_port = _free_port() if grpc else None
+        self.http_port = free_port(HOST)
+        self.grpc_port = free_port(HOST) if grpc else None
         self.output = workdir / "otelcol-traces.jsonl"
         self.log = workdir / "otelcol.log"
         self.config_path = workdir / "otelcol.yaml"
