@@ -39,6 +39,7 @@ bench: deps ## Benchmarks that print their figures (docs/benchmarks.md has the l
 	$(BIN)/python benchmarks/store_bench.py
 	$(BIN)/python benchmarks/store_cluster.py
 	$(BIN)/python benchmarks/reconcile_scale.py
+	$(BIN)/python benchmarks/kube_client.py
 
 deps: $(STAMP) ## Python env, Debian packages, control-plane binaries
 	e2e/local/install-deps.sh

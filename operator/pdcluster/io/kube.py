@@ -3,10 +3,14 @@
 The operator, the router (membership) and the local cluster's pod runner need only a
 handful of verbs: get, list, watch, server-side apply, merge-patch (status), create and
 delete. A thin client over one keep-alive session does them on the event loop kopf
-already runs, and speaks server-side apply of any kind natively; the `kubernetes`
-package's client is synchronous (a thread per call) and kubernetes_asyncio's applies
-only through its typed models. Configuration and authentication, where users' setups
-vary most, come from the `kubernetes` package's loaders (KubeConfig below).
+already runs, on plain dicts parsed by orjson. benchmarks/kube_client.py measures the
+reason to keep it: the same work against the same apiserver costs the `kubernetes`
+package's client (a thread per call) and kubernetes_asyncio (typed models) about three
+times our CPU per apply or patch, four times per list and four to six times per watch
+event (docs/benchmarks.md), and the operator's CPU is a share of the same cores the
+apiserver needs when a thousand PDClusters converge. Configuration and authentication,
+where users' setups vary most, come from the `kubernetes` package's loaders (KubeConfig
+below).
 """
 
 from __future__ import annotations
