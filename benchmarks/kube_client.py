@@ -5,7 +5,9 @@ configuration and authentication. This measures why, side by side in one run aga
 local cluster's real apiserver: the same work done by
 
 - `ours`: pdcluster.io.kube.Kube (aiohttp, orjson, plain dicts), 8 requests in flight;
-- `kubernetes_asyncio`: its generated AppsV1Api on its aiohttp client, 8 in flight;
+- `kubernetes_asyncio`: its generated AppsV1Api on its aiohttp client, 8 in flight
+  (installed by this script into a folder of its own: in the project's environment kopf
+  would import it too, and every operator started from there would carry its models);
 - `kubernetes`: the official synchronous client, 8 threads.
 
 Each client runs in its own process (so CPU and peak RSS are the client's alone) and in
@@ -40,7 +42,7 @@ sys.path[:0] = [str(REPO / "e2e" / "local")]
 
 import yaml  # noqa: E402
 
-from localcluster import cluster, nodes  # noqa: E402
+from localcluster import cluster, nodes, paths  # noqa: E402
 from pdcluster import constants as C  # noqa: E402
 from pdcluster.api.v1alpha1 import PDClusterSpec  # noqa: E402
 from pdcluster.io.kube import Kube, KubeConfig  # noqa: E402
@@ -51,6 +53,19 @@ PHASES = ("apply (create)", "apply (unchanged)", "merge patch", "list", "watch e
 IN_FLIGHT = 8
 LISTS = 10
 MANAGER = "kube-client-bench"
+KUBERNETES_ASYNCIO = "36.1.0"
+
+
+def kubernetes_asyncio_dir() -> Path:
+    """kubernetes_asyncio alone (its dependencies are the `kubernetes` package's, already here)."""
+    target = paths.cache_dir() / "bench" / f"kubernetes_asyncio-{KUBERNETES_ASYNCIO}"
+    if not (target / "kubernetes_asyncio").is_dir():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+             f"kubernetes_asyncio=={KUBERNETES_ASYNCIO}"],
+            check=True,
+        )  # fmt: skip
+    return target
 
 
 def statefulsets(namespace: str, count: int) -> list[dict[str, Any]]:
@@ -127,6 +142,7 @@ async def run_ours(kubeconfig: str, namespace: str, objs: list[dict[str, Any]], 
 async def run_kubernetes_asyncio(
     kubeconfig: str, namespace: str, objs: list[dict[str, Any]], meter: Meter
 ) -> None:
+    sys.path.insert(0, str(kubernetes_asyncio_dir()))
     from kubernetes_asyncio import client, config, watch
 
     await config.load_kube_config(config_file=kubeconfig)
@@ -263,6 +279,7 @@ def main() -> None:
     if args.child:
         child(args.child[0], args.child[1], args.child[2], args.count)
         return
+    kubernetes_asyncio_dir()  # installed before anything is measured
     state = cluster.up(args.cluster, nodes.NodePool(gpu_nodes=1, cpu_nodes=1))
     results: dict[str, list[dict[str, Any]]] = {c: [] for c in CLIENTS}
     try:

@@ -5,8 +5,8 @@ handful of verbs: get, list, watch, server-side apply, merge-patch (status), cre
 delete. A thin client over one keep-alive session does them on the event loop kopf
 already runs, on plain dicts parsed by orjson. benchmarks/kube_client.py measures the
 reason to keep it: the same work against the same apiserver costs the `kubernetes`
-package's client (a thread per call) and kubernetes_asyncio (typed models) 2.6 to 4
-times our CPU per apply or patch, about 4 times per list and 4 to 6 times per watch
+package's client (a thread per call) and kubernetes_asyncio (typed models) 2.6 to 5
+times our CPU per apply or patch, about 4 times per list and 4 to 8 times per watch
 event (docs/benchmarks.md), and the operator's CPU is a share of the same cores the
 apiserver needs when a thousand PDClusters converge. Configuration and authentication,
 where users' setups vary most, come from the `kubernetes` package's loaders (KubeConfig
