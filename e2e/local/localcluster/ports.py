@@ -40,6 +40,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _handed_out and _bindable(host, port):
             _handed_out.add(port)
             return port
-    with socket.socket() as s:  # a crowded range: the kernel's pick, as before
+    with socket.socket() as s:  # a crowded range: let the kernel pick
         s.bind((host, 0))
         return s.getsockname()[1]
