@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import resource
 import statistics
@@ -230,10 +229,10 @@ def child(name: str, kubeconfig: str, namespace: str, count: int) -> None:
     objs = statefulsets(namespace, count)
     meter = Meter()
     if name == "kubernetes":
-        run_kubernetes(kubeconfig, namespace, copy.deepcopy(objs), meter)
+        run_kubernetes(kubeconfig, namespace, objs, meter)
     else:
         runner = run_ours if name == "ours" else run_kubernetes_asyncio
-        asyncio.run(runner(kubeconfig, namespace, copy.deepcopy(objs), meter))
+        asyncio.run(runner(kubeconfig, namespace, objs, meter))
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"phases": meter.phases, "rss_mib": rss_mib}))
 
