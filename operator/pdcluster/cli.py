@@ -88,6 +88,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return plan.run(args)
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from pdcluster.sim import trace_cli
+
+    return trace_cli.run(args)
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from pdcluster import profiling
 
@@ -119,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
 
     plan.add_arguments(plan_parser)
     plan_parser.set_defaults(func=cmd_plan)
+    from pdcluster.sim import trace_cli
+
+    trace_parser = sub.add_parser("trace", help="rate curves and day-long request traces for plan")
+    trace_cli.add_arguments(trace_parser)
+    trace_parser.set_defaults(func=cmd_trace)
     from pdcluster import profiling
 
     profile_parser = sub.add_parser(
