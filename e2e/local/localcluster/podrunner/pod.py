@@ -50,6 +50,9 @@ IMAGES: dict[str, tuple[list[str], list[str]]] = {
 }
 # The kubelet's crash-loop back-off: 10s doubling to 5 minutes, reset after 10 minutes of running.
 BACKOFF_INITIAL, BACKOFF_MAX, BACKOFF_RESET = 10.0, 300.0, 600.0
+# How long a successor waits past its predecessor's grace period before it kills what is
+# left of it: the predecessor's processes get their grace, not forever.
+PREDECESSOR_SLACK = 10.0
 MIN_GRACE = 2.0  # the kubelet's minimum grace period, also after a preStop hook used it up
 
 
@@ -328,11 +331,19 @@ class Container:
 
 
 class PodWorker:
-    def __init__(self, runner: Runner, pod: Obj):
+    """One pod, keyed by uid like a kubelet's: its directory is pods/<uid> (pods/<namespace>_<name>
+    is a link to the newest pod of that name, for people and tests), its processes and
+    status writes are its own, and a successor of the same name starts its containers
+    only after this one's processes have exited."""
+
+    def __init__(self, runner: Runner, pod: Obj, predecessor: PodWorker | None = None):
         self.runner, self.pod = runner, pod
         meta = pod["metadata"]
         self.uid, self.namespace, self.name = meta["uid"], meta["namespace"], meta["name"]
-        self.dir = runner.pods_dir / f"{self.namespace}_{self.name}"
+        self.dir = runner.pods_dir / self.uid
+        self.name_link = runner.pods_dir / f"{self.namespace}_{self.name}"
+        self.predecessor = predecessor
+        self.finished = asyncio.Event()  # every process of this pod has exited
         self.hosts_path = self.dir / "hosts"
         self.memory_dir = runner.memory_dir / self.uid
         self.init_containers = [Container(self, c) for c in pod["spec"].get("initContainers", [])]
@@ -375,18 +386,39 @@ class PodWorker:
             self._termination = asyncio.create_task(self.terminate(float(grace), delete=True))
 
     def gone(self) -> None:
-        """The pod object was removed (force deletion): stop at once, nothing to report."""
+        """The pod object was removed (force deletion): stop at once, nothing to report (the
+        name may already be a successor's, whose status is not ours to write)."""
+        self._writer.cancel()
         if self._termination is None:
             self._termination = asyncio.create_task(self.terminate(0.0, delete=False))
 
+    async def _await_predecessor(self, *, until_stopped: bool) -> None:
+        """Waits for the previous pod of this name to be gone, as a kubelet holds a
+        StatefulSet's successor until its predecessor's containers are: its processes
+        still hold the ports and the devices this pod is about to take. A pod that is
+        stopped while it waits still waits before it calls itself finished, so a chain of
+        deletions (a successor deleted while it waited) is gone in order."""
+        old = self.predecessor
+        if old is None:
+            return
+        grace = float(old.pod["spec"].get("terminationGracePeriodSeconds", 30))
+        waits = (old.finished, self.stopping) if until_stopped else (old.finished,)
+        try:
+            await asyncio.wait_for(first(*waits), grace + PREDECESSOR_SLACK)
+        except TimeoutError:
+            self.runner.log(f"{self.namespace}/{self.name}: predecessor {old.uid[:8]} still running; killing it")
+            await old.kill_now()
+        if old.finished.is_set():
+            self.predecessor = None
+
     def _prepare_dir(self) -> None:
-        uid_file = self.dir / "uid"
-        if self.dir.exists() and (not uid_file.exists() or uid_file.read_text() != self.uid):
-            old = uid_file.read_text()[:8] if uid_file.exists() else "old"
-            self.dir.rename(self.dir.with_name(f"{self.dir.name}.{old}"))
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.memory_dir / ".dev-shm").mkdir(parents=True, exist_ok=True)
-        uid_file.write_text(self.uid)
+        (self.dir / "pod").write_text(f"{self.namespace}/{self.name}\n")
+        link = self.name_link.with_name(f".{self.name_link.name}.{self.uid[:8]}")
+        link.unlink(missing_ok=True)
+        link.symlink_to(self.uid)
+        os.replace(link, self.name_link)
         self.write_hosts(self.runner.hosts_for(self.pod))
 
     def write_hosts(self, text: str) -> None:
@@ -400,6 +432,9 @@ class PodWorker:
         # not exist is someone else's (tests write such pods' status themselves).
         if await self.runner.kube.get("v1", "Node", self.pod["spec"]["nodeName"]) is None:
             self.runner.log(f"{self.namespace}/{self.name}: node {self.pod['spec']['nodeName']!r} does not exist; not running it")
+            return
+        await self._await_predecessor(until_stopped=True)
+        if self.stopping.is_set():
             return
         self._prepare_dir()
         self.dirty()
@@ -455,9 +490,10 @@ class PodWorker:
             await asyncio.wait_for(asyncio.shield(self._lifecycle), 5)
         self.terminal = True
         self._writer.cancel()
-        # Before the pod goes: a StatefulSet's replacement may reuse this directory at once.
-        shutil.rmtree(self.dir / "volumes", ignore_errors=True)
+        shutil.rmtree(self.dir / "volumes", ignore_errors=True)  # the logs stay, as a kubelet's do for a while
         shutil.rmtree(self.memory_dir, ignore_errors=True)
+        await self._await_predecessor(until_stopped=False)
+        self.finished.set()
         if delete:
             await self._flush_status()
             await self._delete()
@@ -488,6 +524,8 @@ class PodWorker:
         await asyncio.gather(*(c.signal_stop(2.0, pre_stop=False) for c in self.all_containers))
         for c in self.all_containers:
             c.pid_path.unlink(missing_ok=True)
+        await self._await_predecessor(until_stopped=False)
+        self.finished.set()
 
     def _status_patch(self) -> Obj:
         init = [c.status for c in self.init_containers]
@@ -512,7 +550,8 @@ class PodWorker:
             )
             return "ok"
         except ApiError as e:
-            if e.status in (404, 409):  # 409: the name now belongs to a newer pod
+            # 409, or 422 on metadata.uid: the name now belongs to a newer pod
+            if e.status in (404, 409) or (e.status == 422 and "metadata.uid" in e.message):
                 return "gone"
             self.runner.log(f"{self.namespace}/{self.name}: status update failed: {e}")
         except (aiohttp.ClientError, TimeoutError) as e:

@@ -47,7 +47,8 @@ class Runner:
         self.listen = listen
         self.pods: dict[str, Obj] = {}  # by uid: every pod in the cluster (for endpoints and DNS)
         self.services: dict[tuple[str, str], Obj] = {}
-        self.workers: dict[str, PodWorker] = {}
+        self.workers: dict[str, PodWorker] = {}  # by uid, as a kubelet keys pods
+        self.by_name: dict[tuple[str, str], PodWorker] = {}  # the newest worker of each pod name
         self.services_synced = asyncio.Event()
         self.pods_synced = asyncio.Event()
         self.http: aiohttp.ClientSession
@@ -138,11 +139,19 @@ class Runner:
         if worker := self.workers.get(uid):
             worker.update(pod)
         elif pod["spec"].get("nodeName") and not (_finished(pod) and not pod["metadata"].get("deletionTimestamp")):
-            self.workers[uid] = PodWorker(self, pod)
+            # A pod of the same name before this one (a StatefulSet's successor after a
+            # force delete) no longer exists in the API: stop it, and start this one's
+            # containers only once its processes are gone.
+            predecessor = self.by_name.get(_key(pod))
+            if predecessor is not None:
+                predecessor.gone()
+            self.workers[uid] = self.by_name[_key(pod)] = PodWorker(self, pod, predecessor=predecessor)
 
     def forget(self, worker: PodWorker) -> None:
         self.workers.pop(worker.uid, None)
         self._hosts.pop(worker.uid, None)
+        if self.by_name.get((worker.namespace, worker.name)) is worker:
+            del self.by_name[(worker.namespace, worker.name)]
 
     async def node_allocatable(self, name: str) -> dict[str, str]:
         if name not in self._nodes:
