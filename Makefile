@@ -8,7 +8,9 @@ ENGINE ?= sim
 
 .PHONY: demo demo-down kind test test-unit lint generate verify bench deps vllm-runtime cluster-up cluster-down
 
-demo: deps $(if $(filter vllm,$(ENGINE)),vllm-runtime) ## Local cluster "demo", operator from the Helm chart, a PD cluster (ENGINE=sim or vllm), trace replay, live view
+demo: $(STAMP) ## Local cluster "demo", operator from the Helm chart, a PD cluster (ENGINE=sim or vllm), workload replay, live view
+	$(BIN)/python e2e/local/demo.py check --engine $(ENGINE)
+	$(MAKE) deps $(if $(filter vllm,$(ENGINE)),vllm-runtime)
 	$(BIN)/python e2e/local/demo.py up --engine $(ENGINE)
 
 demo-down: ## Tear down the demo cluster

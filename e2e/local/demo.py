@@ -9,11 +9,16 @@
     watch  the replay and the live view only, against a cluster set up elsewhere
            (e2e/kind/run.sh uses it through port-forwards)
     down   stop the cluster
+    check  check every input (examples, chart, phases, traces) and build the workload,
+           before anything is built or started: `make demo` runs it first
 
-Requests are the traces': their arrival times (sped up per phase, --phases, which may
-switch traces and stretch answers: the default shifts the mix), prompt lengths, prefix
-blocks (token ids derived from the trace's 512-token block hashes, so shared prefixes
-stay shared) and output lengths (max_tokens with ignore_eos); for the
+Requests are drawn from distributions fitted to public traces (pdcluster.sim.synthetic:
+Mooncake's conversation trace and Azure's 2023 conversation trace), so the demo needs
+no file beside the repository; `--trace FILE` (or PDCLUSTER_TRACES, the folder of the
+public traces) replays a real trace instead. Either way: arrival times (sped up per
+phase, --phases, which may switch traces and stretch answers: the default shifts the
+mix), prompt lengths, prefix blocks (token ids derived from the 512-token block hashes,
+so shared prefixes stay shared) and output lengths (max_tokens with ignore_eos); for the
 tiny model of real vLLM, lengths are scaled down to fit its 512-token context. Without a
 terminal (CI) the view is plain lines: a status line every 10 s with the latest
 decision's one-line summary, and a line for each scaling decision.
@@ -58,7 +63,8 @@ from pdcluster import observability as O  # noqa: E402
 from pdcluster import perf  # noqa: E402
 from pdcluster.api.v1alpha1 import Quantile  # noqa: E402
 from pdcluster.io.kube import ApiError, Kube, KubeConfig  # noqa: E402
-from pdcluster.sim.trace import MOONCAKE_BLOCK_TOKENS, Trace, load_trace  # noqa: E402
+from pdcluster.sim import synthetic  # noqa: E402
+from pdcluster.sim.trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceError, load_trace  # noqa: E402
 
 CLUSTER = "demo"
 NAMESPACE = "demo"
@@ -116,12 +122,15 @@ class Phase(NamedTuple):
     output_scale: float = 1.0  # the trace's output lengths times this (answers of a reasoning model)
 
 
-# Traces a phase may name (files of the traces folder).
+# Traces a phase may name: files of the traces folder when replaying real traces, and
+# their generated stand-ins (pdcluster.sim.synthetic) otherwise.
 TRACES = {
     "conv": "mooncake_conversation_trace.jsonl",
     "synthetic": "mooncake_synthetic_trace.jsonl",
     "azure": "AzureLLMInferenceTrace_conv_2023.csv",
 }
+GENERATED = {"conv": synthetic.MOONCAKE_CONVERSATION, "azure": synthetic.AZURE_CONVERSATION}
+DEFAULT_TRACE = "conv"
 
 
 def workload(traces: Trace | dict[str | None, Trace], start_s: float, phases: list[Phase]) -> list[Request]:
@@ -208,6 +217,35 @@ def fit(requests: list[Request], engine: Engine, max_model_len: int | None) -> l
             )
         )
     return out
+
+
+def load_traces(trace: str | None, phases: list[Phase], start_s: float) -> dict[str | None, Trace]:
+    """The traces the phases replay: generated ones unless a real trace is asked for (a
+    --trace, or the traces folder in PDCLUSTER_TRACES). Raises TraceError, naming what is
+    missing, before anything starts."""
+    real = trace is not None or bool(os.environ.get("PDCLUSTER_TRACES"))
+    names = {None: trace or DEFAULT_TRACE} | {p.trace: p.trace for p in phases if p.trace}
+    if not real:
+        unknown = sorted(n for n in names.values() if n not in GENERATED)
+        if unknown:
+            raise TraceError(f"no generated stand-in for {', '.join(unknown)}: replay the real trace with --trace "
+                             f"or PDCLUSTER_TRACES (generated: {', '.join(GENERATED)})")
+        # Long enough for the slice: every phase's seconds at its speed, from the start.
+        span = start_s + sum(p.seconds * p.speed for p in phases) + 60.0
+        return {key: synthetic.generate(GENERATED[name], span, seed=k) for k, (key, name) in enumerate(names.items())}
+    try:
+        folder = perf.traces_dir()
+    except FileNotFoundError:
+        folder = None
+    traces = {}
+    for key, name in names.items():
+        file = TRACES.get(name, name)
+        path = Path(file) if "/" in file else (folder / file if folder else None)
+        if path is None or not path.is_file():
+            raise TraceError(f"trace {file!r} not found (set PDCLUSTER_TRACES to the folder of the public traces, "
+                             "give --trace a path, or leave both out for the generated workload)")
+        traces[key] = load_trace(path)
+    return traces
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -581,12 +619,8 @@ async def run_and_watch(
     engine = ENGINES[args.engine]
     doc = yaml.safe_load(engine.example.read_text())
     spec = doc["spec"]
-    trace_path = Path(args.trace) if "/" in args.trace else perf.traces_dir() / args.trace
     phases = args.phases or parse_phases(engine.phases)
-    traces: dict[str | None, Trace] = {None: load_trace(trace_path)}
-    traces |= {p.trace: load_trace(perf.traces_dir() / TRACES[p.trace]) for p in phases if p.trace}
-    requests = workload(traces, args.start_minute * 60, phases)
-    requests = fit(requests, engine, spec["model"].get("maxModelLen"))
+    requests = build_workload(args)
     slo = {"quantile": "p90", "ttftMs": 2000, "itlMs": 25, **spec["autoscaling"].get("slo", {})}
     window_s = int(spec["autoscaling"].get("windowSeconds", 30))
     out = Outcomes()
@@ -611,7 +645,7 @@ async def run_and_watch(
             for p in phases
         )
         title = (
-            f"PDCluster {target.namespace}/{target.name}: {trace_path.name} from minute {args.start_minute:g}, "
+            f"PDCluster {target.namespace}/{target.name}: {workload_source(args)} from minute {args.start_minute:g}, "
             f"{described}: {len(requests)} requests via {url}"
         )
         step(console, title)
@@ -678,15 +712,54 @@ def make_console() -> Console:
     return Console(width=200)
 
 
+def build_workload(args: argparse.Namespace) -> list[Request]:
+    engine = ENGINES[args.engine]
+    spec = yaml.safe_load(engine.example.read_text())["spec"]
+    phases = args.phases or parse_phases(engine.phases)
+    traces = load_traces(args.trace, phases, args.start_minute * 60)
+    return fit(workload(traces, args.start_minute * 60, phases), engine, spec["model"].get("maxModelLen"))
+
+
+def workload_source(args: argparse.Namespace) -> str:
+    if args.trace:
+        return Path(args.trace).name
+    if os.environ.get("PDCLUSTER_TRACES"):
+        return f"{TRACES[DEFAULT_TRACE]} (PDCLUSTER_TRACES)"
+    return "a generated conversation workload"
+
+
+def check(args: argparse.Namespace) -> int:
+    """Every input of `up`, checked in seconds, so a mistake is not found after the build."""
+    problems = []
+    for path in (ENGINES[args.engine].example, CHART / "Chart.yaml", CHART / "values.yaml"):
+        try:
+            list(yaml.safe_load_all(path.read_text()))
+        except (OSError, yaml.YAMLError) as e:
+            problems.append(f"{path.relative_to(REPO)}: {e}")
+    if os.geteuid() != 0:
+        problems.append("the local cluster needs root (private mount namespaces, the kubernetes Service on port 443)")
+    requests: list[Request] = []
+    if not problems:
+        try:
+            requests = build_workload(args)
+        except (TraceError, OSError, KeyError) as e:
+            problems.append(str(e))
+        if not problems and not requests:
+            problems.append("the replay has no requests: check --phases and --start-minute")
+    for problem in problems:
+        print(f"demo: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"demo: inputs ok; {len(requests)} requests to replay from {workload_source(args)}")
+    return 1 if problems else 0
+
+
 def up(args: argparse.Namespace) -> int:
     from localcluster import cluster
 
     console = make_console()
     started = time.monotonic()
-    try:
-        perf.traces_dir()  # the replay's trace, before anything starts
-    except FileNotFoundError as e:
-        raise SystemExit(f"demo: {e}") from None
+    if check(args):
+        return 1
     vllm = args.engine == "vllm"
     if vllm:
         step(console, "real-vLLM runtime (e2e/local/vllm/build.sh: minutes the first time)")
@@ -766,8 +839,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     replay_opts = argparse.ArgumentParser(add_help=False)
     replay_opts.add_argument(
         "--trace",
-        default="mooncake_conversation_trace.jsonl",
-        help="file in the traces folder (pdcluster.perf.traces_dir()) or a path",
+        help="replay a real trace: a file of the traces folder (PDCLUSTER_TRACES) or a path "
+        "(default: a generated conversation workload, or Mooncake's conversation trace with PDCLUSTER_TRACES)",
     )
     replay_opts.add_argument(
         "--start-minute", type=float, default=0.0, help="where the slice starts in the trace"
@@ -793,6 +866,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("up", "down"):
         s = sub.add_parser(name, parents=[replay_opts] if name == "up" else [])
         s.add_argument("--cluster", default=CLUSTER, help="local cluster name (default: %(default)s)")
+    sub.add_parser("check", parents=[replay_opts])
     w = sub.add_parser("watch", parents=[replay_opts])
     w.add_argument("--kubeconfig", required=True)
     w.add_argument("--prometheus-url", required=True)
@@ -807,7 +881,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return {"up": up, "watch": watch, "down": down}[args.command](args)
+    return {"up": up, "watch": watch, "down": down, "check": check}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -90,3 +90,22 @@ def test_decision_events_are_split_for_the_table() -> None:
         "2",
         "ITL p90 31 ms over 25 ms",
     )
+
+
+def test_without_a_trace_the_demo_replays_generated_stand_ins(monkeypatch) -> None:
+    monkeypatch.delenv("PDCLUSTER_TRACES", raising=False)
+    phases = demo.parse_phases("30:1,30:2:azure*3")
+    traces = demo.load_traces(None, phases, 0.0)
+    assert set(traces) == {None, "azure"}
+    assert traces[None].name == "conversation" and traces["azure"].name == "azure-conversation"
+    assert traces[None].span_s >= 90 - 5  # long enough for both phases at their speeds
+    requests = demo.workload(traces, 0.0, phases)
+    assert requests and max(r.at_s for r in requests) < 60
+    with pytest.raises(demo.TraceError, match="synthetic"):
+        demo.load_traces(None, demo.parse_phases("10:1:synthetic"), 0.0)
+
+
+def test_a_real_trace_that_is_not_there_is_named(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PDCLUSTER_TRACES", str(tmp_path))
+    with pytest.raises(demo.TraceError, match=r"mooncake_conversation_trace\.jsonl"):
+        demo.load_traces(None, demo.parse_phases("10:1"), 0.0)
