@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from pdcluster import add_version_flag
 from pdcluster import constants as C
 
 
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="pdctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_version_flag(p)
     sub = p.add_subparsers(dest="command", required=True)
     crd = sub.add_parser("crd", help="print the PDCluster CRD")
     crd.add_argument("--scaler", action="store_true", help="print the PDRoleScaler CRD instead")

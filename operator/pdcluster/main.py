@@ -12,7 +12,7 @@ import signal
 import kopf
 import prometheus_client
 
-from pdcluster import __version__
+from pdcluster import add_version_flag
 from pdcluster.autoscaler import PrometheusAutoscaler
 from pdcluster.children import Children
 from pdcluster.controller import Controller
@@ -27,6 +27,7 @@ log = logging.getLogger("pdcluster")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdcluster-operator", description=__doc__)
+    add_version_flag(p)
     p.add_argument(
         "--kubeconfig",
         default=None,
@@ -50,7 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--leader-election-namespace", default=os.environ.get("POD_NAMESPACE"))
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--version", action="version", version=__version__)
     return p.parse_args(argv)
 
 

@@ -6,6 +6,7 @@ import contextlib
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from pdcluster import __version__
 from pdcluster import constants as C
 from pdcluster import observability as O
 from pdcluster.control.cause import Cause
@@ -22,6 +23,8 @@ DECISIONS = Counter(
     "Autoscaling decisions by action and cause",
     ["pdcluster_namespace", "pdcluster", "action", "cause"],
 )
+BUILD_INFO = Gauge(O.BUILD_INFO, "The running build: always 1", ["version", "component"])
+BUILD_INFO.labels(__version__, "operator").set(1)
 DESIRED_REPLICAS = Gauge(
     O.OPERATOR_DESIRED_REPLICAS,
     "Replicas the operator wants per role",

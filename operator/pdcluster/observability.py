@@ -133,6 +133,8 @@ OPERATOR_DECISIONS: Final = (
 OPERATOR_DESIRED_REPLICAS: Final = "pdcluster_desired_replicas"  # gauge{pdcluster_namespace, pdcluster, role}
 OPERATOR_RECONCILES: Final = "pdcluster_reconciles"  # counter{result}
 OPERATOR_RECONCILE_SECONDS: Final = "pdcluster_reconcile_duration_seconds"  # histogram
+# gauge{version, component} = 1 on the operator's and the router's /metrics: which build runs where
+BUILD_INFO: Final = "pdcluster_build_info"
 
 
 class Histogram:

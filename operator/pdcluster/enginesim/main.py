@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdcluster import perf
+from pdcluster import __version__, perf
 from pdcluster.enginesim.api import OpenAIServer
 from pdcluster.enginesim.cli import SimConfig, parse
 from pdcluster.enginesim.engine import EngineCore, Seq, TransferHook
@@ -268,6 +268,9 @@ async def serve(config: SimConfig) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--version"]:
+        print(f"pdcluster-engine-sim {__version__}")
+        return
     if argv[:1] in (["-h"], ["--help"]):
         argv = ["serve", "--help"]  # the one command's help, as `vllm serve --help`
     if not argv or argv[0] != "serve":

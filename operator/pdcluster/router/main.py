@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 
+from pdcluster import add_version_flag
 from pdcluster.constants import KV_EVENTS_PORT, ROUTER_PORT
 from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.router import openai
@@ -38,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
         "--prefill/--decode/--colocated. Prompt tokens are counted "
         "without a tokenizer (UTF-8 bytes / 4; token-id prompts exactly).",
     )
+    add_version_flag(p)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=ROUTER_PORT)
     members = p.add_argument_group("backends")

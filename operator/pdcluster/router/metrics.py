@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pdcluster import __version__
 from pdcluster import observability as obs
 
 if TYPE_CHECKING:
@@ -89,6 +90,9 @@ class RouterMetrics:
             obs.ROUTER_E2E, "Request latency seen by clients.", buckets=obs.ROUTER_E2E_BUCKETS, registry=r
         )
         requests = Counter(obs.ROUTER_REQUESTS, "Requests by outcome.", ("outcome",), registry=r)
+        Gauge(obs.BUILD_INFO, "The running build: always 1", ("version", "component"), registry=r).labels(
+            __version__, "router"
+        ).set(1)
         self.requests = {outcome: requests.labels(outcome) for outcome in obs.ROUTER_OUTCOMES}
         rejections = Counter(
             obs.ROUTER_REJECTIONS, "Requests refused before dispatch, by reason.", ("reason",), registry=r
