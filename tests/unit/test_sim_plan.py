@@ -246,3 +246,21 @@ def test_plan_rejects_a_budget_of_one_engine(small_trace: Path, capsys: pytest.C
     )
     assert code == 2
     assert "prefill and decode need one each" in capsys.readouterr().err
+
+
+def test_plan_follows_a_rate_curve_over_the_traces_lengths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--rate-curve: the load over time from the curve (times --rate-scale), the lengths from --trace."""
+    rng = random.Random("curve")
+    base = tmp_path / "base.jsonl"
+    base.write_text("".join(json.dumps(r) + "\n" for r in _generated(rng, "flat")))
+    curve = tmp_path / "day.csv"
+    curve.write_text("t_s,rate_rps\n0,1\n60,3\n120,1\n")  # a three-minute day with a busy middle
+    report = plan_json(
+        capsys, "--trace", str(base), "--rate-curve", str(curve), "--rate-scale", "2",
+        "--gpus", "4", "--slo-ttft-ms", "800", "--slo-itl-ms", "40", "--policy", "pdcluster",
+    )
+    assert report["rate_mode"] == "curve" and report["rate_scale"] == 2
+    assert report["requests"] == pytest.approx(2 * (60 + 180 + 60), rel=0.15)
+    assert report["span_s"] <= 180
+    for score in report["policies"].values():
+        assert 0.0 <= score["attainment"] <= 1.0

@@ -34,6 +34,7 @@ from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.control import models
 from pdcluster.router.policy import POLICIES
+from pdcluster.sim import longload
 from pdcluster.sim.dynamo import Dynamo, DynamoLoad
 from pdcluster.sim.fleet import FleetConfig, Result, simulate
 from pdcluster.sim.llmd import LLMD
@@ -407,6 +408,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compress: replay the trace faster (time shrinks); replicate: keep the time axis and add "
         "independent copies of the trace's users (load patterns keep their duration)",
     )
+    parser.add_argument(
+        "--rate-curve",
+        help="a t_s,rate_rps CSV (hourly or finer; `pdctl trace curve` writes one): the load over time, "
+        "with --trace as the source of request lengths and within-minute burstiness; --rate-scale (or "
+        "the search) multiplies the curve",
+    )
     parser.add_argument("--startup-s", type=float, default=60.0, help="engine start-up delay")
     parser.add_argument("--link-gbps", type=float, default=200.0, help="P->D KV transfer bandwidth")
     parser.add_argument("--router", choices=POLICIES, default="prefix-aware")
@@ -515,11 +522,17 @@ def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dic
             "prefill and decode need one each"
         )
     base = load_trace(args.trace, args.format, seed=args.seed)
+    curve = longload.read_rate_curve(args.rate_curve) if args.rate_curve else None
     slo = SLO(args.slo_ttft_ms, args.slo_itl_ms, args.ttft_plus_prefill)
     fleet = _fleet_config(args, profile)
 
     def make_setup(scale: float) -> Setup:
-        trace = base.scaled(scale) if args.rate_mode == "compress" else base.replicated(scale, args.seed)
+        if curve is not None:
+            trace = longload.curve_over_trace(base, curve.scaled(scale), seed=args.seed)
+        elif args.rate_mode == "compress":
+            trace = base.scaled(scale)
+        else:
+            trace = base.replicated(scale, args.seed)
         return Setup(trace, profile, slo, fleet, args)
 
     searched = args.rate_scale is None
@@ -664,6 +677,9 @@ def print_store_curve(curve: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     say = (lambda _msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
     if args.compare_colocated:
+        if args.rate_curve:
+            print("pdctl plan: --rate-curve applies to policies on a trace, not to --compare-colocated", file=sys.stderr)
+            return 2
         return compare_colocated(args, say)
     if not args.trace:
         print("pdctl plan: --trace is required (or --compare-colocated for the sweep)", file=sys.stderr)
@@ -797,7 +813,7 @@ def _report(
         "requests": len(trace),
         "span_s": round(trace.span_s, 1),
         "rate_scale": round(scale, 3),
-        "rate_mode": setup.args.rate_mode,
+        "rate_mode": "curve" if setup.args.rate_curve else setup.args.rate_mode,
         "rate_scale_searched": searched,
         "profile": setup.profile.name,
         "gpus": setup.fleet.gpus,
