@@ -103,10 +103,10 @@ def test_steady_load_within_the_band_holds() -> None:
     assert decision.action == "hold", decision.reason
     # 40% headroom on both: fewer engines are wanted, after the stabilization window.
     assert decision.cause == Cause.stabilizing
-    assert decision.summary == "hold 4:4: prefill change waits out its stabilization window"
+    assert decision.summary == "hold 4:4: prefill change waits out its 300 s stabilization window"
     _, decision = run(spec(prefill=1, decode=1), metrics(engines=(1, 1), ttft=420, itl=21))
     assert (decision.action, decision.cause) == ("hold", Cause.within_targets), decision.reason
-    assert decision.summary == "hold 1:1: TTFT p90 420 ms, ITL p90 21 ms: within targets"
+    assert decision.summary == "hold 1:1: TTFT p90 420 ms of 500 ms, ITL p90 21 ms of 25 ms: within targets"
 
 
 # ---------------------------------------------------------------- scaling up

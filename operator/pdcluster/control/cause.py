@@ -7,7 +7,7 @@ figures behind it. Tests assert on codes, not on text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -37,7 +37,9 @@ class Cause(StrEnum):
 
 @dataclass(frozen=True)
 class Figures:
-    """What a summary quotes: the observed quantiles and the targets."""
+    """What a summary quotes: the figure that drove the decision and its threshold (the
+    observed quantiles and their targets, the engines the model needs against the ready
+    ones, the KV usage against its limit, the GPU budget)."""
 
     quantile: str
     ttft_ms: float | None
@@ -48,10 +50,30 @@ class Figures:
     budget: int | None
     kv_handoff_ms: float | None = None
     decode_wait_ms: float | None = None
+    kv_limit: float | None = None  # the KV usage the law scales decode up at
+    needed: dict[str, int] = field(default_factory=dict)  # engines the model needs per role
+    ready: dict[str, int] = field(default_factory=dict)  # engines ready per role
+    prefill_load: float | None = None  # the prefill work, in busy engines
+    stabilization_s: dict[str, int] = field(default_factory=dict)  # per role: the window waited out
+    scale_up_timeout_s: int | None = None
+    cooldown_s: int | None = None
 
 
 def _ms(value: float | None) -> str:
     return "unseen" if value is None else f"{value:.0f} ms"
+
+
+def _engines(f: Figures, role: str | None) -> str:
+    """'needs 6 engines, 4 ready' (with the load where the model has one)."""
+    if role is None or role not in f.needed:
+        return "engine need unknown"
+    load = f" (load of {f.prefill_load:.1f} engines)" if role == "prefill" and f.prefill_load is not None else ""
+    return f"{role} needs {f.needed[role]} engines{load}, {f.ready.get(role, 0)} ready"
+
+
+def _kv(f: Figures) -> str:
+    used = "unseen" if f.kv_usage is None else f"{f.kv_usage:.0%}"
+    return f"KV cache {used} full, limit {f.kv_limit or 0:.0%}"
 
 
 def summary(
@@ -67,24 +89,26 @@ def summary(
         Cause.suspended: "cluster suspended",
         Cause.metrics_unavailable: "no metrics",
         Cause.no_traffic: "no traffic",
-        Cause.scale_up_timed_out: f"{role} pods not ready in time",
+        Cause.scale_up_timed_out: f"{role} pods not ready within {f.scale_up_timeout_s} s",
         Cause.ttft_over_target: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms",
-        Cause.prefill_short: f"prefill load rising (TTFT {q} {_ms(f.ttft_ms)})",
+        Cause.prefill_short: f"{_engines(f, 'prefill')}; TTFT {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms",
         Cause.itl_over_target: f"ITL {q} {_ms(f.itl_ms)} over {f.itl_target_ms} ms",
-        Cause.kv_cache_full: f"{role if role == 'colocated' else 'decode'} KV cache {0 if f.kv_usage is None else f.kv_usage:.0%} full",
-        Cause.decode_short: f"decode load rising (ITL {q} {_ms(f.itl_ms)})",
-        Cause.prefill_headroom: f"TTFT {q} {_ms(f.ttft_ms)} well under {f.ttft_target_ms} ms",
-        Cause.decode_headroom: f"ITL {q} {_ms(f.itl_ms)} well under {f.itl_target_ms} ms",
+        Cause.kv_cache_full: f"{role if role == 'colocated' else 'decode'} {_kv(f)}",
+        Cause.decode_short: f"{_engines(f, 'decode')}; ITL {q} {_ms(f.itl_ms)} of {f.itl_target_ms} ms",
+        Cause.prefill_headroom: f"TTFT {q} {_ms(f.ttft_ms)} well under {f.ttft_target_ms} ms; {_engines(f, 'prefill')}",
+        Cause.decode_headroom: f"ITL {q} {_ms(f.itl_ms)} well under {f.itl_target_ms} ms; {_engines(f, 'decode')}",
         Cause.decode_wait: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, "
         f"{_ms(f.decode_wait_ms)} of it waiting for a decode step",
         Cause.kv_handoff_slow: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, {_ms(f.kv_handoff_ms)} "
         "of it in the KV hand-off: check the KV transfer network, more engines would not help",
-        Cause.rebalanced: f"both roles miss their targets: GPUs moved to {role}",
-        Cause.budget_full: f"{role} is short and the GPU budget {f.budget} is full",
-        Cause.stabilizing: f"{role} change waits out its stabilization window",
-        Cause.cooling_down: "cooling down after the last change",
+        Cause.rebalanced: f"both roles miss their targets (TTFT {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms, "
+        f"ITL {q} {_ms(f.itl_ms)} of {f.itl_target_ms} ms): GPUs moved to {role}",
+        Cause.budget_full: f"{_engines(f, role)} and the GPU budget of {f.budget} is full",
+        Cause.stabilizing: f"{role} change waits out its {f.stabilization_s.get(role or '', 0)} s stabilization window",
+        Cause.cooling_down: f"cooling down: {f.cooldown_s} s after the last change",
         Cause.scale_up_blocked: f"{role} scale-up blocked after a timeout",
-        Cause.within_targets: f"TTFT {q} {_ms(f.ttft_ms)}, ITL {q} {_ms(f.itl_ms)}: within targets",
+        Cause.within_targets: f"TTFT {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms, ITL {q} {_ms(f.itl_ms)} "
+        f"of {f.itl_target_ms} ms: within targets",
         Cause.pool_headroom: f"TTFT {q} {_ms(f.ttft_ms)} and ITL {q} {_ms(f.itl_ms)} well under "
         f"{f.ttft_target_ms} and {f.itl_target_ms} ms",
     }[cause]

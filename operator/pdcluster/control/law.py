@@ -67,6 +67,7 @@ class _Need:
     reactive: bool = False  # violated although the model was content: add one
     cause_up: Cause = Cause.within_targets  # why more engines, if more
     cause_down: Cause = Cause.within_targets  # why fewer, if fewer
+    load_engines: float | None = None  # the work, in busy engines, where the model has it
     notes: list[str] = field(default_factory=list)
 
 
@@ -112,6 +113,8 @@ class _Run:
         self.stored: dict[str, int] = {}
         self.events: dict[Cause, str] = {}  # what happened on the way, and to which role
         self.stages: TTFTBreakdown | None = None
+        self.needs: dict[str, _Need] = {}  # what the model says each role needs, for the summary
+        self.wants: dict[str, int] = {}
         self.current = self._current()
 
     # ------------------------------------------------------------------ helpers
@@ -200,6 +203,7 @@ class _Run:
         }
         wants = {r: self._want(r, needs[r]) for r in ROLES}
         wants, donor = self._fit_budget(wants, needs)
+        self.needs, self.wants = needs, wants
         target = self._stabilise(wants, donor)
         cause, role = self._cause(needs, wants, target)
         return self._finish(target, self._reason(m, needs, target), cause, role)
@@ -351,6 +355,7 @@ class _Run:
             )
         limit = self._limit("prefill")
         busy = models.PREFILL_MAX_BUSY
+        need.load_engines = model.load()
         up = models.fewest_engines(model.ttft_ms, bound_up, limit, lambda n: model.load() <= busy * n)
         if up is None:
             need.notes.append(f"prefill load of {model.load():.1f} engines needs more than {limit}")
@@ -702,6 +707,18 @@ class _Run:
             budget=self.auto.gpu_budget,
             kv_handoff_ms=None if self.stages is None else self.stages.kv_handoff_ms,
             decode_wait_ms=None if self.stages is None else self.stages.decode_wait_ms,
+            kv_limit=models.KV_LIMIT,
+            needed={r: n.up for r, n in self.needs.items()},
+            ready={r: self.observed.role(r).ready for r in ROLES},
+            prefill_load=self.needs["prefill"].load_engines if "prefill" in self.needs else None,
+            stabilization_s={
+                r: self.auto.scale_up_stabilization_seconds
+                if w > self.current[r]
+                else self.auto.scale_down_stabilization_seconds
+                for r, w in self.wants.items()
+            },
+            scale_up_timeout_s=self.auto.scale_up_timeout_seconds,
+            cooldown_s=self.auto.cooldown_seconds,
         )
 
     def _finish(

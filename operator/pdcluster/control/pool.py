@@ -62,6 +62,7 @@ class _PoolRun:
         self.notes: list[str] = []
         self.cooling = False
         self.starting = False  # a scale-up's engines are still starting: the change is under way
+        self.want: int | None = None  # what the signals ask for (the summary quotes it)
         gap = None if self.prev.last_run_time is None else (self.now - parse(self.prev.last_run_time))
         stale = gap is None or gap.total_seconds() > max(
             3 * self.auto.interval_seconds, self.auto.window_seconds
@@ -111,6 +112,7 @@ class _PoolRun:
         violated = pressure > 1.0 + self.tol or (seen.get("kv") or 0.0) > 1.0
         headroom = bool(seen) and pressure < 1.0 - self.tol
         want = self._want(pressure, violated, headroom)
+        self.want = want
         target = self._stabilise(want)
         cause = self._cause(signals, target, want)
         return self._finish(target, self._reason(signals, want, target), cause)
@@ -281,6 +283,16 @@ class _PoolRun:
             itl_target_ms=slo.itl_ms,
             kv_usage=None if m is None else m.colocated.kv_usage,
             budget=self.auto.gpu_budget,
+            kv_limit=models.KV_LIMIT,
+            needed={} if self.want is None else {ROLE: self.want},
+            ready={ROLE: self.observed.ready},
+            stabilization_s={
+                ROLE: self.auto.scale_up_stabilization_seconds
+                if (self.want or 0) > self.current
+                else self.auto.scale_down_stabilization_seconds
+            },
+            scale_up_timeout_s=self.auto.scale_up_timeout_seconds,
+            cooldown_s=self.auto.cooldown_seconds,
         )
         decision = Decision(
             time=self.now_s,
