@@ -271,8 +271,33 @@ async def test_pd_output_equals_one_plain_engine(env: Env) -> None:
             assert want, f"the plain engine said nothing to {body}: the comparison proves nothing"
             assert text_of(path, via_router) == want, (path, body.get("prompt", body.get("messages")))
             if isinstance(plain, dict):
-                assert via_router["usage"] == plain["usage"]
+                # Cached tokens are the prefill leg's (test_a_repeated_prompt_reports_its_cached_tokens).
+                assert without_details(via_router["usage"]) == without_details(plain["usage"])
                 assert via_router["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+
+
+def without_details(usage: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
+async def test_a_repeated_prompt_reports_its_cached_tokens(env: Env) -> None:
+    """usage.prompt_tokens_details.cached_tokens, as the client sees it through the router,
+    is what the prefill engine found in its prefix cache: nothing for a new prompt, its
+    whole blocks the second time (decode, handed all of the KV, would say more)."""
+    async with aiohttp.ClientSession() as http:
+        prompt = f"# {uuid.uuid4().hex}\n" + await prompt_of_length(http, env, 200)
+        body = {"model": env.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        usages = []
+        for extra in ({}, {}, {"stream": True, "stream_options": {"include_usage": True}}):
+            status, answer = await call(http, env.router, "/v1/completions", {**body, **extra})
+            assert status == 200, answer
+            events = [answer] if isinstance(answer, dict) else [e for e in answer if isinstance(e, dict)]
+            usages.append([e["usage"] for e in events if e.get("usage")][-1])
+    first, second, streamed = usages
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0, first
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < second["prompt_tokens"], second
+    assert streamed["prompt_tokens_details"]["cached_tokens"] == cached, streamed
 
 
 def counters(text: str, name: str, label: str) -> dict[str, float]:

@@ -428,3 +428,20 @@ async def test_prefill_dp_ranks_are_separate_backends(http: aiohttp.ClientSessio
         rank = int(p["headers"]["X-data-parallel-rank"])
         assert decode["body"]["kv_transfer_params"]["remote_engine_id"] == c.prefill.engine_ids[rank]
         assert c.prefill.engine_ids[rank].endswith(f"_dp{rank}")
+
+
+async def test_usage_reports_the_prefill_legs_cached_tokens(http: aiohttp.ClientSession) -> None:
+    """usage.prompt_tokens_details.cached_tokens is what prefill found cached, not what
+    decode counts (it is handed the whole prompt's KV), streamed and not."""
+    flags = ("--sim-profile", "zero", "--enable-prefix-caching", "--enable-prompt-tokens-details")
+    async with cluster(prefill_args=flags, decode_args=flags) as c:
+        body = {"prompt": list(range(1, 2049)), "max_tokens": 4, "ignore_eos": True}
+        _, first, _ = await post(http, f"{c.url}/v1/completions", body)
+        _, second, _ = await post(http, f"{c.url}/v1/completions", body)
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        _, raw, _ = await post(http, f"{c.url}/v1/completions", streamed)
+    usage = [e["usage"] for e in sse(raw) if e.get("usage")]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < 2048  # whole blocks, the prompt's last token computed again
+    assert usage[-1]["prompt_tokens_details"]["cached_tokens"] == cached

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import orjson
 import pytest
 
 from pdcluster.router.protocol import BootstrapError, MooncakeProtocol, PrefillEngine
@@ -94,3 +95,21 @@ def test_parse_query_of_a_starting_engine_is_empty() -> None:
 def test_parse_query_rejects_malformed_answers(payload: object) -> None:
     with pytest.raises(BootstrapError):
         MooncakeProtocol.parse_query(payload, "http://a:8998")
+
+
+def test_usage_reports_the_cached_tokens_it_is_given():
+    from pdcluster.router import openai
+
+    body = orjson.dumps({"id": "x", "usage": {"prompt_tokens": 64, "prompt_tokens_details": {"cached_tokens": 63}}})
+    assert openai.cached_tokens(body) == 63
+    assert openai.cached_tokens(b'{"usage": {"prompt_tokens": 5}}') is None
+    assert openai.cached_tokens(b'{"usage": {"prompt_tokens_details": {"cached_tokens": true}}}') is None
+    out = orjson.loads(openai.report_cached_tokens(body, 48))
+    assert out["usage"] == {"prompt_tokens": 64, "prompt_tokens_details": {"cached_tokens": 48}}
+    no_details = orjson.loads(openai.report_cached_tokens(b'{"usage": {"prompt_tokens": 5}}', 0))
+    assert no_details["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert openai.report_cached_tokens(b"not json", 3) == b"not json"
+    stream = b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[],"usage":{"prompt_tokens":64}}\n\ndata: [DONE]\n\n'
+    events = openai.report_cached_tokens_in_events(stream, 16).split(b"\n\n")
+    assert events[0] == b'data: {"choices":[{"text":"a"}]}' and events[2] == b"data: [DONE]"
+    assert orjson.loads(events[1][6:])["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}

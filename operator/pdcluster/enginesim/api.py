@@ -86,9 +86,20 @@ class _Request:
     def token_ids(self, start: int, stop: int) -> list[int]:
         return [GENERATED_ID + w for w in self.words(start, stop)]
 
-    def usage(self) -> dict[str, int]:
+    def usage(self, details: bool) -> dict[str, Any]:
+        """As vLLM's: with --enable-prompt-tokens-details, the prompt tokens it did not
+        compute (its prefix cache, or KV loaded through the connector) as cached."""
         prompt, completion = self.seq.prompt_tokens, self.seq.generated
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+        out: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                               "completion_tokens": completion}  # fmt: skip
+        if details:
+            # vLLM 0.32's PromptTokenUsageInfo (entrypoints/serve/engine/protocol.py), all its fields
+            out["prompt_tokens_details"] = {
+                "cached_tokens": max(self.seq.stored, self.seq.cached),
+                "created_cache_tokens": None,
+                "multimodal_tokens": None,
+            }
+        return out
 
 
 class OpenAIServer:
@@ -338,7 +349,7 @@ class OpenAIServer:
         payload |= {
             "service_tier": None,
             "system_fingerprint": self.fingerprint,
-            "usage": req.usage() | {"prompt_tokens_details": None},
+            "usage": {"prompt_tokens_details": None} | req.usage(self.config.prompt_tokens_details),
         }
         if req.chat:
             payload["prompt_logprobs"] = None
@@ -406,7 +417,7 @@ class OpenAIServer:
             if finished:
                 if req.include_usage:
                     usage = {"id": req.id, "object": kind, "created": req.created, "model": req.model,
-                             "choices": [], "usage": req.usage(), "system_fingerprint": self.fingerprint}  # fmt: skip
+                             "choices": [], "usage": req.usage(self.config.prompt_tokens_details), "system_fingerprint": self.fingerprint}  # fmt: skip
                     out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
                 out.append(_DONE)
             if out:

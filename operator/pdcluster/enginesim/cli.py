@@ -52,6 +52,7 @@ class SimConfig:
     hash_seed: str | None  # PYTHONHASHSEED: the first block hash's seed
     store_config: dict[str, Any] | None  # MOONCAKE_CONFIG_PATH's JSON, with a store connector
     prefix_caching: bool  # off unless asked (prefix.py)
+    prompt_tokens_details: bool  # usage.prompt_tokens_details.cached_tokens, as vLLM's flag
     num_gpu_blocks: int | None  # --num-gpu-blocks-override: the KV cache's size, else the profile's
     kv_events_config: dict[str, Any] | None  # --kv-events-config, when it enables ZMQ events
     # --sim-*
@@ -160,6 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-config", type=json.loads)
     p.add_argument("--kv-events-config", type=json.loads)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--enable-prompt-tokens-details", action="store_true")
     p.add_argument("--num-gpu-blocks-override", type=int)
     p.add_argument("--api-key")
     p.add_argument("--seed", type=int, default=0)
@@ -342,6 +344,7 @@ def parse(argv: list[str]) -> SimConfig:
         hash_seed=os.environ.get("PYTHONHASHSEED"),
         store_config=_store_config(kv_config),
         prefix_caching=args.enable_prefix_caching,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
         num_gpu_blocks=args.num_gpu_blocks_override,
         kv_events_config=events
         if events and events.get("enable_kv_cache_events") and events.get("publisher", "zmq") == "zmq"

@@ -138,6 +138,9 @@ def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
             "--kv-events-config",
             json.dumps(KV_EVENTS, separators=(",", ":")),
         ]
+    # The usage of every answer says how many prompt tokens were cached (vLLM 0.32,
+    # entrypoints/openai/completion/serving.py): the router reports the prefill leg's.
+    args.append("--enable-prompt-tokens-details")
     if spec.tracing.enabled:
         # Over OTLP/HTTP (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL in engine_env), as the router.
         args += ["--otlp-traces-endpoint", spec.tracing.traces_url]

@@ -127,3 +127,48 @@ def max_tokens_of(body: dict[str, Any], chat: bool) -> int | None:
         return body.get("max_completion_tokens") or body.get("max_tokens")
     value = body.get("max_tokens")
     return 16 if value is None and "max_tokens" not in body else value
+
+
+def cached_tokens(body: bytes) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of an engine's answer (vLLM reports it
+    with --enable-prompt-tokens-details: entrypoints/openai/completion/serving.py, 0.32),
+    or None when the answer does not carry it."""
+    if b'"cached_tokens"' not in body:
+        return None
+    try:
+        value = orjson.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _with_cached(payload: dict[str, Any], cached: int) -> bool:
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}), "cached_tokens": cached}
+    return True
+
+
+def report_cached_tokens(body: bytes, cached: int) -> bytes:
+    """An answer whose usage reports `cached` prompt tokens as cached: in PD the prefill
+    leg's figure (its prefix cache and store hits), not decode's, which counts the KV it
+    was handed as cached too."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    return orjson.dumps(payload) if isinstance(payload, dict) and _with_cached(payload, cached) else body
+
+
+def report_cached_tokens_in_events(chunk: bytes, cached: int) -> bytes:
+    """The same for the usage event of a stream (the client asked for stream_options.include_usage)."""
+    if b'"usage":{' not in chunk:
+        return chunk
+    out = []
+    for event in chunk.split(b"\n\n"):
+        if event.startswith(b"data: {") and b'"usage":{' in event:
+            event = b"data: " + report_cached_tokens(event[6:], cached)
+        out.append(event)
+    return b"\n\n".join(out)

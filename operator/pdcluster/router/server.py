@@ -593,7 +593,8 @@ class _Flow:
     colocated engine's (`decode` is that engine, `prefill` None)."""
 
     __slots__ = (
-        "_prefill_open", "colocated", "decode", "job", "kv_tokens", "prefill", "prefilled_at", "prompt_tokens",
+        "_prefill_open", "colocated", "decode", "job", "kv_tokens", "prefill", "prefill_cached", "prefilled_at",
+        "prompt_tokens",
     )  # fmt: skip
 
     def __init__(self, job: _Job, prefill: Upstream | None, decode: Upstream, prompt_tokens: int):
@@ -605,6 +606,7 @@ class _Flow:
         # A colocated engine is weighed as a prefill is (prompt tokens not yet prefilled),
         # so that the policy and admission compare it with prefill ranks.
         self.colocated = decode.role == ROLE_COLOCATED
+        self.prefill_cached: int | None = None  # the prefill leg's cached prompt tokens, reported to the client
         self.kv_tokens = (
             prompt_tokens
             if self.colocated
@@ -753,6 +755,7 @@ class _Flow:
         status = response.status
         if status == 200:
             self.prefilled_at = time.monotonic()
+            self.prefill_cached = openai.cached_tokens(payload)
             prefill.succeeded()
             self.prefill_done(ok=True)
             return
@@ -795,6 +798,8 @@ class _Flow:
         metrics.e2e.observe(time.monotonic() - job.started)
         metrics.requests["ok"].inc()
         self.decode.succeeded()
+        if self.prefill_cached is not None:
+            payload = openai.report_cached_tokens(payload, self.prefill_cached)
         return Response(body=payload, content_type=_JSON)
 
     async def _relay_stream(self, upstream: UpstreamResponse) -> Stream:
@@ -819,6 +824,8 @@ class _Flow:
                     chunk = fix_usage(chunk, resumed)
                     if job.chat:
                         chunk = as_chat(chunk)
+            if self.prefill_cached is not None:
+                chunk = openai.report_cached_tokens_in_events(chunk, self.prefill_cached)
             events = chunk.count(b"data: ")
             if events:
                 now = time.monotonic()
