@@ -464,6 +464,8 @@ async def test_a_stored_prefix_skips_prefill(env: Env) -> None:
 
     assert grew("decode", "external_kv_transfer") == 256, (before, after)
     assert grew("decode", "local_compute") == 300 - 256, (before, after)
+    # No prefill leg: the client's cached tokens are decode's, the whole stored prefix.
+    assert via_router["usage"]["prompt_tokens_details"]["cached_tokens"] == 256, via_router["usage"]
     assert sum(after["prefill"].values()) == sum(before["prefill"].values()), (before, after)
     assert (
         text_of("/v1/completions", via_router)
