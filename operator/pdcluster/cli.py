@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -22,15 +23,27 @@ from pdcluster import constants as C
 
 
 def _load_clusters(path: str) -> list[dict[str, Any]]:
-    stream = sys.stdin if path == "-" else open(path)  # noqa: SIM115 - closed below
+    """The PDClusters of a YAML file (or stdin); a file that cannot be read or parsed, or
+    a PDCluster of another API version, ends the command with one clean line."""
     try:
-        docs = [d for d in yaml.safe_load_all(stream) if d]
-    finally:
-        if stream is not sys.stdin:
-            stream.close()
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as e:
+        raise SystemExit(f"pdctl: {path}: {e.strerror}") from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d]
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise SystemExit(f"pdctl: {path}: not YAML{line}: {getattr(e, 'problem', None) or e}") from None
+    if not all(isinstance(d, dict) for d in docs):
+        raise SystemExit(f"pdctl: {path}: every YAML document must be a mapping (an object)")
     clusters = [d for d in docs if d.get("kind") == C.KIND]
     if not clusters:
         raise SystemExit(f"pdctl: no {C.KIND} in {path}")
+    for doc in clusters:
+        if doc.get("apiVersion") != C.API_VERSION:
+            name = (doc.get("metadata") or {}).get("name", "")
+            raise SystemExit(f"pdctl: {name}: apiVersion must be {C.API_VERSION}, not {doc.get('apiVersion')!r}")
     return clusters
 
 
@@ -64,10 +77,44 @@ def cmd_docs(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """The apiserver's verdict: the API models (the CRD's structural schema) and the CRD's
+    CEL rules offline, or with --server a dry-run apply against the cluster."""
+    if args.server:
+        return _validate_on_server(args)
+    from pdcluster.api.validate import problems
+
+    invalid = 0
     for doc in _load_clusters(args.filename):
-        _spec(doc)
-        print(f"{doc['metadata']['name']}: valid")
-    return 0
+        name = (doc.get("metadata") or {}).get("name", "")
+        found = problems(doc)
+        if found:
+            invalid += 1
+            print(f"pdctl: {name}: invalid\n" + "\n".join(f"  {p}" for p in found), file=sys.stderr)
+        else:
+            print(f"{name}: valid")
+    return 1 if invalid else 0
+
+
+def _validate_on_server(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdcluster.io.kube import ApiError, Kube, KubeConfig
+
+    async def dry_run() -> int:
+        config = KubeConfig.load(args.kubeconfig)
+        async with Kube(config) as kube:
+            failed = 0
+            for doc in _load_clusters(args.filename):
+                doc = {**doc, "metadata": {"namespace": args.namespace or "default", **doc["metadata"]}}
+                try:
+                    await kube.apply(doc, field_manager="pdctl-validate", dry_run=True)
+                    print(f"{doc['metadata']['name']}: valid (server dry-run)")
+                except ApiError as e:
+                    failed += 1
+                    print(f"pdctl: {doc['metadata']['name']}: {e.message}", file=sys.stderr)
+            return 1 if failed else 0
+
+    return asyncio.run(dry_run())
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -117,10 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("-f", "--filename", required=True, help="PDCluster YAML, or - for stdin")
-        if name == "render":
-            sp.add_argument(
-                "-n", "--namespace", help="namespace to render into (default: the object's, else default)"
-            )
+        sp.add_argument(
+            "-n", "--namespace", help="namespace to render into or dry-run in (default: the object's, else default)"
+        )
+        if name == "validate":
+            sp.add_argument("--server", action="store_true", help="a server-side dry-run against the cluster")
+            sp.add_argument("--kubeconfig", help="with --server (default: $KUBECONFIG, in-cluster, ~/.kube/config)")
         sp.set_defaults(func=func)
     plan_parser = sub.add_parser("plan", help="compare autoscaling policies on a trace (fleet simulator)")
     from pdcluster.sim import plan
