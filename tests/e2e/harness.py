@@ -214,6 +214,12 @@ async def converged(kube: Kube, pdc: Any, name: str) -> bool:
     return True
 
 
+def is_ready(pod: dict[str, Any] | None) -> bool:
+    """A pod whose Ready condition is True."""
+    conditions = ((pod or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
 def condition(body: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
     for c in ((body or {}).get("status") or {}).get("conditions") or []:
         if c["type"] == type_:

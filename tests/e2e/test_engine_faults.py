@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from harness import OperatorProcess, StreamLoad, converged
+from harness import OperatorProcess, StreamLoad, converged, is_ready
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import constants as C
@@ -36,11 +36,6 @@ async def decode_pods(kube: Kube, namespace: str, name: str) -> dict[str, dict[s
         "v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}={name},{C.LABEL_ROLE}={C.ROLE_DECODE}"
     )
     return {p["metadata"]["name"]: p for p in pods}
-
-
-def is_ready(pod: dict[str, Any] | None) -> bool:
-    conditions = ((pod or {}).get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 async def served(http: aiohttp.ClientSession, pod_ip: str) -> list[str]:

@@ -10,7 +10,7 @@ import contextlib
 from typing import Any
 
 import pytest
-from harness import OperatorProcess, StreamLoad, converged
+from harness import OperatorProcess, StreamLoad, converged, is_ready
 
 from pdcluster import constants as C
 from pdcluster.io.kube import Kube
@@ -20,11 +20,6 @@ pytestmark = pytest.mark.cluster
 NAME = "succ"
 REPLICAS = 2
 SCHEDULING_SLACK_S = 30.0  # from the delete to the successor's first probe: controller, scheduler, runner
-
-
-def is_ready(pod: dict[str, Any] | None) -> bool:
-    conditions = ((pod or {}).get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 async def startup_budget(kube: Kube, namespace: str, role: str) -> float:

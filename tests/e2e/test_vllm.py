@@ -27,7 +27,7 @@ import aiohttp
 import pytest
 import yaml
 import yarl
-from harness import OperatorProcess, StreamLoad, install_crd, settled, start_operator
+from harness import OperatorProcess, StreamLoad, install_crd, is_ready, settled, start_operator
 from prometheus_client.parser import text_string_to_metric_families
 
 from localcluster.otelcol import Collector
@@ -115,11 +115,6 @@ class Env:
     async def engine_url(self, role: str) -> str:
         pods = sorted(await self.pods(role), key=lambda p: p["metadata"]["name"])
         return f"http://{pods[0]['status']['podIP']}:8000"
-
-
-def is_ready(pod: dict[str, Any] | None) -> bool:
-    conditions = ((pod or {}).get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 async def poll(predicate: Any, timeout: float, message: str, interval: float = 1.0) -> Any:
