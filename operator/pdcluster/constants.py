@@ -74,6 +74,4 @@ KV_EVENTS_REPLAY_PORT: Final = 5657
 # Repositories without a registry host: users point them at their own registry.
 IMAGE_REPOSITORY: Final = "pdcluster"
 DEFAULT_ROUTER_IMAGE: Final = f"{IMAGE_REPOSITORY}/router:{__version__}"
-DEFAULT_ENGINE_SIM_IMAGE: Final = f"{IMAGE_REPOSITORY}/engine-sim:{__version__}"
-DEFAULT_OPERATOR_IMAGE: Final = f"{IMAGE_REPOSITORY}/operator:{__version__}"
 DEFAULT_MOONCAKE_IMAGE: Final = f"{IMAGE_REPOSITORY}/mooncake:{__version__}"  # images/mooncake

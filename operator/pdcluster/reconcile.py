@@ -195,7 +195,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     if not spec.paused:
         applied["Deleted"] = await _delete_left_behind(ctx, owner, desired, live, problems)
         stale = [o for o in desired if _workload_role(o) not in blocked and not in_sync(o, live[_key(o)])]
-        # A new PDCluster has fourteen children: one round trip per stage, not per child.
+        # A new PDCluster's children: one round trip per stage, not one per child.
         for _, stage in itertools.groupby(stale, key=apply_stage):
             batch = list(stage)
             outcomes = await asyncio.gather(
@@ -239,7 +239,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     # Status first: events describe what was stored, so a failed write (retried) emits none.
     await _write_status(ctx, body, previous, status)
     # One event per verb naming every child, not one per child: a thousand new PDClusters
-    # would otherwise post twelve thousand events while the apiserver is busiest.
+    # would otherwise post an event for each of their children while the apiserver is busiest.
     applied_events = [
         ("Normal", verb, f"{verb} {', '.join(names)}") for verb, names in applied.items() if names
     ]

@@ -749,7 +749,11 @@ class PDClusterSpec(Model):
     paused: bool = Field(False, description="Stop applying changes to children; status keeps being reported.")
 
     def role(self, name: str) -> RoleSpec:
-        return {C.ROLE_PREFILL: self.prefill, C.ROLE_COLOCATED: self.colocated}.get(name, self.decode)
+        """An engine role's spec; a name that is no engine role is a bug, not decode."""
+        roles = {C.ROLE_PREFILL: self.prefill, C.ROLE_DECODE: self.decode, C.ROLE_COLOCATED: self.colocated}
+        if name not in roles:
+            raise ValueError(f"no engine role {name!r} (prefill, decode or colocated)")
+        return roles[name]
 
     @property
     def engine_roles(self) -> tuple[str, ...]:
@@ -933,9 +937,6 @@ class PDClusterStatus(Model):
         description="While prefill and decode move to a new engine revision: pods updated per role, e.g. "
         "`prefill 1/2, decode 1/3 at revision 3f2a9c81d0e4`.",
     )
-
-
-Name = Annotated[str, Field(max_length=C.MAX_CLUSTER_NAME_LEN)]
 
 
 # ------------------------------------------------------------------- role scaler

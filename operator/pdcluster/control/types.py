@@ -114,7 +114,10 @@ class Observed:
     colocated: RoleObserved = RoleObserved(0, 0, 0)
 
     def role(self, name: str) -> RoleObserved:
-        return {"prefill": self.prefill, "colocated": self.colocated}.get(name, self.decode)
+        roles = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}
+        if name not in roles:
+            raise ValueError(f"no engine role {name!r} (prefill, decode or colocated)")
+        return roles[name]
 
 
 def assemble(

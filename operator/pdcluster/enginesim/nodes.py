@@ -19,10 +19,6 @@ log = logging.getLogger(__name__)
 RETRY_S = 0.5
 
 
-class GroupBroken(Exception):
-    """A node of the group left."""
-
-
 class Group:
     def __init__(self, nnodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
         self.nnodes, self.node_rank = nnodes, node_rank

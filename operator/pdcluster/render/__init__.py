@@ -24,7 +24,10 @@ class Replicas:
     colocated: int = 0
 
     def of(self, role: str) -> int:
-        return {C.ROLE_PREFILL: self.prefill, C.ROLE_COLOCATED: self.colocated}.get(role, self.decode)
+        counts = {C.ROLE_PREFILL: self.prefill, C.ROLE_DECODE: self.decode, C.ROLE_COLOCATED: self.colocated}
+        if role not in counts:
+            raise ValueError(f"no engine role {role!r} (prefill, decode or colocated)")
+        return counts[role]
 
     @classmethod
     def choose(

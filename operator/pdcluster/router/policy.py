@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 @dataclass(eq=False)
 class Backend:
     id: str
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "colocated"
     inflight_requests: int = 0
     inflight_tokens: int = 0
 

@@ -11,6 +11,8 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from pdcluster.api.base import quantity
+
 Obj = dict[str, Any]
 
 
@@ -119,24 +121,12 @@ def field_ref(pod: Obj, path: str) -> str:
     raise EnvError(f"unsupported fieldPath {path!r}")
 
 
-_SUFFIX = {
-    "": Fraction(1), "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000),
-    "k": Fraction(10**3), "M": Fraction(10**6), "G": Fraction(10**9), "T": Fraction(10**12),
-    "P": Fraction(10**15), "E": Fraction(10**18),
-    "Ki": Fraction(2**10), "Mi": Fraction(2**20), "Gi": Fraction(2**30), "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50), "Ei": Fraction(2**60),
-}
-_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:[eE]([+-]?[0-9]+)|([a-zA-Z]*))$")
-
-
 def parse_quantity(text: str | int | float) -> Fraction:
-    m = _QUANTITY.match(str(text).strip())
-    if not m or (m.group(3) or "") not in _SUFFIX:
+    """A Kubernetes quantity, exactly (the project's one parser, pdcluster.api.base)."""
+    value = quantity(text.strip() if isinstance(text, str) else text)
+    if value is None:
         raise ValueError(f"not a quantity: {text!r}")
-    number = Fraction(m.group(1))
-    if m.group(2):
-        return number * Fraction(10) ** int(m.group(2))
-    return number * _SUFFIX[m.group(3) or ""]
+    return Fraction(value)
 
 
 def resource_field_ref(pod: Obj, container_name: str, ref: Obj, node_allocatable: dict[str, str]) -> str:
