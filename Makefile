@@ -26,7 +26,7 @@ test-unit: $(STAMP) ## Pure tests only: seconds, no cluster
 	$(BIN)/python -m pytest -q -m "not cluster" tests/unit
 
 lint: $(STAMP)
-	$(BIN)/ruff check operator tests e2e/local benchmarks
+	$(BIN)/ruff check operator tests e2e/local benchmarks tools
 
 generate: $(STAMP) ## Regenerate the CRD, the chart's copy and the API reference
 	$(BIN)/pdctl crd > crds/pdcluster.io_pdclusters.yaml

@@ -8,25 +8,22 @@ the control law all ask:
 - how long one decode step takes:  d0 + d1 * batch + d2 * kv_tokens  (weights and KV
   read from HBM once per step).
 
-Coefficients are least-squares fits to measured points, which ship in the package
-(pdcluster/data/, with their sources). The default profile is NVIDIA Dynamo's
+Coefficients are least-squares fits to public measurements, made by
+tools/fit_profiles.py and shipped in the package (pdcluster/data/profiles.json, each
+with its source). The default profile is NVIDIA Dynamo's
 pre-deployment profile of Llama-3.1-8B-Instruct-FP8 on one H200 (vLLM 0.10.1.1, TP1), as
 published in the Dynamo repository (tests/planner/profiling_results/H200_TP1P_TP1D).
 """
 
 from __future__ import annotations
 
-import csv
 import functools
 import importlib.resources
 import json
 import math
 import os
 from dataclasses import dataclass
-from importlib.resources.abc import Traversable
 from pathlib import Path
-
-import numpy as np
 
 DEFAULT_PROFILE = "h200-llama3.1-8b"
 
@@ -147,94 +144,33 @@ def from_json(text: str) -> Profile:
     )
 
 
-def _lstsq(rows: list[list[float]], y: list[float]) -> tuple[float, float, float]:
-    coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=float), np.asarray(y, dtype=float), rcond=None)
-    return (float(coef[0]), float(coef[1]), float(coef[2]))
-
-
-def _read_csv(path: Traversable) -> list[dict[str, str]]:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _dynamo_h200(root: Traversable) -> Profile:
-    prefill = _read_csv(root / "latency_dynamo_h200_llama31_8b_fp8_prefill.csv")
-    decode = _read_csv(root / "latency_dynamo_h200_llama31_8b_fp8_decode.csv")
-    p = _lstsq(
-        [[1.0, float(r["isl_tokens"]), float(r["isl_tokens"]) ** 2] for r in prefill],
-        [float(r["ttft_ms"]) for r in prefill],
-    )
-    d = _lstsq(
-        [[1.0, float(r["implied_concurrency"]), float(r["active_kv_tokens"])] for r in decode],
-        [float(r["itl_ms"]) for r in decode],
-    )
-    # Llama-3.1-8B: 32 layers x 8 KV heads x 128 dims x (K and V) x 2 bytes = 128 KiB/token.
-    return Profile(DEFAULT_PROFILE, p, d, int(decode[0]["max_kv_tokens"]), 131072)
-
-
-def _splitwise(root: Traversable, model: str, hardware: str, tp: int) -> Profile:
-    rows = [
-        r
-        for r in _read_csv(root / "latency_splitwise_perf_model.csv")
-        if r["model"] == model and r["hardware"] == hardware and int(r["tensor_parallel"]) == tp
-    ]
-    if not rows:
-        raise KeyError(f"no Splitwise rows for {model} {hardware} TP{tp}")
-    single = [r for r in rows if int(r["batch_size"]) == 1]
-    p = _lstsq(
-        [[1.0, float(r["prompt_size"]), float(r["prompt_size"]) ** 2] for r in single],
-        [float(r["prompt_time"]) for r in single],
-    )
-    # Splitwise measured token time against batch size only; put context in via the
-    # HBM roofline of the KV read (small next to the weight read for these models).
-    d0, d1, _ = _lstsq(
-        [[1.0, float(r["batch_size"]), 0.0] for r in rows] + [[0.0, 0.0, 1.0]],
-        [float(r["token_time"]) for r in rows] + [0.0],
-    )
-    kv_bytes = {"llama2-70b": 327680, "bloom-176b": 4194304}[model]
-    hbm = {"a100-80gb": 2.0e12, "h100-80gb": 3.35e12, "h100-80gb-pcap": 3.35e12}[hardware] * tp
-    d2 = kv_bytes / hbm * 1000.0
-    capacity = int((80e9 * tp * 0.9 - {"llama2-70b": 140e9, "bloom-176b": 352e9}[model]) / kv_bytes)
-    return Profile(f"splitwise-{model}-{hardware}-tp{tp}", p, (d0, d1, d2), max(capacity, 1), kv_bytes, tp)
-
-
-def _distserve(root: Traversable, engine: str, model: str, tp: int) -> Profile:
-    data = json.loads((root / f"latency_distserve_a100_{engine}.json").read_text())
-    coef = data[model][str(tp)]
-    a, b, c = coef["prefill"]
-    d0, d2, d1 = coef["decoding_smallbs"]  # DistServe: a + b * sum(context) + c * batch
-    kv_bytes = {"facebook/opt-13b": 819200, "facebook/opt-66b": 2359296}[model]
-    weights = {"facebook/opt-13b": 26e9, "facebook/opt-66b": 132e9}[model]
-    capacity = int((80e9 * tp * 0.9 - weights) / kv_bytes)
-    short = model.split("/")[-1]
-    return Profile(
-        f"distserve-{engine}-{short}-tp{tp}", (a, b, c), (d0, d1, d2), max(capacity, 1), kv_bytes, tp
-    )
+@functools.cache
+def _shipped() -> dict[str, Profile]:
+    """The profiles in pdcluster/data/profiles.json (fitted by tools/fit_profiles.py from
+    the public measurements it names), by name."""
+    entries = json.loads((PROFILE_DATA / "profiles.json").read_text())
+    return {
+        e["name"]: Profile(
+            e["name"],
+            tuple(e["prefillCoefficientsMs"]),
+            tuple(e["decodeCoefficientsMs"]),
+            e["maxKvTokens"],
+            e["kvBytesPerToken"],
+            e["gpus"],
+        )
+        for e in entries
+    }
 
 
 def profile_names() -> list[str]:
-    names = [DEFAULT_PROFILE]
-    for model, tps in (("llama2-70b", (2, 4, 8)), ("bloom-176b", (8,))):
-        for hw in ("a100-80gb", "h100-80gb"):
-            names += [f"splitwise-{model}-{hw}-tp{tp}" for tp in tps]
-    for engine in ("distserve", "vllm"):
-        names += [f"distserve-{engine}-opt-13b-tp{tp}" for tp in (1, 2, 4)]
-        names += [f"distserve-{engine}-opt-66b-tp{tp}" for tp in (2, 4, 8)]
-    return names
+    return list(_shipped())
 
 
-@functools.cache
 def load(name: str = DEFAULT_PROFILE) -> Profile:
-    root = PROFILE_DATA
-    if name == DEFAULT_PROFILE:
-        return _dynamo_h200(root)
-    parts = name.split("-")
-    if parts[0] == "splitwise":
-        hardware = "-".join(parts[3:-1])
-        return _splitwise(root, "-".join(parts[1:3]), hardware, int(parts[-1][2:]))
-    if parts[0] == "distserve":
-        return _distserve(root, parts[1], f"facebook/{parts[2]}-{parts[3]}", int(parts[4][2:]))
-    raise KeyError(f"unknown profile {name!r}; known: {', '.join(profile_names())}")
+    try:
+        return _shipped()[name]
+    except KeyError:
+        raise KeyError(f"unknown profile {name!r}; known: {', '.join(profile_names())}") from None
 
 
 def percentile(values: list[float], q: float) -> float:
