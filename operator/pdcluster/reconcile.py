@@ -32,7 +32,7 @@ from pdcluster.children import Children
 from pdcluster.drift import in_sync, merge_patch, stamp
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube
-from pdcluster.render import Owner, Replicas, apply_stage, render_all
+from pdcluster.render import Owner, Replicas, apply_stage, mooncake, render_all
 from pdcluster.render.engine import kv_revision, workload_kind
 from pdcluster.render.router import state_configmap_name
 from pdcluster.render.scaler import role_scaler, scaler_status
@@ -132,6 +132,16 @@ async def preflight(kube: Kube, spec: PDClusterSpec, namespace: str) -> tuple[li
         else:
             continue
         blocked |= roles
+    if mooncake.store_breaks_engine_image(spec):
+        # Warned, not blocked: the image may carry the fix another way.
+        problems.append(
+            Problem(
+                "EngineImageKnownBug",
+                f"engine image {spec.engine.image!r} with mooncake.store.enabled hits vLLM #43828 "
+                "(MultiConnector ends the API server on the first KV hand-off): use the project's "
+                "engine image (images/engine) or a vLLM with #43836",
+            )
+        )
     return problems, blocked
 
 

@@ -328,3 +328,23 @@ async def test_nothing_is_deleted_while_paused_and_role_scalers_stay() -> None:
     # Created by the operator but owned by their HPA from then on: never deleted by it.
     assert kube.live(C.SCALER_KIND, "c-prefill") is not None
     assert kube.live(C.SCALER_KIND, "c-colocated") is not None
+
+
+@pytest.mark.parametrize(
+    ("image", "warned"),
+    [
+        ("vllm/vllm-openai:v0.32.0", True),
+        ("registry.example:5000/vllm/vllm-openai:v0.31.2", True),
+        ("vllm/vllm-openai:v0.33.0", False),
+        ("pdcluster/engine:0.1.0", False),
+    ],
+)
+async def test_the_store_with_an_engine_image_known_to_crash_is_degraded_and_warned(image, warned) -> None:
+    kube = FakeKube()
+    body = await run(kube, pdcluster(kube, engine={"image": image}, mooncake={"store": {"enabled": True}}))
+    degraded = condition(body, "Degraded")
+    assert (degraded["status"] == "True" and degraded["reason"] == "EngineImageKnownBug") == warned
+    events = [e for e in kube.list_sync("Event") if e["reason"] == "EngineImageKnownBug"]
+    assert len(events) == (1 if warned else 0)
+    # Warned, not held back: the engines are applied.
+    assert ("apply", "StatefulSet", "c-prefill") in kube.writes

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from pdcluster import constants as C
@@ -36,6 +37,16 @@ STORE_CONFIG = "store.json"
 CONFIG_VOLUME = "mooncake-config"
 SSD_VOLUME = "ssd"
 SSD_DIR = "/var/lib/mooncake/ssd"
+
+
+# vLLM's own images up to 0.32 end the API server on the first KV hand-off under
+# MultiConnector (vllm-project/vllm#43828, fixed by #43836); images/engine carries the fix.
+_MULTICONNECTOR_BUG = re.compile(r"(^|/)vllm/vllm-openai:v?0\.(\d|[12]\d|3[0-2])(\.|$)")
+
+
+def store_breaks_engine_image(spec: PDClusterSpec) -> bool:
+    """The store is on (MultiConnector) and the engine image is one known to crash with it."""
+    return spec.mooncake.store.enabled and bool(_MULTICONNECTOR_BUG.search(spec.engine.image))
 
 
 def config_map_name(owner: Owner) -> str:

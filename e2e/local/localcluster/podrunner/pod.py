@@ -46,7 +46,8 @@ IMAGES: dict[str, tuple[list[str], list[str]]] = {
     "pdcluster/operator": _dockerfile("operator", ["pdcluster-operator"]),
     "pdcluster/mooncake": _dockerfile("mooncake", ["mooncake_master"]),  # the venv's Mooncake wheel
     "python": ([], ["python3"]),  # as the official image: no entrypoint, CMD python3
-    vllm.REPOSITORY: (vllm.ENTRYPOINT, []),  # on the real-vLLM runtime: localcluster/podrunner/vllm.py
+    # on the real-vLLM runtime: localcluster/podrunner/vllm.py
+    **dict.fromkeys(vllm.REPOSITORIES, (vllm.ENTRYPOINT, [])),
 }
 # The kubelet's crash-loop back-off: 10s doubling to 5 minutes, reset after 10 minutes of running.
 BACKOFF_INITIAL, BACKOFF_MAX, BACKOFF_RESET = 10.0, 300.0, 600.0
@@ -170,7 +171,7 @@ class Container:
         repository = image_repository(self.spec["image"])
         entrypoint, default_args = IMAGES[repository]
         argv = envvars.command_line(entrypoint, default_args, self.spec, self.env)
-        if repository == vllm.REPOSITORY:
+        if repository in vllm.REPOSITORIES:
             argv = vllm.command(argv)
             self.env = vllm.environment(self.env, pod_ip=self.pod.ip, cache_dir=self.pod.dir / "vllm-cache")
         return argv
@@ -198,7 +199,7 @@ class Container:
                                            shm=self.pod.memory_dir / ".dev-shm")
         # A checkout or cache under /tmp (a fresh clone there) must survive the private /tmp.
         needed = [paths.REPO_ROOT, self.pod.runner.venv_bin, self.pod.runner.bind_shim]
-        needed += [vllm.runtime()] if image_repository(self.spec["image"]) == vllm.REPOSITORY else []
+        needed += [vllm.runtime()] if image_repository(self.spec["image"]) in vllm.REPOSITORIES else []
         script = volumes.launch_script(mounts, hosts_file=self.pod.hosts_path, hostname=network.pod_hostname(self.pod.pod),
                                        workdir=self.workdir, keep_host_tmp=volumes.host_tmp_paths(needed),
                                        host_tmp_view=self.pod.dir / "host-tmp")

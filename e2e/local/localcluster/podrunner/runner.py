@@ -18,7 +18,7 @@ from aiohttp import web
 from localcluster import paths
 from localcluster.podrunner import discovery, forwarder, network
 from localcluster.podrunner.pod import IMAGES, PodWorker, now
-from localcluster.podrunner.vllm import REPOSITORY as VLLM_REPOSITORY
+from localcluster.podrunner.vllm import REPOSITORIES as VLLM_REPOSITORIES
 from pdcluster.io.kube import ApiError, Kube
 
 Obj = dict[str, Any]
@@ -42,7 +42,7 @@ class Runner:
         self.memory_dir = paths.memory_dir(run_dir.name)
         self.bind_shim = bind_shim
         self.venv_bin = venv_bin
-        self.images = set(IMAGES) if vllm else set(IMAGES) - {VLLM_REPOSITORY}
+        self.images = set(IMAGES) if vllm else set(IMAGES) - set(VLLM_REPOSITORIES)
         self.apiserver = apiserver
         self.listen = listen
         self.pods: dict[str, Obj] = {}  # by uid: every pod in the cluster (for endpoints and DNS)

