@@ -20,11 +20,12 @@ import logging
 from pdcluster.enginesim.kv import MOONCAKE_PAYLOAD_DIVISOR, MooncakeStore
 from pdcluster.perf import Profile
 from pdcluster.router.store import block_keys, loadable_tokens
+from pdcluster.vllm import kvtransfer as kvt
 
 log = logging.getLogger(__name__)
 
-WRITING_ROLES = ("kv_both", "kv_producer")
-LOADING_ROLES = ("kv_both", "kv_consumer")
+WRITING_ROLES = kvt.WRITING_ROLES
+LOADING_ROLES = kvt.LOADING_ROLES
 
 
 class PrefixStore:
