@@ -43,8 +43,8 @@ import demo  # noqa: E402
 from localcluster import cluster, nodes  # noqa: E402
 from pdcluster import constants as C  # noqa: E402
 from pdcluster.io.kube import Kube, KubeConfig  # noqa: E402
-from pdcluster.router.store import block_keys  # noqa: E402
 from pdcluster.sim.trace import load_trace  # noqa: E402
+from pdcluster.vllm.hashing import block_keys  # noqa: E402
 
 NAMESPACE = "bench-store"
 TRACES = {"conversation": "mooncake_conversation_trace.jsonl", "synthetic": "mooncake_synthetic_trace.jsonl"}

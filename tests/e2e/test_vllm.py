@@ -36,8 +36,8 @@ from pdcluster import profiling
 from pdcluster.control.cause import Cause
 from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.io.prometheus import Prometheus, queries
-from pdcluster.router import store
 from pdcluster.series import SERIES
+from pdcluster.vllm import hashing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm]
 
@@ -350,7 +350,7 @@ async def store_prompt(http: aiohttp.ClientSession, env: Env, body: dict[str, An
     assert status == 200, answer
     async with http.get(f"{decode}/v1/models") as r:
         model = (await r.json())["data"][0]["root"].rstrip("/").split("/")[-1]
-    keys = store.block_keys(tokens, 128, model, "0")
+    keys = hashing.block_keys(tokens, 128, model, "0")
     master = await env.kube.get("v1", "Service", f"{NAME}-mooncake-master", env.namespace)
     query = f"http://{master['spec']['clusterIP']}:9003/batch_query_keys?keys={','.join(keys)}"
 

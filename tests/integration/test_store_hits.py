@@ -24,7 +24,7 @@ from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.render.engine import kv_transfer_config
 from pdcluster.router.prompt import token_ids
-from pdcluster.router.store import block_keys
+from pdcluster.vllm.hashing import block_keys
 
 MAX_COMPUTED = 256  # --store-max-computed-tokens
 SYSTEM = "You are a careful assistant for a storage team. " * 160  # about 2,000 tokens

@@ -10,7 +10,7 @@ from test_enginesim_engine import PROFILE, finish, make_core, sample
 from pdcluster.enginesim.engine import Seq
 from pdcluster.enginesim.store import PrefixStore
 from pdcluster.perf import Profile
-from pdcluster.router.store import block_keys
+from pdcluster.vllm.hashing import block_keys
 
 BLOCK = 16
 

@@ -7,7 +7,7 @@ import pytest
 
 from pdcluster.router.kvevents import BatchOrder, block_id, decode_batch
 from pdcluster.router.policy import Backend, ExactBlocks, KvIndex, PreciseCache, make_policy
-from pdcluster.router.store import block_keys, engine_block_hashes
+from pdcluster.vllm.hashing import block_keys, engine_block_hashes
 
 DIGEST = bytes(range(32))
 

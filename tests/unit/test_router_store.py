@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import orjson
 import pytest
 
-from pdcluster.router.store import QUERY_KEYS, StoreIndex, block_keys, loadable_tokens
+from pdcluster.router.store import QUERY_KEYS, StoreIndex
 from pdcluster.router.upstream import Origin, UpstreamError
+from pdcluster.vllm.hashing import block_keys, loadable_tokens
 
 # vLLM 0.32's own key for tokens 100..139 in blocks of 16 (PoolKey over hash_block_tokens,
 # sha256, no PYTHONHASHSEED), read off a running engine's store connector.

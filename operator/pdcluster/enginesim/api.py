@@ -30,6 +30,7 @@ from pdcluster.enginesim.engine import EngineCore, RemotePrefill, Seq
 from pdcluster.enginesim.store import PrefixStore
 from pdcluster.router import openai
 from pdcluster.router.prompt import count_tokens, prompt_of, token_ids
+from pdcluster.vllm.version import VLLM_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ _DONE = b"data: [DONE]\n\n"
 # The id of generated word w is GENERATED_ID + w, above every id of UTF-8 text (whose
 # fourth bytes are never 0xFF), so a prompt ending in generated ids continues an answer.
 GENERATED_ID = 2**31 - 64
-VLLM_VERSION = "0.32.0"  # the version whose answers these are
 
 
 def _json(status: int, payload: Any) -> web.Response:

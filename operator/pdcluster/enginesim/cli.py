@@ -19,8 +19,9 @@ from typing import Any
 
 from pdcluster.constants import BOOTSTRAP_PORT
 from pdcluster.enginesim.vllm_flags import OPTIONAL_VALUE, VALUELESS, human_readable_int
+from pdcluster.vllm import kvtransfer as kvt
 
-ROLE_FOR_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+ROLE_FOR_KV_ROLE = {kvt.KV_PRODUCER: "prefill", kvt.KV_CONSUMER: "decode", kvt.KV_BOTH: "both"}
 # vLLM 0.33 OpenAI-server defaults on an H100/H200-class GPU (engine/arg_utils.py
 # _set_default_max_num_seqs_and_batched_tokens_args).
 DEFAULT_MAX_NUM_SEQS = 1024
@@ -121,7 +122,7 @@ def store_role(kv_config: dict[str, Any] | None) -> str | None:
         children = (config.get("kv_connector_extra_config") or {}).get("connectors") or []
     for child in children:
         if isinstance(child, dict) and child.get("kv_connector") == "MooncakeStoreConnector":
-            return str(child.get("kv_role") or config.get("kv_role") or "kv_both")
+            return str(child.get("kv_role") or config.get("kv_role") or kvt.KV_BOTH)
     return None
 
 

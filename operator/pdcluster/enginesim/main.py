@@ -23,6 +23,7 @@ from pdcluster.enginesim.metrics import EngineMetrics, MetricFamilies
 from pdcluster.enginesim.nodes import Group
 from pdcluster.enginesim.prefix import EventPublisher, PrefixCache
 from pdcluster.enginesim.store import PrefixStore
+from pdcluster.vllm import kvtransfer as kvt
 
 log = logging.getLogger("pdcluster.enginesim")
 
@@ -106,7 +107,7 @@ class Simulator:
             return None
         return PrefixStore(
             client,
-            role=c.store_role or "kv_both",
+            role=c.store_role or kvt.KV_BOTH,
             model=c.model,
             block_size=c.block_size,
             hash_seed=c.hash_seed,

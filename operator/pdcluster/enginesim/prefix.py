@@ -27,7 +27,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from pdcluster.router.store import engine_block_hashes
+from pdcluster.vllm.hashing import engine_block_hashes, leading_cached_run
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class PrefixCache:
             if h not in self._blocks:
                 break
             run += 1
-        return min(run * self.block_size, (prompt_tokens - 1) // self.block_size * self.block_size)
+        return leading_cached_run(run, self.block_size, prompt_tokens)
 
     def insert(self, hashes: list[bytes], tokens: list[int]) -> None:
         """A prompt was computed: its full blocks are cached, the least recently used go."""

@@ -1,5 +1,5 @@
 """vLLM's MooncakeStoreConnector on the simulator: prefix blocks to and from a real
-Mooncake store, under the keys vLLM writes (router/store.py: block_keys), so the router's
+Mooncake store, under the keys vLLM writes (vllm/hashing.py: block_keys), so the router's
 store lookups and the master see what they would see with real engines.
 
 As the connector does (vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/):
@@ -19,12 +19,13 @@ import logging
 
 from pdcluster.enginesim.kv import MOONCAKE_PAYLOAD_DIVISOR, MooncakeStore
 from pdcluster.perf import Profile
-from pdcluster.router.store import block_keys, loadable_tokens
+from pdcluster.vllm import kvtransfer as kvt
+from pdcluster.vllm.hashing import block_keys, loadable_tokens
 
 log = logging.getLogger(__name__)
 
-WRITING_ROLES = ("kv_both", "kv_producer")
-LOADING_ROLES = ("kv_both", "kv_consumer")
+WRITING_ROLES = kvt.WRITING_ROLES
+LOADING_ROLES = kvt.LOADING_ROLES
 
 
 class PrefixStore:

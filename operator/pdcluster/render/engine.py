@@ -30,8 +30,9 @@ from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import EnvVar, PDClusterSpec, Resources, RoleSpec, RouterPolicy
 from pdcluster.render import mooncake, rdma
 from pdcluster.render.names import Owner, env_field, labels, metadata, scrape_annotations, selector
+from pdcluster.vllm import kvtransfer as kvt
 
-KV_ROLE = {C.ROLE_PREFILL: "kv_producer", C.ROLE_DECODE: "kv_consumer"}
+KV_ROLE = {C.ROLE_PREFILL: kvt.KV_PRODUCER, C.ROLE_DECODE: kvt.KV_CONSUMER}
 SHM_VOLUME = "dshm"
 # Long enough for routers to see the pod leave its EndpointSlice before SIGTERM, so no
 # new request lands on an engine that is shutting down.
@@ -40,7 +41,7 @@ PRESTOP_SLEEP_SECONDS = 5
 SHUTDOWN_MARGIN_SECONDS = 2
 
 
-STORE_KV_ROLE = {C.ROLE_PREFILL: "kv_both", C.ROLE_DECODE: "kv_consumer"}
+STORE_KV_ROLE = {C.ROLE_PREFILL: kvt.KV_BOTH, C.ROLE_DECODE: kvt.KV_CONSUMER}
 STORE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 
 
@@ -50,8 +51,8 @@ def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any] | None:
         if not spec.mooncake.store.enabled:
             return None
         return {
-            "kv_connector": "MooncakeStoreConnector",
-            "kv_role": "kv_both",
+            "kv_connector": kvt.STORE_CONNECTOR,
+            "kv_role": kvt.KV_BOTH,
             "kv_connector_extra_config": {},
         }
     extra: dict[str, Any] = {"mooncake_protocol": spec.kv_protocol.value}
@@ -59,7 +60,7 @@ def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any] | None:
     if devices:
         extra["device_name"] = devices
     handoff = {
-        "kv_connector": "MooncakeConnector",
+        "kv_connector": kvt.HANDOFF_CONNECTOR,
         "kv_role": KV_ROLE[role],
         "kv_connector_extra_config": extra,
     }
@@ -75,12 +76,12 @@ def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any] | None:
         # (store/worker.py: store_tp_size must be a multiple of the engine's TP).
         store_extra["store_tp_size"] = math.lcm(*tp)
     store = {
-        "kv_connector": "MooncakeStoreConnector",
+        "kv_connector": kvt.STORE_CONNECTOR,
         "kv_role": STORE_KV_ROLE[role],
         "kv_connector_extra_config": store_extra,
     }
     return {
-        "kv_connector": "MultiConnector",
+        "kv_connector": kvt.MULTI_CONNECTOR,
         "kv_role": KV_ROLE[role],
         "kv_connector_extra_config": {"connectors": [handoff, store]},
         **recompute,
@@ -104,12 +105,7 @@ def kv_revision(spec: PDClusterSpec) -> str:
 
 
 # vLLM's KV events publisher (config/kv_events.py: KVEventsConfig), read by the router.
-KV_EVENTS = {
-    "enable_kv_cache_events": True,
-    "publisher": "zmq",
-    "endpoint": f"tcp://*:{C.KV_EVENTS_PORT}",
-    "replay_endpoint": f"tcp://*:{C.KV_EVENTS_REPLAY_PORT}",
-}
+KV_EVENTS = kvt.kv_events_config(C.KV_EVENTS_PORT, C.KV_EVENTS_REPLAY_PORT)
 
 
 def publishes_kv_events(spec: PDClusterSpec, role: str) -> bool:

@@ -48,9 +48,10 @@ from pdcluster.router.probe import KvProber
 from pdcluster.router.prompt import block_hashes, count_tokens, prompt_of
 from pdcluster.router.protocol import MooncakeProtocol
 from pdcluster.router.resume import TokenTrail, as_chat, fix_usage, resumable
-from pdcluster.router.store import EngineTokens, Lookup, LookupFailed, StoreIndex, engine_block_hashes
+from pdcluster.router.store import EngineTokens, Lookup, LookupFailed, StoreIndex
 from pdcluster.router.upstream import Response as UpstreamResponse
 from pdcluster.router.upstream import UpstreamError, UpstreamPool
+from pdcluster.vllm.hashing import engine_block_hashes
 
 if TYPE_CHECKING:
     from pdcluster.router.tracing import RequestTrace, Span, Tracing

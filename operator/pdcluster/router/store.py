@@ -24,9 +24,7 @@ then asks directly until it stops answering.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import pickle
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +32,10 @@ from typing import Any
 import orjson
 
 from pdcluster.router.upstream import Origin, UpstreamError, UpstreamPool
+from pdcluster.vllm.hashing import SUPPORTED_HASH, block_keys, loadable_tokens
 
 log = logging.getLogger(__name__)
 
-NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed when PYTHONHASHSEED is unset
-SUPPORTED_HASH = "sha256"  # the default --prefix-caching-hash-algo; xxhash seeds are per process
 _SAFE_KEY = re.compile(r"[A-Za-z0-9._\-@:]+")  # what the master takes unescaped in a query
 # Fields of a completion or chat request that change its prompt's tokens (vLLM's
 # TokenizeCompletionRequest / TokenizeChatRequest take the same names).
@@ -54,37 +51,6 @@ _CHAT_FIELDS = (
 )
 _JSON_HEADERS = b"Content-Type: application/json\r\n"
 QUERY_KEYS = 128  # keys per master query: about 14 KB of URL
-
-
-def _pickle_sha256(value: Any) -> bytes:
-    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
-def engine_block_hashes(tokens: list[int], block_size: int, hash_seed: str | None) -> list[bytes]:
-    """vLLM's prefix-cache hashes of the prompt's full blocks, first block first."""
-    parent = _pickle_sha256(hash_seed if hash_seed is not None else NONE_HASH_SEED)
-    hashes = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = _pickle_sha256((parent, tuple(tokens[start : start + block_size]), None))
-        hashes.append(parent)
-    return hashes
-
-
-def block_keys(tokens: list[int], block_size: int, model: str, hash_seed: str | None) -> list[str]:
-    """The store keys of the prompt's full blocks, first block first."""
-    prefix = f"{model}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"
-    return [prefix + h.hex() for h in engine_block_hashes(tokens, block_size, hash_seed)]
-
-
-def loadable_tokens(stored: list[bool], block_size: int, prompt_tokens: int) -> int:
-    """Tokens an engine loads from the store: the leading run of stored blocks, and never
-    the whole prompt (the last token is always computed)."""
-    run = 0
-    for present in stored:
-        if not present:
-            break
-        run += 1
-    return min(run * block_size, (prompt_tokens - 1) // block_size * block_size)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from pdcluster.router.policy import Backend, ExactBlocks, LeastLoaded, PreciseCa
 from pdcluster.sim import metrics as M
 from pdcluster.sim.store import Found, StoreConfig, TieredStore
 from pdcluster.sim.trace import Trace
+from pdcluster.vllm.hashing import leading_cached_run
 
 PENDING, STARTING, READY, DRAINING, GONE = range(5)
 ARRIVE, PREFILL_DONE, TRANSFER_DONE, DECODE_WAKE, ENGINE_READY, SCRAPE, CONTROL, STORE_LOADED = range(8)
@@ -441,7 +442,7 @@ class Fleet:
         tr, c = self.trace, self.store.config
         length = tr.input_tokens[i]
         found = self.store.find(tr.blocks[i])
-        stored = min(found.blocks * tr.block_tokens, (length - 1) // tr.block_tokens * tr.block_tokens)
+        stored = leading_cached_run(found.blocks, tr.block_tokens, length)
         if stored <= 0:
             return False
         found = Found(stored // tr.block_tokens, min(found.from_ssd, stored // tr.block_tokens))
