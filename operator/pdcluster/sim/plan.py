@@ -34,92 +34,17 @@ from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.control import models
 from pdcluster.router.policy import POLICIES
-from pdcluster.sim import longload
+from pdcluster.sim import crossover, longload
 from pdcluster.sim.dynamo import Dynamo, DynamoLoad
 from pdcluster.sim.fleet import FleetConfig, Result, simulate
 from pdcluster.sim.llmd import LLMD
 from pdcluster.sim.oracle import Oracle
 from pdcluster.sim.policies import PDCluster, Static
+from pdcluster.sim.scoring import SLO, Score, band, score
 from pdcluster.sim.store import StoreConfig, reusable_fraction
 from pdcluster.sim.trace import Trace, TraceError, load_trace
 
-
-def band(target: float) -> tuple[float, float]:
-    """The static-best attainments the rate search accepts for a target: +-5 points at
-    90%, +-0.5 at 99% (half the distance to 100%)."""
-    half = (1.0 - target) / 2.0
-    return target - half, min(target + half, 1.0)
-
-
 DEFAULT_POLICIES = ("static-best", "dynamo", "pdcluster")
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_ms: float
-    itl_ms: float
-    plus_prefill: bool  # a request's TTFT target adds its own isolated prefill time
-
-    def ttft_targets_s(self, trace: Trace, profile: perf.Profile) -> list[float]:
-        if not self.plus_prefill:
-            return [self.ttft_ms / 1000.0] * len(trace)
-        return [(self.ttft_ms + profile.prefill_one_ms(n)) / 1000.0 for n in trace.input_tokens]
-
-
-@dataclass(frozen=True)
-class Score:
-    policy: str
-    attainment: float
-    goodput_rps: float
-    gpu_hours: float
-    ttft_p90_ms: float
-    itl_p90_ms: float
-    decisions: int
-    unfinished: int
-    good: int  # requests within the SLO
-
-    @property
-    def goodput_per_gpu_hour(self) -> float:
-        """Requests within the SLO per GPU-hour."""
-        return self.good / self.gpu_hours if self.gpu_hours else 0.0
-
-    def as_dict(self) -> dict[str, float | int | str]:
-        return {
-            "attainment": round(self.attainment, 4),
-            "goodput_rps": round(self.goodput_rps, 3),
-            "gpu_hours": round(self.gpu_hours, 3),
-            "goodput_per_gpu_hour": round(self.goodput_per_gpu_hour, 1),
-            "ttft_p90_ms": round(self.ttft_p90_ms, 1),
-            "itl_p90_ms": round(self.itl_p90_ms, 2),
-            "decisions": self.decisions,
-            "unfinished": self.unfinished,
-        }
-
-
-def score(result: Result, trace: Trace, ttft_targets_s: list[float], itl_ms: float) -> Score:
-    itl_s = itl_ms / 1000.0
-    good = 0
-    ttfts, itls = [], []
-    for i, done in enumerate(result.finished):
-        if not done:
-            continue
-        ttfts.append(result.ttft_s[i])
-        if trace.output_tokens[i] > 1:
-            itls.append(result.itl_s[i])
-        if result.ttft_s[i] <= ttft_targets_s[i] and result.itl_s[i] <= itl_s:
-            good += 1
-    span = max(trace.span_s, 1e-9)
-    return Score(
-        result.policy,
-        good / len(trace),
-        good / span,
-        result.gpu_seconds / 3600.0,
-        perf.percentile(ttfts, 90) * 1000.0,
-        perf.percentile(itls, 90) * 1000.0 if itls else 0.0,
-        len(result.decisions),
-        len(trace) - sum(result.finished),
-        good,
-    )
 
 
 # ------------------------------------------------------------------------- setup
@@ -375,7 +300,6 @@ def find_rate_scale(base: Trace, make_setup, jobs: int, log, target: float = 0.9
 
 # ------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pdcluster.sim import crossover
 
     parser.add_argument(
         "--trace", help="Mooncake JSONL or Azure CSV trace (required but with --compare-colocated)"
@@ -710,7 +634,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def compare_colocated(args: argparse.Namespace, say) -> int:
-    from pdcluster.sim import crossover  # it scores with this module's SLO
 
     profile = perf.load(args.profile)
     if args.gpus // profile.gpus < 2:
