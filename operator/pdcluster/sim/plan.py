@@ -182,26 +182,37 @@ def make_policy(name: str, setup: Setup, start: tuple[int, int] | None = None):
     raise ValueError(f"unknown policy {name!r}")
 
 
-# One setup per process: workers inherit it when they fork.
-_SETUP: Setup | None = None
-_START: tuple[int, int] | None = None
+def _simulate(setup: Setup, start: tuple[int, int] | None, name: str) -> tuple[Score, Result]:
+    result = simulate(setup.trace, setup.profile, make_policy(name, setup, start), setup.fleet)
+    return score(result, setup.trace, setup.targets_s, setup.slo.itl_ms), result
 
 
-def _run(name: str) -> tuple[Score, Result]:
-    assert _SETUP is not None
-    result = simulate(_SETUP.trace, _SETUP.profile, make_policy(name, _SETUP, _START), _SETUP.fleet)
-    return score(result, _SETUP.trace, _SETUP.targets_s, _SETUP.slo.itl_ms), result
+# A pool worker's setup, given once by its initializer (forked, not pickled per task).
+_WORKER_INPUTS: tuple[Setup, tuple[int, int] | None] | None = None
+
+
+def _init_worker(setup: Setup, start: tuple[int, int] | None) -> None:
+    global _WORKER_INPUTS
+    _WORKER_INPUTS = (setup, start)
+
+
+def _simulate_in_worker(name: str) -> tuple[Score, Result]:
+    assert _WORKER_INPUTS is not None
+    return _simulate(*_WORKER_INPUTS, name)
 
 
 def run_many(
     setup: Setup, names: list[str], jobs: int, start: tuple[int, int] | None = None
 ) -> list[tuple[Score, Result]]:
-    global _SETUP, _START
-    _SETUP, _START = setup, start
     if jobs <= 1 or len(names) <= 1:  # a pool of none or one is only overhead (and none is an error)
-        return [_run(n) for n in names]
-    with ProcessPoolExecutor(min(jobs, len(names)), mp_context=get_context("fork")) as pool:
-        return list(pool.map(_run, names))
+        return [_simulate(setup, start, n) for n in names]
+    with ProcessPoolExecutor(
+        min(jobs, len(names)),
+        mp_context=get_context("fork"),
+        initializer=_init_worker,
+        initargs=(setup, start),
+    ) as pool:
+        return list(pool.map(_simulate_in_worker, names))
 
 
 def static_best(setup: Setup, jobs: int, exhaustive: bool) -> tuple[Score, Result, list[Score]]:
