@@ -183,8 +183,12 @@ def make_policy(name: str, setup: Setup, start: tuple[int, int] | None = None):
 
 
 def _simulate(setup: Setup, start: tuple[int, int] | None, name: str) -> tuple[Score, Result]:
-    result = simulate(setup.trace, setup.profile, make_policy(name, setup, start), setup.fleet)
-    return score(result, setup.trace, setup.targets_s, setup.slo.itl_ms), result
+    policy = make_policy(name, setup, start)
+    result = simulate(setup.trace, setup.profile, policy, setup.fleet)
+    scored = score(result, setup.trace, setup.targets_s, setup.slo.itl_ms)
+    if isinstance(policy, Static):
+        scored = replace(scored, split=policy.split)
+    return scored, result
 
 
 # A pool worker's setup, given once by its initializer (forked, not pickled per task).
@@ -236,7 +240,8 @@ def static_best(setup: Setup, jobs: int, exhaustive: bool) -> tuple[Score, Resul
             p = best
         runs = [seen[q] for q in sorted(seen)]
     best_score, best_result = max(runs, key=lambda r: r[0].attainment)
-    named = Score(**{**best_score.__dict__, "policy": f"static-best ({best_score.policy[7:]})"})
+    p, d = best_score.split
+    named = replace(best_score, policy=f"static-best ({p}:{d})")
     return named, best_result, [r[0] for r in runs]
 
 
@@ -500,7 +505,7 @@ def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dic
                 report["policies"][sc.policy]["static_at_equal_attainment"] = (
                     None
                     if match is None
-                    else {"split": match.policy.removeprefix("static:"), **match.as_dict()}
+                    else {"split": f"{match.split[0]}:{match.split[1]}", **match.as_dict()}
                 )
     return report, results, setup
 
@@ -725,8 +730,7 @@ def _start(spec: str, setup: Setup, best: Score | None) -> tuple[int, int]:
     if spec == "neutral":  # what a cluster applied with minReplicas would start from
         return 1, 1
     if spec == "best" and best is not None:
-        p, d = best.policy[len("static-best (") : -1].split(":")
-        return int(p), int(d)
+        return best.split
     if spec in ("best", "model"):
         return model_split(setup)
     p, d = spec.split(":")
@@ -764,7 +768,7 @@ def _report(
     lines = []
     if best is not None:
         lines.append(
-            f"Static: deploy {best.policy[13:-1]} (prefill:decode); it meets the SLO for "
+            f"Static: deploy {best.split[0]}:{best.split[1]} (prefill:decode); it meets the SLO for "
             f"{best.attainment:.1%} of requests at {scale:.2f}x the trace's rate."
         )
     if ours is not None:

@@ -42,6 +42,7 @@ class Score:
     decisions: int
     unfinished: int
     good: int  # requests within the SLO
+    split: tuple[int, int] | None = None  # prefill:decode engines, where the policy is static
 
     @property
     def goodput_per_gpu_hour(self) -> float:
