@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from pdcluster import perf
-from pdcluster.sim import plan
+from pdcluster.sim import plan, scoring
 from pdcluster.sim.trace import Trace, load_trace, phases
 
 POLICIES = ("static-best", "pdcluster", "pdcluster-prior", "dynamo", "dynamo-load", "llmd", "oracle")
@@ -167,7 +167,7 @@ def learning() -> dict:
     plan.add_arguments(parser)
     args = parser.parse_args(["--trace", "-", "--gpus", "64", "--slo-ttft-ms", "2000", "--slo-itl-ms", "60"])
     fleet = FleetConfig(gpus=64, startup_s=60.0, gpus_per_engine=plant.gpus)
-    setup = plan.Setup(trace.replicated(0.5), plant, plan.SLO(2000.0, 60.0, False), fleet, args)
+    setup = plan.Setup(trace.replicated(0.5), plant, scoring.SLO(2000.0, 60.0, False), fleet, args)
     policy = plan.make_policy("pdcluster", setup, (1, 1))
     first: dict[str, float | None] = {"prefill": None, "decode": None}
     original = policy.decide
@@ -201,8 +201,12 @@ def learning() -> dict:
     return {
         "plant": plant.name,
         "learned_within_20pct_after_s": first,
-        "attainment_without_profile": round(plan.score(result, setup.trace, targets_s, 60.0).attainment, 4),
-        "attainment_with_true_profile": round(plan.score(prior, setup.trace, targets_s, 60.0).attainment, 4),
+        "attainment_without_profile": round(
+            scoring.score(result, setup.trace, targets_s, 60.0).attainment, 4
+        ),
+        "attainment_with_true_profile": round(
+            scoring.score(prior, setup.trace, targets_s, 60.0).attainment, 4
+        ),
     }
 
 

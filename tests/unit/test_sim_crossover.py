@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from pdcluster import perf
-from pdcluster.sim import crossover, plan
+from pdcluster.sim import crossover, plan, scoring
 from pdcluster.sim.crossover import Setting
 
-SLO = plan.SLO(1000.0, 50.0, plus_prefill=True)
+SLO = scoring.SLO(1000.0, 50.0, plus_prefill=True)
 
 
 @pytest.mark.parametrize("prompt", [512, 8192, 100_000])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.sim import plan
+from pdcluster.sim import plan, scoring
 from pdcluster.sim.fleet import Result
 from pdcluster.sim.trace import Trace
 
@@ -77,7 +77,7 @@ def test_without_a_rate_scale_one_is_searched(small_trace: Path, capsys: pytest.
     report = plan_json(capsys, *base, "--policy", "static-best")
     assert report["rate_scale_searched"]
     best = next(iter(report["policies"].values()))
-    low, high = plan.band(0.9)
+    low, high = scoring.band(0.9)
     assert low <= best["attainment"] <= high
 
 
@@ -92,7 +92,7 @@ def test_score_counts_both_targets_and_unfinished_requests() -> None:
         end_s=10.0,
         timeline=[],
     )
-    s = plan.score(result, trace, [0.5] * 4, itl_ms=25.0)
+    s = scoring.score(result, trace, [0.5] * 4, itl_ms=25.0)
     assert s.good == 2 and s.unfinished == 1  # 0.7 s misses TTFT; the last never finished
     assert s.attainment == 0.5
     assert s.goodput_rps == pytest.approx(2 / 3.0)
@@ -104,9 +104,9 @@ def test_a_per_prompt_ttft_target_adds_the_isolated_prefill() -> None:
 
     profile = perf.load()
     trace = Trace("t", [0.0, 1.0], [100, 50000], [5, 5], [(), ()])
-    targets = plan.SLO(500, 25, plus_prefill=True).ttft_targets_s(trace, profile)
+    targets = scoring.SLO(500, 25, plus_prefill=True).ttft_targets_s(trace, profile)
     assert targets[1] * 1000 == pytest.approx(500 + profile.prefill_one_ms(50000))
-    assert plan.SLO(500, 25, plus_prefill=False).ttft_targets_s(trace, profile) == [0.5, 0.5]
+    assert scoring.SLO(500, 25, plus_prefill=False).ttft_targets_s(trace, profile) == [0.5, 0.5]
 
 
 def test_parallel_runs_take_an_empty_or_single_list() -> None:

@@ -34,8 +34,8 @@ from pdcluster import perf
 from pdcluster.control.models import MAX_BATCHED_TOKENS
 from pdcluster.sim.colocated import ColocatedConfig, simulate_colocated
 from pdcluster.sim.fleet import FleetConfig, simulate
-from pdcluster.sim.plan import SLO, score
 from pdcluster.sim.policies import Static
+from pdcluster.sim.scoring import SLO, score
 from pdcluster.sim.trace import Trace
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)

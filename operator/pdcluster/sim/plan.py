@@ -34,92 +34,17 @@ from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.control import models
 from pdcluster.router.policy import POLICIES
-from pdcluster.sim import longload
+from pdcluster.sim import crossover, longload
 from pdcluster.sim.dynamo import Dynamo, DynamoLoad
 from pdcluster.sim.fleet import FleetConfig, Result, simulate
 from pdcluster.sim.llmd import LLMD
 from pdcluster.sim.oracle import Oracle
 from pdcluster.sim.policies import PDCluster, Static
+from pdcluster.sim.scoring import SLO, Score, band, score
 from pdcluster.sim.store import StoreConfig, reusable_fraction
 from pdcluster.sim.trace import Trace, TraceError, load_trace
 
-
-def band(target: float) -> tuple[float, float]:
-    """The static-best attainments the rate search accepts for a target: +-5 points at
-    90%, +-0.5 at 99% (half the distance to 100%)."""
-    half = (1.0 - target) / 2.0
-    return target - half, min(target + half, 1.0)
-
-
 DEFAULT_POLICIES = ("static-best", "dynamo", "pdcluster")
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_ms: float
-    itl_ms: float
-    plus_prefill: bool  # a request's TTFT target adds its own isolated prefill time
-
-    def ttft_targets_s(self, trace: Trace, profile: perf.Profile) -> list[float]:
-        if not self.plus_prefill:
-            return [self.ttft_ms / 1000.0] * len(trace)
-        return [(self.ttft_ms + profile.prefill_one_ms(n)) / 1000.0 for n in trace.input_tokens]
-
-
-@dataclass(frozen=True)
-class Score:
-    policy: str
-    attainment: float
-    goodput_rps: float
-    gpu_hours: float
-    ttft_p90_ms: float
-    itl_p90_ms: float
-    decisions: int
-    unfinished: int
-    good: int  # requests within the SLO
-
-    @property
-    def goodput_per_gpu_hour(self) -> float:
-        """Requests within the SLO per GPU-hour."""
-        return self.good / self.gpu_hours if self.gpu_hours else 0.0
-
-    def as_dict(self) -> dict[str, float | int | str]:
-        return {
-            "attainment": round(self.attainment, 4),
-            "goodput_rps": round(self.goodput_rps, 3),
-            "gpu_hours": round(self.gpu_hours, 3),
-            "goodput_per_gpu_hour": round(self.goodput_per_gpu_hour, 1),
-            "ttft_p90_ms": round(self.ttft_p90_ms, 1),
-            "itl_p90_ms": round(self.itl_p90_ms, 2),
-            "decisions": self.decisions,
-            "unfinished": self.unfinished,
-        }
-
-
-def score(result: Result, trace: Trace, ttft_targets_s: list[float], itl_ms: float) -> Score:
-    itl_s = itl_ms / 1000.0
-    good = 0
-    ttfts, itls = [], []
-    for i, done in enumerate(result.finished):
-        if not done:
-            continue
-        ttfts.append(result.ttft_s[i])
-        if trace.output_tokens[i] > 1:
-            itls.append(result.itl_s[i])
-        if result.ttft_s[i] <= ttft_targets_s[i] and result.itl_s[i] <= itl_s:
-            good += 1
-    span = max(trace.span_s, 1e-9)
-    return Score(
-        result.policy,
-        good / len(trace),
-        good / span,
-        result.gpu_seconds / 3600.0,
-        perf.percentile(ttfts, 90) * 1000.0,
-        perf.percentile(itls, 90) * 1000.0 if itls else 0.0,
-        len(result.decisions),
-        len(trace) - sum(result.finished),
-        good,
-    )
 
 
 # ------------------------------------------------------------------------- setup
@@ -257,26 +182,41 @@ def make_policy(name: str, setup: Setup, start: tuple[int, int] | None = None):
     raise ValueError(f"unknown policy {name!r}")
 
 
-# One setup per process: workers inherit it when they fork.
-_SETUP: Setup | None = None
-_START: tuple[int, int] | None = None
+def _simulate(setup: Setup, start: tuple[int, int] | None, name: str) -> tuple[Score, Result]:
+    policy = make_policy(name, setup, start)
+    result = simulate(setup.trace, setup.profile, policy, setup.fleet)
+    scored = score(result, setup.trace, setup.targets_s, setup.slo.itl_ms)
+    if isinstance(policy, Static):
+        scored = replace(scored, split=policy.split)
+    return scored, result
 
 
-def _run(name: str) -> tuple[Score, Result]:
-    assert _SETUP is not None
-    result = simulate(_SETUP.trace, _SETUP.profile, make_policy(name, _SETUP, _START), _SETUP.fleet)
-    return score(result, _SETUP.trace, _SETUP.targets_s, _SETUP.slo.itl_ms), result
+# A pool worker's setup, given once by its initializer (forked, not pickled per task).
+_WORKER_INPUTS: tuple[Setup, tuple[int, int] | None] | None = None
+
+
+def _init_worker(setup: Setup, start: tuple[int, int] | None) -> None:
+    global _WORKER_INPUTS
+    _WORKER_INPUTS = (setup, start)
+
+
+def _simulate_in_worker(name: str) -> tuple[Score, Result]:
+    assert _WORKER_INPUTS is not None
+    return _simulate(*_WORKER_INPUTS, name)
 
 
 def run_many(
     setup: Setup, names: list[str], jobs: int, start: tuple[int, int] | None = None
 ) -> list[tuple[Score, Result]]:
-    global _SETUP, _START
-    _SETUP, _START = setup, start
     if jobs <= 1 or len(names) <= 1:  # a pool of none or one is only overhead (and none is an error)
-        return [_run(n) for n in names]
-    with ProcessPoolExecutor(min(jobs, len(names)), mp_context=get_context("fork")) as pool:
-        return list(pool.map(_run, names))
+        return [_simulate(setup, start, n) for n in names]
+    with ProcessPoolExecutor(
+        min(jobs, len(names)),
+        mp_context=get_context("fork"),
+        initializer=_init_worker,
+        initargs=(setup, start),
+    ) as pool:
+        return list(pool.map(_simulate_in_worker, names))
 
 
 def static_best(setup: Setup, jobs: int, exhaustive: bool) -> tuple[Score, Result, list[Score]]:
@@ -300,7 +240,8 @@ def static_best(setup: Setup, jobs: int, exhaustive: bool) -> tuple[Score, Resul
             p = best
         runs = [seen[q] for q in sorted(seen)]
     best_score, best_result = max(runs, key=lambda r: r[0].attainment)
-    named = Score(**{**best_score.__dict__, "policy": f"static-best ({best_score.policy[7:]})"})
+    p, d = best_score.split
+    named = replace(best_score, policy=f"static-best ({p}:{d})")
     return named, best_result, [r[0] for r in runs]
 
 
@@ -375,7 +316,6 @@ def find_rate_scale(base: Trace, make_setup, jobs: int, log, target: float = 0.9
 
 # ------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pdcluster.sim import crossover
 
     parser.add_argument(
         "--trace", help="Mooncake JSONL or Azure CSV trace (required but with --compare-colocated)"
@@ -565,7 +505,7 @@ def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dic
                 report["policies"][sc.policy]["static_at_equal_attainment"] = (
                     None
                     if match is None
-                    else {"split": match.policy.removeprefix("static:"), **match.as_dict()}
+                    else {"split": f"{match.split[0]}:{match.split[1]}", **match.as_dict()}
                 )
     return report, results, setup
 
@@ -710,7 +650,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def compare_colocated(args: argparse.Namespace, say) -> int:
-    from pdcluster.sim import crossover  # it scores with this module's SLO
 
     profile = perf.load(args.profile)
     if args.gpus // profile.gpus < 2:
@@ -791,8 +730,7 @@ def _start(spec: str, setup: Setup, best: Score | None) -> tuple[int, int]:
     if spec == "neutral":  # what a cluster applied with minReplicas would start from
         return 1, 1
     if spec == "best" and best is not None:
-        p, d = best.policy[len("static-best (") : -1].split(":")
-        return int(p), int(d)
+        return best.split
     if spec in ("best", "model"):
         return model_split(setup)
     p, d = spec.split(":")
@@ -830,7 +768,7 @@ def _report(
     lines = []
     if best is not None:
         lines.append(
-            f"Static: deploy {best.policy[13:-1]} (prefill:decode); it meets the SLO for "
+            f"Static: deploy {best.split[0]}:{best.split[1]} (prefill:decode); it meets the SLO for "
             f"{best.attainment:.1%} of requests at {scale:.2f}x the trace's rate."
         )
     if ours is not None:
