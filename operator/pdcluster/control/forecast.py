@@ -13,7 +13,8 @@ forecast. With no memory of the buckets ahead (the first day) it predicts nothin
 the law stays reactive. Only the past is used: a bucket enters the profile when it ends.
 
 The state is plain numbers in `status.autoscaling` (`to_status`/`from_status`), so an
-operator restart keeps what was learned.
+operator restart keeps what was learned. The law does not consult it yet: the day-long
+fleet simulations that must show it pays come first (docs/benchmarks.md).
 """
 
 from __future__ import annotations

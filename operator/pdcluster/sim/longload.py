@@ -178,8 +178,8 @@ class WindowLengths:
 
 def servegen_lengths(hist_csv: str | Path, model: str) -> list[WindowLengths]:
     """A model's input and output histograms per 6-hour window from servegen_length_hist_6h.csv.
-    Bins are written `[low,high)`; the last one's high stands for "larger", capped at 2^18
-    here as the longest contexts the profiles know."""
+    Bins are written `[low,high)`; the last one is open-ended in the source and drawn here
+    up to twice its lower edge."""
     with Path(hist_csv).open(newline="") as f:
         reader = csv.reader(f)
         header = next(reader)
