@@ -21,6 +21,8 @@ VLLM_RUNNING: Final = "vllm:num_requests_running"
 VLLM_WAITING: Final = "vllm:num_requests_waiting"
 VLLM_KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 VLLM_PROMPT_TOKENS: Final = "vllm:prompt_tokens"  # counter, exposed with _total
+# counter{source}: local_compute, local_cache_hit, external_kv_transfer (v1/metrics/loggers.py)
+VLLM_PROMPT_TOKENS_BY_SOURCE: Final = "vllm:prompt_tokens_by_source"
 VLLM_GENERATION_TOKENS: Final = "vllm:generation_tokens"  # counter, exposed with _total
 VLLM_REQUEST_SUCCESS: Final = "vllm:request_success"  # counter{finished_reason}
 VLLM_ITERATION_TOKENS: Final = "vllm:iteration_tokens_total"  # histogram

@@ -79,7 +79,7 @@ class MetricFamilies:
             obs.VLLM_PROMPT_TOKENS, "Number of prefill tokens processed.", labels, registry=r
         )
         self.prompt_by_source = Counter(
-            "vllm:prompt_tokens_by_source",
+            obs.VLLM_PROMPT_TOKENS_BY_SOURCE,
             "Number of prompt tokens by source.",
             (*labels, "source"),
             registry=r,

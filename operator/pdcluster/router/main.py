@@ -17,13 +17,18 @@ from pdcluster import add_version_flag
 from pdcluster.constants import KV_EVENTS_PORT, ROUTER_PORT
 from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.router import openai
+from pdcluster.router.attempt import Services
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.engines import EngineClient
 from pdcluster.router.http import HttpServer
 from pdcluster.router.kvevents import KvEventFeed, Source
 from pdcluster.router.membership import Members, Pool, Upstream, parse_static, watch_kube
-from pdcluster.router.policy import POLICIES, Admission, PreciseCache, make_policy
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.policy import POLICIES, Admission, KvIndex, make_policy
 from pdcluster.router.probe import KvProber
 from pdcluster.router.prompt import BLOCK_TOKENS
-from pdcluster.router.server import MAX_BODY_BYTES, Router, RouterConfig
+from pdcluster.router.protocol import MooncakeProtocol
+from pdcluster.router.server import MAX_BODY_BYTES, Router
 from pdcluster.router.state import StatePublisher
 from pdcluster.router.store import StoreIndex
 from pdcluster.router.upstream import UpstreamPool
@@ -42,6 +47,20 @@ def parser() -> argparse.ArgumentParser:
     add_version_flag(p)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=ROUTER_PORT)
+    _add_backends(p)
+    _add_routing(p)
+    _add_admission(p)
+    _add_store(p)
+    _add_requests(p)
+    _add_tracing(p)
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
+    )
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _add_backends(p: argparse.ArgumentParser) -> None:
     members = p.add_argument_group("backends")
     members.add_argument("--kube", action="store_true", help="follow the cluster's engines in Kubernetes")
     members.add_argument("--namespace", help="namespace to watch (default: the service account's)")
@@ -74,6 +93,9 @@ def parser() -> argparse.ArgumentParser:
         help="a colocated engine (prefill and decode in one, no KV hand-off); repeatable, with or "
         "without --prefill/--decode",
     )
+
+
+def _add_routing(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="served model name; requests naming another model get 404")
     p.add_argument(
         "--policy",
@@ -106,6 +128,9 @@ def parser() -> argparse.ArgumentParser:
         "--hash-seed",
         help="the engines' PYTHONHASHSEED (it seeds vLLM's block hashes); unset: none",
     )
+
+
+def _add_admission(p: argparse.ArgumentParser) -> None:
     slo = p.add_argument_group("admission")
     slo.add_argument("--admission-ttft-ms", type=float, default=500.0, help="TTFT target")
     slo.add_argument(
@@ -126,6 +151,9 @@ def parser() -> argparse.ArgumentParser:
         default=20000.0,
         help="prefill tokens/s assumed for a backend before any measurement",
     )
+
+
+def _add_store(p: argparse.ArgumentParser) -> None:
     store = p.add_argument_group("Mooncake store: prompts whose prefix is stored skip prefill")
     store.add_argument(
         "--store-master", metavar="URL", help="the master's HTTP port, e.g. http://master:9003"
@@ -139,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--store-lookup-timeout", type=float, default=0.1, help="seconds a lookup may add to a request"
     )
+
+
+def _add_requests(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds per request, streams included"
     )
@@ -175,6 +206,9 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="end a stream with an error when its decode engine dies, instead of resuming it",
     )
+
+
+def _add_tracing(p: argparse.ArgumentParser) -> None:
     traces = p.add_argument_group("tracing")
     traces.add_argument(
         "--otlp-traces-endpoint",
@@ -188,11 +222,6 @@ def parser() -> argparse.ArgumentParser:
         default=1.0,
         help="the share of requests traced (a client's sampled traceparent is followed)",
     )
-    p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
-    )
-    p.add_argument("--log-level", default="INFO")
-    return p
 
 
 class RouterService:
@@ -213,10 +242,61 @@ class RouterService:
 
     async def start(self) -> None:
         args = self.args
-        api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
-        engine_key = args.engine_api_key_file.read_text().strip() if args.engine_api_key_file else None
+        loop = asyncio.get_running_loop()
         # For the few calls off the hot path (bootstrap /query, /v1/models).
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self.pool = Pool(self.session, on_forget=self._forget)
+        services = self._services(self.pool)
+        publisher = await self._follow_engines(self.pool)
+        prober = None
+        if args.kv_probe_interval > 0:
+            prober = KvProber(
+                services,
+                args.kv_probe_interval,
+                args.kv_probe_tokens,
+                on_change=(lambda: self._publish(publisher)) if publisher is not None else lambda: None,
+            )
+        tracing = None
+        if args.otlp_traces_endpoint:
+            from pdcluster.router.tracing import Tracing
+
+            tracing = Tracing(args.otlp_traces_endpoint, args.trace_sample_ratio)
+            tracing.start()
+        store = self._store(services.engines)
+        policy = make_policy(args.policy, BLOCK_TOKENS)
+        self.router = Router(services, self.session, policy, store=store, prober=prober, tracing=tracing)
+        if prober is not None:
+            self._prober = loop.create_task(prober.run())
+            if publisher is not None:
+                self._publish(publisher)
+        if policy.kv_index is not None:
+            self._events = loop.create_task(self._kv_events(policy.kv_index, services.metrics).run())
+        self._http = HttpServer(self.router.handle, openai.error_body, MAX_BODY_BYTES)
+        await self._http.start(args.host, args.port)
+        log.info(
+            "listening on %s:%d, policy %s, admission %s, store lookups %s",
+            args.host,
+            args.port,
+            args.policy,
+            "off" if services.admission is None else "on",
+            args.store_master or "off",
+        )
+
+    def _services(self, pool: Pool) -> Services:
+        args = self.args
+        api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
+        engine_key = args.engine_api_key_file.read_text().strip() if args.engine_api_key_file else None
+        config = RouterConfig(
+            model=args.model,
+            request_timeout_s=args.request_timeout,
+            api_key=api_key,
+            engine_api_key=engine_key,
+            max_attempts=max(args.max_attempts, 1),
+            prefill_timeout_s=args.prefill_timeout,
+            resume_streams=not args.no_resume_streams,
+            hash_seed=args.hash_seed,
+            exact_timeout_s=args.exact_timeout,
+        )
         admission = None
         if not args.no_admission:
             admission = Admission(
@@ -225,83 +305,47 @@ class RouterService:
                 args.admission_prefill_rate,
                 plus_prefill=args.admission_ttft_plus_prefill,
             )
-        store = None
-        if args.store_master:
-            store = StoreIndex(
-                UpstreamPool(),
-                args.store_master,
-                hash_seed=args.hash_seed,
-                max_computed_tokens=args.store_max_computed_tokens,
-                timeout_s=args.store_lookup_timeout,
-                engine_headers=f"Authorization: Bearer {engine_key}\r\n".encode() if engine_key else b"",
-            )
-        self.pool = Pool(self.session, on_forget=self._forget)
-        self.router = Router(
-            RouterConfig(
-                model=args.model,
-                request_timeout_s=args.request_timeout,
-                api_key=api_key,
-                engine_api_key=engine_key,
-                max_attempts=max(args.max_attempts, 1),
-                prefill_timeout_s=args.prefill_timeout,
-                resume_streams=not args.no_resume_streams,
-                hash_seed=args.hash_seed,
-                exact_timeout_s=args.exact_timeout,
-            ),
-            self.pool,
-            self.session,
-            make_policy(args.policy, BLOCK_TOKENS),
-            admission,
-            store,
-        )
-        loop = asyncio.get_running_loop()
-        publisher: StatePublisher | None = None
-        if self.members is None:
-            config = KubeConfig.load(args.kubeconfig)
-            self._kube = Kube(config)
-            await self._kube.__aenter__()
-            namespace = args.namespace or config.namespace
-            self._watcher = loop.create_task(
-                watch_kube(self._kube, namespace, args.cluster, self.pool, args.discovery)
-            )
-            if args.state_configmap and args.pod_name:
-                publisher = StatePublisher(self._kube, namespace, args.state_configmap, args.pod_name)
-        else:
-            self.pool.update(self.members)
-        if args.kv_probe_interval > 0:
-            self.router.prober = KvProber(
-                self.router,
-                args.kv_probe_interval,
-                args.kv_probe_tokens,
-                on_change=(lambda: self._publish(publisher)) if publisher is not None else lambda: None,
-            )
-            self._prober = loop.create_task(self.router.prober.run())
-            if publisher is not None:
-                self._publish(publisher)
-        if args.otlp_traces_endpoint:
-            from pdcluster.router.tracing import Tracing
+        metrics = RouterMetrics(pool.load_snapshot)
+        return Services(config, EngineClient(engine_key), MooncakeProtocol(), metrics, admission, pool)
 
-            self.router.tracing = Tracing(args.otlp_traces_endpoint, args.trace_sample_ratio)
-            self.router.tracing.start()
-        if isinstance(self.router.policy, PreciseCache):
-            metrics = self.router.metrics
-            feed = KvEventFeed(
-                self.router.policy.index,
-                self._event_sources,
-                topic=args.kv_events_topic,
-                on_batch=lambda engine: metrics.kv_event_batches.inc(),
-                on_loss=lambda engine, reason: metrics.kv_event_losses[reason].inc(),
-            )
-            self._events = loop.create_task(feed.run())
-        self._http = HttpServer(self.router.handle, openai.error_body, MAX_BODY_BYTES)
-        await self._http.start(args.host, args.port)
-        log.info(
-            "listening on %s:%d, policy %s, admission %s, store lookups %s",
-            args.host,
-            args.port,
-            args.policy,
-            "off" if admission is None else "on",
-            args.store_master or "off",
+    def _store(self, engines: EngineClient) -> StoreIndex | None:
+        args = self.args
+        if not args.store_master:
+            return None
+        return StoreIndex(
+            UpstreamPool(),
+            args.store_master,
+            hash_seed=args.hash_seed,
+            max_computed_tokens=args.store_max_computed_tokens,
+            timeout_s=args.store_lookup_timeout,
+            engine_headers=engines.auth_lines,
+        )
+
+    async def _follow_engines(self, pool: Pool) -> StatePublisher | None:
+        """Follow the cluster's engines (or take the static ones); the publisher of the
+        KV verdicts, where the router has a ConfigMap to write them to."""
+        args = self.args
+        if self.members is not None:
+            pool.update(self.members)
+            return None
+        config = KubeConfig.load(args.kubeconfig)
+        self._kube = Kube(config)
+        await self._kube.__aenter__()
+        namespace = args.namespace or config.namespace
+        self._watcher = asyncio.get_running_loop().create_task(
+            watch_kube(self._kube, namespace, args.cluster, pool, args.discovery)
+        )
+        if args.state_configmap and args.pod_name:
+            return StatePublisher(self._kube, namespace, args.state_configmap, args.pod_name)
+        return None
+
+    def _kv_events(self, index: KvIndex, metrics: RouterMetrics) -> KvEventFeed:
+        return KvEventFeed(
+            index,
+            self._event_sources,
+            topic=self.args.kv_events_topic,
+            on_batch=lambda engine: metrics.kv_event_batches.inc(),
+            on_loss=lambda engine, reason: metrics.kv_event_losses[reason].inc(),
         )
 
     def _event_sources(self) -> list[Source]:
@@ -358,7 +402,7 @@ class RouterService:
         if self.pool is not None:
             await self.pool.close()
         if self.router is not None:
-            self.router.upstream.close()
+            self.router.services.engines.upstream.close()
             if self.router.engine_tokens is not None:
                 self.router.engine_tokens.upstream.close()
             if self.router.tracing is not None:

@@ -370,6 +370,11 @@ class Pool:
     def all_upstreams(self) -> list[Upstream]:
         return [*self.prefill, *self.decode, *self.colocated]
 
+    def load_snapshot(self) -> tuple[list[Upstream], dict[str, int]]:
+        """Every engine, and the count of each role's: the router's load gauges."""
+        counts = {"prefill": len(self.prefill), "decode": len(self.decode), "colocated": len(self.colocated)}
+        return self.all_upstreams(), counts
+
     async def close(self) -> None:
         for instance in self._prefill.values():
             if instance.task is not None:

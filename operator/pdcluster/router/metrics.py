@@ -7,6 +7,7 @@ updated on every request.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -63,6 +64,22 @@ class _HistogramCollector(Collector):
 class RouterMetrics:
     def __init__(self, snapshot: Callable[[], tuple[Iterable[Upstream], dict[str, int]]]):
         self.registry = r = CollectorRegistry()
+        Gauge(obs.BUILD_INFO, "The running build: always 1", ("version", "component"), registry=r).labels(
+            __version__, "router"
+        ).set(1)
+        self._add_latencies(r)
+        self._add_outcomes(r)
+        self._add_store(r)
+        self._add_kv(r)
+        r.register(_LoadCollector(snapshot))
+
+    def forget(self, backend_id: str) -> None:
+        """A backend left: its series go with it."""
+        for role in ("prefill", "decode", "colocated"):
+            with contextlib.suppress(KeyError):
+                self.upstream_errors.remove(role, backend_id)
+
+    def _add_latencies(self, r: CollectorRegistry) -> None:
         self.ttft = Histogram(
             obs.ROUTER_TTFT,
             "Time to first token seen by clients (streamed requests).",
@@ -89,10 +106,9 @@ class RouterMetrics:
         self.e2e = Histogram(
             obs.ROUTER_E2E, "Request latency seen by clients.", buckets=obs.ROUTER_E2E_BUCKETS, registry=r
         )
+
+    def _add_outcomes(self, r: CollectorRegistry) -> None:
         requests = Counter(obs.ROUTER_REQUESTS, "Requests by outcome.", ("outcome",), registry=r)
-        Gauge(obs.BUILD_INFO, "The running build: always 1", ("version", "component"), registry=r).labels(
-            __version__, "router"
-        ).set(1)
         self.requests = {outcome: requests.labels(outcome) for outcome in obs.ROUTER_OUTCOMES}
         rejections = Counter(
             obs.ROUTER_REJECTIONS, "Requests refused before dispatch, by reason.", ("reason",), registry=r
@@ -107,6 +123,22 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             obs.ROUTER_GENERATION_TOKENS, "Tokens generated for clients.", registry=r
         )
+        retries = Counter(
+            obs.ROUTER_RETRIES, "Attempts made after an attempt failed, by the role that failed.", ("role",),
+            registry=r,
+        )  # fmt: skip
+        self.retries = {role: retries.labels(role) for role in ("prefill", "decode", "colocated")}
+        resumed = Counter(
+            obs.ROUTER_RESUMED_STREAMS, "Streams whose decode engine died mid-answer: resumed on another "
+            "engine, or not resumable (ended with an error event).", ("outcome",), registry=r,
+        )  # fmt: skip
+        self.resumed = {outcome: resumed.labels(outcome) for outcome in obs.ROUTER_RESUME_OUTCOMES}
+        self.circuit_opens = Counter(
+            obs.ROUTER_CIRCUIT_OPENS, "Times an engine was taken out of rotation after failing in a row.",
+            ("role", "backend"), registry=r,
+        )  # fmt: skip
+
+    def _add_store(self, r: CollectorRegistry) -> None:
         lookups = Counter(
             obs.ROUTER_STORE_LOOKUPS, "Prompt-hit lookups in the Mooncake store, by outcome.", ("outcome",),
             registry=r,
@@ -127,20 +159,8 @@ class RouterMetrics:
             obs.ROUTER_STORE_PREFIX_TOKENS, "Prompt tokens decode loaded from the store instead of prefill.",
             registry=r,
         )  # fmt: skip
-        retries = Counter(
-            obs.ROUTER_RETRIES, "Attempts made after an attempt failed, by the role that failed.", ("role",),
-            registry=r,
-        )  # fmt: skip
-        self.retries = {role: retries.labels(role) for role in ("prefill", "decode", "colocated")}
-        resumed = Counter(
-            obs.ROUTER_RESUMED_STREAMS, "Streams whose decode engine died mid-answer: resumed on another "
-            "engine, or not resumable (ended with an error event).", ("outcome",), registry=r,
-        )  # fmt: skip
-        self.resumed = {outcome: resumed.labels(outcome) for outcome in obs.ROUTER_RESUME_OUTCOMES}
-        self.circuit_opens = Counter(
-            obs.ROUTER_CIRCUIT_OPENS, "Times an engine was taken out of rotation after failing in a row.",
-            ("role", "backend"), registry=r,
-        )  # fmt: skip
+
+    def _add_kv(self, r: CollectorRegistry) -> None:
         probes = Counter(
             obs.ROUTER_KV_PROBES, "KV hand-off probes through prefill -> decode pairs, by outcome.", ("outcome",),
             registry=r,
@@ -171,4 +191,3 @@ class RouterMetrics:
             registry=r,
         )  # fmt: skip
         self.cached_prompt_tokens = {source: cached.labels(source) for source in obs.ROUTER_CACHE_SOURCES}
-        r.register(_LoadCollector(snapshot))

@@ -29,6 +29,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 
 @dataclass(eq=False)
@@ -39,10 +40,22 @@ class Backend:
     inflight_tokens: int = 0
 
 
-def _least_loaded(backends: Sequence[Backend], turn: int) -> Backend | None:
+B = TypeVar("B", bound=Backend)
+
+
+@dataclass(frozen=True)
+class Cached:
+    """Prompt tokens a backend holds in its prefix cache, and whether the engine's own
+    KV events say so (else the policy's guess from what it dispatched)."""
+
+    tokens: int
+    from_events: bool
+
+
+def _least_loaded(backends: Sequence[B], turn: int) -> B | None:
     """Fewest tokens in flight, then fewest requests; ties rotate with `turn` so that
     an idle fleet is not served by its first member only."""
-    best: list[Backend] = []
+    best: list[B] = []
     best_key = (math.inf, math.inf)
     for backend in backends:
         key = (backend.inflight_tokens, backend.inflight_requests)
@@ -69,22 +82,28 @@ class LeastLoaded:
 
     needs_block_hashes = False
     needs_exact_blocks = False
+    kv_index: KvIndex | None = None
 
     def __init__(self) -> None:
         self._turn = 0
 
     def pick(
         self,
-        backends: Sequence[Backend],
+        backends: Sequence[B],
         prompt_tokens: int = 0,
         block_hashes: Sequence[Hashable] = (),
         exact: ExactBlocks | None = None,
-    ) -> Backend | None:
+    ) -> B | None:
         self._turn += 1
         return _least_loaded(backends, self._turn)
 
     def record(self, backend_id: str, block_hashes: Sequence[Hashable]) -> None:
         pass
+
+    def cached(
+        self, backend: Backend, prompt_tokens: int, block_hashes: Sequence[Hashable], exact: ExactBlocks | None
+    ) -> Cached | None:
+        return None  # it keeps no view of the caches
 
     def forget(self, backend_id: str) -> None:
         pass
@@ -104,6 +123,7 @@ class PrefixAware:
 
     needs_block_hashes = True
     needs_exact_blocks = False
+    kv_index: KvIndex | None = None
 
     def __init__(self, block_tokens: int, max_imbalance_tokens: int = 16384, capacity_blocks: int = 65536):
         self.block_tokens = block_tokens
@@ -125,11 +145,11 @@ class PrefixAware:
 
     def pick(
         self,
-        backends: Sequence[Backend],
+        backends: Sequence[B],
         prompt_tokens: int = 0,
         block_hashes: Sequence[Hashable] = (),
         exact: ExactBlocks | None = None,
-    ) -> Backend | None:
+    ) -> B | None:
         self._turn += 1
         least = _least_loaded(backends, self._turn)
         if least is None or not (block_hashes or exact):
@@ -163,6 +183,15 @@ class PrefixAware:
     ) -> int:
         """Prompt tokens this backend would compute: all but its cached prefix."""
         return max(prompt_tokens - self.matched_blocks(backend_id, block_hashes) * self.block_tokens, 0)
+
+    def cached(
+        self, backend: Backend, prompt_tokens: int, block_hashes: Sequence[Hashable], exact: ExactBlocks | None
+    ) -> Cached | None:
+        uncached = self.uncached(backend.id, prompt_tokens, block_hashes, exact)
+        return Cached(prompt_tokens - uncached, self._from_events(backend.id, exact))
+
+    def _from_events(self, backend_id: str, exact: ExactBlocks | None) -> bool:
+        return False
 
     def record(self, backend_id: str, block_hashes: Sequence[Hashable]) -> None:
         cached = self._cached.setdefault(backend_id, OrderedDict())
@@ -247,6 +276,10 @@ class PreciseCache(PrefixAware):
     def __init__(self, block_tokens: int, index: KvIndex | None = None, **kwargs: int):
         super().__init__(block_tokens, **kwargs)
         self.index = index if index is not None else KvIndex()
+        self.kv_index = self.index
+
+    def _from_events(self, backend_id: str, exact: ExactBlocks | None) -> bool:
+        return exact is not None and self.index.live(backend_id)
 
     def uncached(
         self,
@@ -255,7 +288,7 @@ class PreciseCache(PrefixAware):
         block_hashes: Sequence[Hashable],
         exact: ExactBlocks | None = None,
     ) -> int:
-        if exact is None or not self.index.live(backend_id):
+        if not self._from_events(backend_id, exact):
             return super().uncached(backend_id, prompt_tokens, block_hashes)
         return max(
             prompt_tokens - self.index.matched_blocks(backend_id, exact.hashes) * exact.block_tokens, 0
@@ -279,7 +312,31 @@ class PreciseCache(PrefixAware):
         self.index.reset(backend_id)
 
 
-Policy = LeastLoaded | PrefixAware
+class Policy(Protocol):
+    """A routing policy (the shapes in this module's docstring). `kv_index` is the
+    engines' KV-event index for a policy that reads one, which the router feeds."""
+
+    needs_block_hashes: bool
+    needs_exact_blocks: bool
+    kv_index: KvIndex | None
+
+    def pick(
+        self,
+        backends: Sequence[B],
+        prompt_tokens: int = 0,
+        block_hashes: Sequence[Hashable] = (),
+        exact: ExactBlocks | None = None,
+    ) -> B | None: ...
+
+    def record(self, backend_id: str, block_hashes: Sequence[Hashable]) -> None: ...
+
+    def forget(self, backend_id: str) -> None: ...
+
+    def cached(
+        self, backend: Backend, prompt_tokens: int, block_hashes: Sequence[Hashable], exact: ExactBlocks | None
+    ) -> Cached | None: ...
+
+
 POLICIES = ("least-loaded", "prefix-aware", "precise-prefix")
 
 
@@ -294,7 +351,7 @@ def make_policy(name: str, block_tokens: int) -> Policy:
 
 
 @dataclass(frozen=True)
-class Decision:
+class AdmissionVerdict:
     admitted: bool
     predicted_ttft_ms: float
     retry_after_s: int = 0
@@ -349,7 +406,7 @@ class Admission:
     def tokens_per_s(self, backend_id: str) -> float:
         return self._rate(backend_id).tokens_per_s
 
-    def decide(self, backend: Backend, prompt_tokens: int) -> Decision:
+    def decide(self, backend: Backend, prompt_tokens: int) -> AdmissionVerdict:
         rate = self.tokens_per_s(backend.id)
         predicted = (backend.inflight_tokens + prompt_tokens) / rate * 1000.0
         alone = prompt_tokens / rate * 1000.0
@@ -357,10 +414,10 @@ class Admission:
             self.ttft_target_ms + alone if self.plus_prefill else max(self.ttft_target_ms, alone)
         )
         if predicted <= limit:
-            return Decision(True, predicted)
+            return AdmissionVerdict(True, predicted)
         # By then the queue ahead has drained to about the target.
         retry_after = max(1, math.ceil((predicted - self.ttft_target_ms) / 1000.0))
-        return Decision(False, predicted, retry_after)
+        return AdmissionVerdict(False, predicted, retry_after)
 
     def started(self, backend_id: str, now: float, was_idle: bool) -> None:
         if was_idle:

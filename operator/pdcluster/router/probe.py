@@ -28,20 +28,18 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdcluster import observability as obs
+from pdcluster.router.attempt import Services
+from pdcluster.router.handoff import Handoff, discard
 from pdcluster.router.membership import Upstream
 from pdcluster.router.upstream import UpstreamError
 
-if TYPE_CHECKING:
-    from pdcluster.router.server import Router
-
 log = logging.getLogger(__name__)
 
-BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+BY_SOURCE = obs.VLLM_PROMPT_TOKENS_BY_SOURCE + "_total"
 PROBE_TIMEOUT_S = 60.0
 FAIL_AFTER = 3  # failed probes in a row that take a pair out of rotation
 RETRY_AFTER_S = 0.2
@@ -59,14 +57,15 @@ class KvProber:
 
     def __init__(
         self,
-        router: Router,
+        services: Services,
         interval_s: float,
         prompt_tokens: int,
         sample: int = 4,
         on_change: Callable[[], None] = lambda: None,
         rng: random.Random | None = None,
     ):
-        self.router = router
+        self.services = services
+        self.pool = services.pool
         self.interval_s = interval_s
         self.prompt_tokens = prompt_tokens
         self.sample = sample
@@ -88,13 +87,13 @@ class KvProber:
 
     def settled(self) -> bool:
         """Every pair the pool has now has a verdict."""
-        pool = self.router.pool
+        pool = self.pool
         pairs = {(p.id, d.id) for p in pool.prefill for d in pool.decode if p.revision == d.revision}
         return all(self.verdicts.get(pair, Verdict()).ok is not None for pair in pairs)
 
     def summary(self) -> dict[str, object]:
         """What the operator's KVTransfer condition says: counts, and each failed pair."""
-        names = {u.id: u.name for u in self.router.pool.all_upstreams()}
+        names = {u.id: u.name for u in self.pool.all_upstreams()}
         failed = [
             {"prefill": names.get(p, p), "decode": names.get(d, d), "reason": v.reason}
             for (p, d), v in sorted(self.verdicts.items())
@@ -105,16 +104,19 @@ class KvProber:
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
-        pool = self.router.pool
+        pool = self.pool
         while True:
             pool.changed.clear()
-            await self.round(time.monotonic())
+            try:
+                await self.round(time.monotonic())
+            except Exception:  # a bug must not end verification for the router's life
+                log.exception("KV hand-off probes failed; trying again")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(pool.changed.wait(), 1.0)
 
     async def round(self, now: float) -> None:
         """Probe the pairs due: new ones always, failed and sampled ones each interval."""
-        pool = self.router.pool
+        pool = self.pool
         pairs = {(p.id, d.id): (p, d) for p in pool.prefill for d in pool.decode if p.revision == d.revision}
         before = self.summary()
         for key in set(self.verdicts) - set(pairs):
@@ -129,7 +131,7 @@ class KvProber:
             await self.check(*pairs[key])
         verdicts = [v.ok for v in self.verdicts.values()]
         for name, value in (("passed", True), ("failed", False), ("unverified", None)):
-            self.router.metrics.kv_pairs.labels(name).set(verdicts.count(value))
+            self.services.metrics.kv_pairs.labels(name).set(verdicts.count(value))
         if self.summary() != before:
             self.on_change()
 
@@ -141,10 +143,10 @@ class KvProber:
                 break
             # Other requests on this decode computing at the same time can fail a good
             # pair's probe, never pass a bad one's (its own prompt is recomputed).
-            self.router.metrics.kv_probes["failed"].inc()
+            self.services.metrics.kv_probes["failed"].inc()
             await asyncio.sleep(RETRY_AFTER_S)
             ok, reason = await self.probe(prefill, decode)
-        self.router.metrics.kv_probes["passed" if ok else "failed"].inc()
+        self.services.metrics.kv_probes["passed" if ok else "failed"].inc()
         if ok != verdict.ok:
             log.log(
                 logging.INFO if ok else logging.WARNING,
@@ -158,41 +160,48 @@ class KvProber:
 
     async def probe(self, prefill: Upstream, decode: Upstream) -> tuple[bool, str]:
         """One hand-off through the pair; (passed, why not)."""
-        router = self.router
-        engine = prefill.engine
-        if engine is None:
+        if prefill.engine is None:
             return False, "the prefill engine has no engine id yet"
         tokens = [self.rng.randrange(10, 1000) for _ in range(self.prompt_tokens)]
         body: dict[str, object] = {"prompt": tokens, "max_tokens": 1, "temperature": 0}
-        if router.config.model:
-            body["model"] = router.config.model
+        if self.services.config.model:
+            body["model"] = self.services.config.model
         transfer_id = f"probe-{self.rng.getrandbits(96):024x}"
         request_id = f"kv-probe-{transfer_id[6:]}"
-        protocol = router.protocol
+        handoff = Handoff(self.services.engines, self.services.protocol, b"/v1/completions", request_id)
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
                 before = await self._by_source(decode)
-                decode_body = orjson.dumps(protocol.decode_body(body, transfer_id, engine))
-                decode_task = asyncio.get_running_loop().create_task(
-                    self._post(decode, decode_body, protocol.decode_headers(request_id))
-                )
-                try:
-                    status, payload = await self._post(
-                        prefill, orjson.dumps(protocol.prefill_body(body, transfer_id)),
-                        protocol.prefill_headers(request_id, engine),
-                    )  # fmt: skip
-                except BaseException:
-                    decode_task.cancel()
-                    raise
-                if status != 200:
-                    decode_task.cancel()
-                    return False, f"prefill answered HTTP {status}: {payload[:200]!r}"
-                status, payload = await decode_task
-                if status != 200:
-                    return False, f"decode answered HTTP {status}: {payload[:200]!r}"
+                failure = await self._through(handoff, prefill, decode, body, transfer_id)
+                if failure:
+                    return False, failure
                 after = await self._by_source(decode)
         except (UpstreamError, TimeoutError) as e:
             return False, f"probe failed: {e or 'no answer'}"
+        return self._judge(before, after)
+
+    async def _through(
+        self, handoff: Handoff, prefill: Upstream, decode: Upstream, body: dict[str, object], transfer_id: str
+    ) -> str:
+        """Send the probe through the pair as a client's request goes: why it failed, or ''."""
+        decode_task = handoff.send_decode(decode, body, transfer_id, prefill.engine)
+        try:
+            status, payload = await handoff.send_prefill(prefill, body, transfer_id)
+        except BaseException:
+            discard(decode_task)
+            raise
+        if status != 200:
+            discard(decode_task)
+            return f"prefill answered HTTP {status}: {payload[:200]!r}"
+        response = await decode_task
+        try:
+            status, payload = response.status, await response.read()
+        finally:
+            response.close()
+        return f"decode answered HTTP {status}: {payload[:200]!r}" if status != 200 else ""
+
+    def _judge(self, before: dict[str, float] | None, after: dict[str, float] | None) -> tuple[bool, str]:
+        """Whether decode's counters say it loaded the probe's prompt rather than computing it."""
         if before is None or after is None:
             return True, f"decode has no {BY_SOURCE}: the hand-off cannot be verified"
         moved = after.get("external_kv_transfer", 0.0) - before.get("external_kv_transfer", 0.0)
@@ -206,24 +215,9 @@ class KvProber:
             return False, f"decode loaded {moved:.0f} of {self.prompt_tokens} prompt tokens over the hand-off"
         return True, ""
 
-    async def _post(
-        self, upstream: Upstream, body: bytes, headers: list[tuple[str, str]]
-    ) -> tuple[int, bytes]:
-        router = self.router
-        response = await router.upstream.request(
-            upstream.origin, b"POST", b"/v1/completions", router.engine_headers(headers), body
-        )
-        try:
-            return response.status, await response.read()
-        finally:
-            response.close()
-
     async def _by_source(self, decode: Upstream) -> dict[str, float] | None:
-        response = await self.router.upstream.request(decode.origin, b"GET", b"/metrics", b"", b"")
-        try:
-            text = (await response.read()).decode("utf-8", "replace")
-        finally:
-            response.close()
+        _, payload = await self.services.engines.get_read(decode, b"/metrics")
+        text = payload.decode("utf-8", "replace")
         if BY_SOURCE.removesuffix("_total") not in text:
             return None
         out: dict[str, float] = {}

@@ -27,6 +27,7 @@ import asyncio
 import logging
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import orjson
@@ -62,9 +63,20 @@ class EngineFacts:
     hash_algo: str
 
 
+class Outcome(StrEnum):
+    """A lookup's outcome, also the router's metric label."""
+
+    hit = "hit"  # decode loads the prefix and computes at most max_computed_tokens
+    partial = "partial"  # stored, but too little of the prompt to skip prefill
+    miss = "miss"
+    short = "short"  # under one block: nothing can be stored
+    error = "error"
+    unsupported = "unsupported"
+
+
 @dataclass(frozen=True)
 class Lookup:
-    outcome: str  # hit | partial | miss | short | error | unsupported
+    outcome: Outcome
     prompt_tokens: int = 0  # exact, from the engine's tokenizer (0: unknown)
     stored_tokens: int = 0  # what decode would load from the store
     reason: str = ""
@@ -234,27 +246,27 @@ class StoreIndex:
         is the router's guess of its tokens (a prompt clearly under one block costs no
         call), `tokens` its ids where the router has them already."""
         if "cache_salt" in body:
-            return Lookup("unsupported", reason="cache_salt changes the block hashes")
+            return Lookup(Outcome.unsupported, reason="cache_salt changes the block hashes")
         try:
             async with asyncio.timeout(self.timeout_s):
                 facts = await self.engines.facts_of(decode_url)
                 if facts is None:
-                    return Lookup("unsupported", reason="the engine's block keys cannot be computed")
+                    return Lookup(Outcome.unsupported, reason="the engine's block keys cannot be computed")
                 if estimate < facts.block_size // 2:
-                    return Lookup("short")
+                    return Lookup(Outcome.short)
                 if tokens is None:
                     tokens = await self.engines.tokens(decode_url, body, chat)
                 keys = block_keys(tokens, facts.block_size, facts.model, self.hash_seed)
                 if not keys:
-                    return Lookup("short", len(tokens))
+                    return Lookup(Outcome.short, len(tokens))
                 stored = loadable_tokens(await self._stored(keys), facts.block_size, len(tokens))
         except (UpstreamError, LookupFailed, TimeoutError, orjson.JSONDecodeError, KeyError, IndexError,
                 TypeError, ValueError) as e:  # fmt: skip
-            return Lookup("error", reason=repr(e))
+            return Lookup(Outcome.error, reason=repr(e))
         if stored == 0:
-            outcome = "miss"
+            outcome = Outcome.miss
         elif len(tokens) - stored <= self.max_computed_tokens:
-            outcome = "hit"
+            outcome = Outcome.hit
         else:
-            outcome = "partial"
+            outcome = Outcome.partial
         return Lookup(outcome, len(tokens), stored)
