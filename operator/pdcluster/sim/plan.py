@@ -1,7 +1,7 @@
 """`pdctl plan`: replay a trace on a simulated fleet under several policies.
 
 Policies: `static:P:D`; `static-best` (every split of the GPUs, the best in hindsight);
-`dynamo` (Dynamo's SLA planner, sim/dynamo.py; `dynamo-constant` with its constant
+`dynamo` (Dynamo's SLA planner, sim/dynamo/; `dynamo-constant` with its constant
 predictor); `pdcluster` (pdcluster.control.decide with a PDCluster whose autoscaling
 block matches the flags). Dynamic policies start from the split the capacity model
 gives for the trace's mean load, as a user sizing from the same trace would.
