@@ -9,7 +9,8 @@ from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
 from pdcluster.control import Observed, RoleObserved, decide
 from pdcluster.perf import Profile
 from pdcluster.sim import metrics
-from pdcluster.sim.fleet import PENDING, Fleet
+from pdcluster.sim.engines import PENDING
+from pdcluster.sim.fleet import Fleet
 
 # Simulated time 0 on the wall clock the control law reads.
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
