@@ -381,37 +381,37 @@ def run_policies(
     """Every policy's score and result; static-best's score when asked for; and the
     split the dynamic policies started from."""
     best_wanted = PolicyChoice(PolicyKind.STATIC_BEST) in config.policies
-    one_fleet = [c for c in config.policies if c.kind is not PolicyKind.STATIC_BEST]
+    single_runs = [c for c in config.policies if c.kind is not PolicyKind.STATIC_BEST]
     scores: list[Score] = []
     results: dict[str, Result] = {}
     best = None
-    if best_wanted or (any(c.dynamic for c in one_fleet) and config.start == "best"):
+    if best_wanted or (any(c.dynamic for c in single_runs) and config.start == "best"):
         best, result, _ = static_best(setup, config.jobs, exhaustive=True)
         if best_wanted:
             scores.append(best)
             results[best.policy] = result
     start = start_split(config.start, setup, best)
-    for sc, result in run_many(setup, one_fleet, config.jobs, start):
+    for sc, result in run_many(setup, single_runs, config.jobs, start):
         scores.append(sc)
         results[sc.policy] = result
     return scores, results, (best if best_wanted else None), start
 
 
 def start_split(start: Start, setup: Setup, best: Score | None) -> tuple[int, int]:
+    if isinstance(start, tuple):
+        return start
     if start == "neutral":  # what a cluster applied with minReplicas would start from
         return 1, 1
-    if start == "best" and best is not None:
+    if start == "best" and best is not None and best.split is not None:
         return best.split
-    if start in ("best", "model"):
-        return model_split(setup)
-    return start  # type: ignore[return-value]
+    return model_split(setup)  # "model", or "best" where static-best did not run
 
 
 def add_static_at_equal_attainment(
     report: dict, setup: Setup, config: PlanConfig, scores: list[Score]
 ) -> None:
     """For each dynamic policy, the smallest static fleet that attains as much."""
-    dynamic = {c.name for c in config.policies if c.dynamic}
+    dynamic = {c.name for c in config.policies if c.dynamic}  # a score carries its policy's name
     cache: dict[tuple[int, int], Score] = {}
     for sc in scores:
         if sc.policy in dynamic:

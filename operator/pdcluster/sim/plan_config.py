@@ -65,7 +65,8 @@ class PlanConfig:
 
 @dataclass(frozen=True)
 class ColocatedSweep:
-    """`--compare-colocated` without a trace: prompt lengths by loads, and ITL targets."""
+    """`--compare-colocated`: the sweep run without a trace (prompt lengths by loads, at
+    each mean-ITL target), and the engine time of a prompt step's fixed part in both."""
 
     lengths: tuple[int, ...] = crossover.LENGTHS
     loads: tuple[float, ...] = crossover.LOADS
