@@ -31,6 +31,9 @@ Simplifications, all deliberate: no step-time noise, no preemption (admission re
 prompt + output, which the trace knows), a long prompt is prefilled in one piece
 (no chunking overhead), KV transfers do not contend for the link, and the router never
 rejects (no admission control).
+
+Here is the event loop; the engines are in sim/engines.py, the fleet's state and shape
+in sim/fleet_state.py, and the two stages in sim/fleet_prefill.py and sim/fleet_decode.py.
 """
 
 from __future__ import annotations

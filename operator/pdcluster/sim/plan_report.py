@@ -68,8 +68,8 @@ def recommendation(
             f"{best.attainment:.1%} of requests at {scale:.2f}x the trace's rate."
         )
     if ours is not None:
-        held = results[ours_name]
-        p, d = time_weighted_split(held.timeline, held.end_s)
+        ours_result = results[ours_name]
+        p, d = time_weighted_split(ours_result.timeline, ours_result.end_s)
         lines.append(
             f"Autoscaled: start at {start[0]}:{start[1]} with autoscaling.gpuBudget {setup.fleet.gpus}; "
             f"pdcluster held {p:.1f}:{d:.1f} on average and met the SLO for {ours.attainment:.1%} "
