@@ -297,26 +297,36 @@ def run(args: argparse.Namespace) -> int:
         print("pdctl plan: --trace is required (or --compare-colocated for the sweep)", file=sys.stderr)
         return 2
     config = plan_config(args)
-    try:
-        if config.store is not None:
-            curve = plan_store.store_sweep_curve(config, say)
-        else:
-            evaluation = plan.evaluate(config, say)
-    except (TraceError, OSError) as e:
-        print(f"pdctl plan: {e}", file=sys.stderr)
-        return 2
     if config.store is not None:
-        if args.json:
-            print(json.dumps(curve, indent=2))
-        else:
-            plan_store.print_store_curve(curve)
-        return 0
+        return _run_store(config, args.json, say)
+    try:
+        evaluation = plan.evaluate(config, say)
+    except (TraceError, OSError) as e:
+        return _failed(e)
     if args.json:
         print(json.dumps(evaluation.report, indent=2))
     else:
         plan_report.print_table(evaluation.report)
     if args.plot:
         return plan_report.plot(args.plot, evaluation.results, evaluation.setup)
+    return 0
+
+
+def _failed(error: Exception) -> int:
+    """A bad trace or file: its message, without a traceback."""
+    print(f"pdctl plan: {error}", file=sys.stderr)
+    return 2
+
+
+def _run_store(config: PlanConfig, as_json: bool, say: plan.Say) -> int:
+    try:
+        curve = plan_store.store_sweep_curve(config, say)
+    except (TraceError, OSError) as e:
+        return _failed(e)
+    if as_json:
+        print(json.dumps(curve, indent=2))
+    else:
+        plan_store.print_store_curve(curve)
     return 0
 
 
@@ -331,8 +341,7 @@ def _run_colocated(args: argparse.Namespace, say: plan.Say) -> int:
     try:
         comparison = plan_colocated.compare_colocated(plan_config(args), sweep, say)
     except (TraceError, OSError) as e:
-        print(f"pdctl plan: {e}", file=sys.stderr)
-        return 2
+        return _failed(e)
     plan_colocated.print_comparison(comparison, args.json)
     if args.csv:
         for path in crossover.write_csv(args.csv, comparison.points, comparison.by_itl):
