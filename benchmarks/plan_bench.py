@@ -50,10 +50,23 @@ import time
 from pathlib import Path
 
 from pdcluster import perf
-from pdcluster.sim import plan, scoring
+from pdcluster.sim import plan, plan_report, scoring
+from pdcluster.sim.plan_config import PlanConfig, PolicyKnobs
+from pdcluster.sim.plan_policies import PolicyChoice, PolicyKind
 from pdcluster.sim.trace import Trace, load_trace, phases
 
-POLICIES = ("static-best", "pdcluster", "pdcluster-prior", "dynamo", "dynamo-load", "llmd", "oracle")
+POLICIES = tuple(
+    PolicyChoice(kind)
+    for kind in (
+        PolicyKind.STATIC_BEST,
+        PolicyKind.PDCLUSTER,
+        PolicyKind.PDCLUSTER_PRIOR,
+        PolicyKind.DYNAMO,
+        PolicyKind.DYNAMO_LOAD,
+        PolicyKind.LLMD,
+        PolicyKind.ORACLE,
+    )
+)
 CONV, SYNTHETIC, AZURE = (
     "mooncake_conversation_trace.jsonl",
     "mooncake_synthetic_trace.jsonl",
@@ -92,14 +105,19 @@ def write_jsonl(trace: Trace, path: Path) -> None:
             f.write("\n")
 
 
-def plan_args(path: Path, plus_prefill: bool, level: float, jobs: int, gpus: int) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
-    argv = ["--trace", str(path), "--gpus", str(gpus), "--slo-ttft-ms", "500", "--slo-itl-ms", "25"]
-    argv += ["--startup-s", "60", "--rate-mode", "replicate", "--static-attains", str(level)]
-    argv += ["--start", "neutral", "--equal-attainment", "--jobs", str(jobs)]
-    argv += [a for p in POLICIES for a in ("--policy", p)]
-    return parser.parse_args(argv + (["--ttft-plus-prefill"] if plus_prefill else []))
+def plan_config(path: Path, plus_prefill: bool, level: float, jobs: int, gpus: int) -> PlanConfig:
+    return PlanConfig(
+        gpus=gpus,
+        slo=scoring.SLO(500.0, 25.0, plus_prefill),
+        trace=str(path),
+        startup_s=60.0,
+        rate_mode="replicate",
+        static_attains=level,
+        start="neutral",
+        equal_attainment=True,
+        jobs=jobs,
+        policies=POLICIES,
+    )
 
 
 def targets(report: dict) -> dict:
@@ -163,12 +181,9 @@ def learning() -> dict:
 
     plant = perf.load("splitwise-llama2-70b-h100-80gb-tp4")
     trace = load_trace(perf.traces_dir() / AZURE).window(0, 1800)
-    parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
-    args = parser.parse_args(["--trace", "-", "--gpus", "64", "--slo-ttft-ms", "2000", "--slo-itl-ms", "60"])
     fleet = FleetConfig(gpus=64, startup_s=60.0, gpus_per_engine=plant.gpus)
-    setup = plan.Setup(trace.replicated(0.5), plant, scoring.SLO(2000.0, 60.0, False), fleet, args)
-    policy = plan.make_policy("pdcluster", setup, (1, 1))
+    setup = plan.Setup(trace.replicated(0.5), plant, scoring.SLO(2000.0, 60.0, False), fleet, PolicyKnobs())
+    policy = plan.make_policy(PolicyChoice(PolicyKind.PDCLUSTER), setup, (1, 1))
     first: dict[str, float | None] = {"prefill": None, "decode": None}
     original = policy.decide
 
@@ -196,7 +211,9 @@ def learning() -> dict:
 
     policy.decide = watched
     result = simulate(setup.trace, plant, policy, fleet)
-    prior = simulate(setup.trace, plant, plan.make_policy("pdcluster-prior", setup, (1, 1)), fleet)
+    prior = simulate(
+        setup.trace, plant, plan.make_policy(PolicyChoice(PolicyKind.PDCLUSTER_PRIOR), setup, (1, 1)), fleet
+    )
     targets_s = setup.targets_s
     return {
         "plant": plant.name,
@@ -234,14 +251,15 @@ def main(argv: list[str] | None = None) -> int:
             write_jsonl(trace, path)
             for level in map(float, a.levels.split(",")):
                 started = time.perf_counter()
-                report, _, _ = plan.evaluate(
-                    plan_args(path, plus_prefill, level, a.jobs, a.gpus), lambda m: print(m, file=sys.stderr)
-                )
+                report = plan.evaluate(
+                    plan_config(path, plus_prefill, level, a.jobs, a.gpus),
+                    lambda m: print(m, file=sys.stderr),
+                ).report
                 report["scenario"], report["level"] = name, level
                 report["targets"] = targets(report)
                 report["bench_wall_s"] = round(time.perf_counter() - started)
                 out["runs"].append(report)
-                plan.print_table(report)
+                plan_report.print_table(report)
                 print(
                     "targets: "
                     + ", ".join(

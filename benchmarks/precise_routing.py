@@ -28,6 +28,9 @@ from pathlib import Path
 
 from pdcluster import perf
 from pdcluster.sim import plan
+from pdcluster.sim.plan_config import PlanConfig
+from pdcluster.sim.plan_policies import PolicyChoice
+from pdcluster.sim.scoring import SLO
 from pdcluster.sim.store import reusable_fraction
 
 ROUTERS = ("least-loaded", "prefix-aware", "precise-prefix")
@@ -38,18 +41,17 @@ def traces_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 
-def run(gpus: int, split: str, router: str) -> dict:
-    parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
-    argv = [
-        "--trace", str(traces_dir() / TRACE), "--gpus", str(gpus), "--slo-ttft-ms", "500",
-        "--slo-itl-ms", "25", "--ttft-plus-prefill", "--rate-scale", "1", "--policy", f"static:{split}",
-        "--router", router, "--jobs", "1",
-    ]  # fmt: skip
-    args = parser.parse_args(argv)
-    args.policy = [f"static:{split}"]
-    _, results, setup = plan.evaluate(args)
-    trace, result = setup.trace, next(iter(results.values()))
+def run(gpus: int, split: tuple[int, int], router: str) -> dict:
+    config = PlanConfig(
+        gpus=gpus,
+        slo=SLO(500.0, 25.0, plus_prefill=True),
+        trace=str(traces_dir() / TRACE),
+        rate_scale=1.0,
+        router=router,
+        policies=(PolicyChoice.static(*split),),
+    )
+    evaluation = plan.evaluate(config)
+    trace, result = evaluation.setup.trace, next(iter(evaluation.results.values()))
     prompt = sum(trace.input_tokens)
     reusable = reusable_fraction(trace.blocks, trace.block_tokens, trace.input_tokens)
     ttfts = [t for t, done in zip(result.ttft_s, result.finished, strict=True) if done]
@@ -74,7 +76,8 @@ def main() -> int:
     args = parser.parse_args()
     if not (traces_dir() / TRACE).exists():
         sys.exit(f"no trace at {traces_dir() / TRACE}")
-    rows = [run(args.gpus, args.split, router) for router in ROUTERS]
+    prefill, decode = args.split.split(":")
+    rows = [run(args.gpus, (int(prefill), int(decode)), router) for router in ROUTERS]
     print(f"{TRACE}, {args.gpus} GPUs split {args.split} (prefill:decode)")
     print(
         f"{'router':<16}{'hit ratio':>10}{'of reusable':>13}{'prefill GPU-s':>15}{'TTFT p50':>10}{'TTFT p90':>10}"

@@ -3,7 +3,7 @@ same fleet with and without it.
 
     .venv/bin/python benchmarks/store_bench.py [--gpus 8] [--split 4:4] [--json results.json]
 
-Each run is `pdctl plan --store-gib` (pdcluster.sim.plan.store_curve) on one static split
+Each run is `pdctl plan --store-gib` (pdcluster.sim.plan_store.store_curve) on one static split
 of simulated H200s (Llama-3.1-8B profile: 128 KiB of KV per token, so a 512-token block
 is 64 MiB), at the trace's own rate, for the Mooncake conversation and synthetic traces
 (512-token hash_ids), with the prefix-aware router (which already keeps a conversation
@@ -25,11 +25,14 @@ import json
 import sys
 from pathlib import Path
 
-from pdcluster.sim import plan
+from pdcluster.sim import plan_store
+from pdcluster.sim.plan_config import PlanConfig, StoreSweep
+from pdcluster.sim.plan_policies import PolicyChoice
+from pdcluster.sim.scoring import SLO
 
 TRACES = {"conversation": "mooncake_conversation_trace.jsonl", "synthetic": "mooncake_synthetic_trace.jsonl"}
-DRAM_GIB = "512,2048,8192"
-TIERED = ("512", "8192")  # DRAM GiB, SSD GiB
+DRAM_GIB = (512.0, 2048.0, 8192.0)
+TIERED = ((512.0,), 8192.0)  # DRAM GiB, SSD GiB
 
 
 def traces_dir() -> Path:
@@ -37,19 +40,19 @@ def traces_dir() -> Path:
     return here.parent / "shared" / "traces"
 
 
-def curve(trace: str, gpus: int, split: str, router: str, dram: str, ssd: str = "0") -> dict:
-    parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
-    argv = [
-        "--trace", str(traces_dir() / TRACES[trace]), "--gpus", str(gpus), "--slo-ttft-ms", "500",
-        "--slo-itl-ms", "25", "--ttft-plus-prefill", "--rate-scale", "1", "--policy", f"static:{split}",
-        "--router", router, "--store-gib", dram, "--store-ssd-gib", ssd, "--jobs", "1",
-    ]  # fmt: skip
-    args = parser.parse_args(argv)
-    args.policy = [f"static:{split}"]
-    _, _, setup = plan.evaluate(args)
-    p, d = split.split(":")
-    return plan.store_curve(setup, (int(p), int(d)))
+def curve(
+    trace: str, gpus: int, split: tuple[int, int], router: str, dram: tuple[float, ...], ssd: float = 0.0
+) -> dict:
+    config = PlanConfig(
+        gpus=gpus,
+        slo=SLO(500.0, 25.0, plus_prefill=True),
+        trace=str(traces_dir() / TRACES[trace]),
+        rate_scale=1.0,
+        router=router,
+        policies=(PolicyChoice.static(*split),),
+        store=StoreSweep(dram, ssd_gib=ssd),
+    )
+    return plan_store.store_sweep_curve(config)
 
 
 def main() -> int:
@@ -60,14 +63,16 @@ def main() -> int:
     parser.add_argument("--split", default="4:4")
     parser.add_argument("--json", help="also write every figure here")
     args = parser.parse_args()
+    prefill, decode = args.split.split(":")
+    split = (int(prefill), int(decode))
     results = []
     print("| trace | router | DRAM GiB | SSD GiB | from store | reused / reusable | bypassed | prefill GPU-s "
           "| saved | saved / reusable | TTFT p50 | TTFT p90 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for trace in TRACES:
         for router in ("prefix-aware", "least-loaded"):
-            runs = [curve(trace, args.gpus, args.split, router, DRAM_GIB)]
-            runs.append(curve(trace, args.gpus, args.split, router, TIERED[0], TIERED[1]))
+            runs = [curve(trace, args.gpus, split, router, DRAM_GIB)]
+            runs.append(curve(trace, args.gpus, split, router, *TIERED))
             for i, c in enumerate(runs):
                 results.append({"router": router, **c})
                 for r in c["rows"][1:] if i else c["rows"]:

@@ -131,9 +131,9 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pdcluster.sim import plan
+    from pdcluster.sim import plan_cli
 
-    return plan.run(args)
+    return plan_cli.run(args)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -172,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             sp.add_argument("--kubeconfig", help="with --server (default: $KUBECONFIG, in-cluster, ~/.kube/config)")
         sp.set_defaults(func=func)
     plan_parser = sub.add_parser("plan", help="compare autoscaling policies on a trace (fleet simulator)")
-    from pdcluster.sim import plan
+    from pdcluster.sim import plan_cli
 
-    plan.add_arguments(plan_parser)
+    plan_cli.add_arguments(plan_parser)
     plan_parser.set_defaults(func=cmd_plan)
     from pdcluster.sim import trace_cli
 

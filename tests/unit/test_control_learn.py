@@ -3,7 +3,6 @@ what is known when, and a simulated plant the law is given no profile for."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import random
@@ -17,6 +16,8 @@ from pdcluster.control.cause import Cause
 from pdcluster.control.types import MetricsSnapshot, assemble
 from pdcluster.sim import plan
 from pdcluster.sim.fleet import FleetConfig, simulate
+from pdcluster.sim.plan_config import PolicyKnobs
+from pdcluster.sim.plan_policies import PolicyChoice, PolicyKind
 from pdcluster.sim.trace import Trace
 
 PRIOR = perf.load()
@@ -164,12 +165,9 @@ def test_a_plant_without_a_profile_is_learned_within_ten_minutes() -> None:
     step at the load it runs are within 20% of the plant's."""
     plant = perf.load("splitwise-llama2-70b-h100-80gb-tp4")
     trace = _steady_trace(minutes=10, rate=1.5)
-    parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
-    args = parser.parse_args(["--trace", "-", "--gpus", "32", "--slo-ttft-ms", "2000", "--slo-itl-ms", "60"])
     fleet = FleetConfig(gpus=32, startup_s=60.0, gpus_per_engine=plant.gpus)
-    setup = plan.Setup(trace, plant, plan.SLO(2000.0, 60.0, False), fleet, args)
-    policy = plan.make_policy("pdcluster", setup, (2, 2))
+    setup = plan.Setup(trace, plant, plan.SLO(2000.0, 60.0, False), fleet, PolicyKnobs())
+    policy = plan.make_policy(PolicyChoice(PolicyKind.PDCLUSTER), setup, (2, 2))
     result = simulate(trace, plant, policy, fleet)
     assert result.decisions, "the law never acted"
     state = policy.state

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdcluster import perf
-from pdcluster.sim import crossover, plan, scoring
+from pdcluster.sim import crossover, plan_cli, scoring
 from pdcluster.sim.crossover import Setting
 
 SLO = scoring.SLO(1000.0, 50.0, plus_prefill=True)
@@ -92,7 +92,7 @@ def test_the_command_prints_the_sweep_and_writes_its_data_and_plot(
     args = ["--compare-colocated", "--gpus", "2", "--slo-ttft-ms", "1000", "--ttft-plus-prefill"]
     args += ["--slo-itl-ms", "50", "--lengths", "1024,16384", "--loads", "0.2,0.6", "--requests", "60"]
     args += ["--span-s", "2", "--itl-targets", "20,50"]
-    assert plan.main([*args, "--csv", str(data), "--plot", str(png), "--json", "--jobs", "1"]) == 0
+    assert plan_cli.main([*args, "--csv", str(data), "--plot", str(png), "--json", "--jobs", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [(p["prompt_tokens"], p["load"]) for p in report["points"]] == [
         (1024, 0.2),
@@ -124,7 +124,7 @@ def test_the_command_compares_on_a_trace(tmp_path: Path, capsys: pytest.CaptureF
         )
     )
     args = ["--compare-colocated", "--trace", str(trace), "--gpus", "2", "--slo-ttft-ms", "800"]
-    assert plan.main([*args, "--slo-itl-ms", "40", "--rate-scale", "1", "--json", "--jobs", "1"]) == 0
+    assert plan_cli.main([*args, "--slo-itl-ms", "40", "--rate-scale", "1", "--json", "--jobs", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     (point,) = report["points"]
     assert point["prompt_tokens"] == 0 and point["winner"] in ("colocated", "disaggregated", "tie")
@@ -156,5 +156,5 @@ def test_the_recommendation_names_the_mode_and_by_how_much(
 def test_without_a_trace_or_the_sweep_the_command_says_what_it_needs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert plan.main(["--gpus", "2", "--slo-ttft-ms", "1", "--slo-itl-ms", "1"]) == 2
+    assert plan_cli.main(["--gpus", "2", "--slo-ttft-ms", "1", "--slo-itl-ms", "1"]) == 2
     assert "--trace is required" in capsys.readouterr().err

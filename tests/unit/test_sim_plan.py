@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.sim import plan, scoring
+from pdcluster.sim import plan, plan_cli, scoring
 from pdcluster.sim.fleet import Result
 from pdcluster.sim.trace import Trace
 
@@ -38,7 +38,7 @@ def small_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
-    assert plan.main([*args, "--json", "--jobs", "1"]) == 0
+    assert plan_cli.main([*args, "--json", "--jobs", "1"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -233,7 +233,7 @@ def test_plan_rejects_a_bad_trace_naming_the_line(
 ) -> None:
     path = tmp_path / name
     path.write_text(text)
-    code = plan.main(["--trace", str(path), "--gpus", "4", "--slo-ttft-ms", "500", "--slo-itl-ms", "30"])
+    code = plan_cli.main(["--trace", str(path), "--gpus", "4", "--slo-ttft-ms", "500", "--slo-itl-ms", "30"])
     err = capsys.readouterr().err
     assert code == 2
     assert message in err, err
@@ -241,7 +241,7 @@ def test_plan_rejects_a_bad_trace_naming_the_line(
 
 
 def test_plan_rejects_a_budget_of_one_engine(small_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = plan.main(
+    code = plan_cli.main(
         ["--trace", str(small_trace), "--gpus", "1", "--slo-ttft-ms", "500", "--slo-itl-ms", "30"]
     )
     assert code == 2

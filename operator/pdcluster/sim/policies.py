@@ -9,7 +9,9 @@ from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
 from pdcluster.control import Observed, RoleObserved, decide
 from pdcluster.perf import Profile
 from pdcluster.sim import metrics
-from pdcluster.sim.fleet import PENDING, Fleet
+from pdcluster.sim.engines import PENDING
+from pdcluster.sim.fleet import Fleet
+from pdcluster.sim.plan_policies import PolicyChoice
 
 # Simulated time 0 on the wall clock the control law reads.
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
@@ -20,7 +22,7 @@ class Static:
 
     def __init__(self, prefill: int, decode: int) -> None:
         self.split = (prefill, decode)
-        self.name = f"static:{prefill}:{decode}"
+        self.name = PolicyChoice.static(prefill, decode).name
 
     def initial(self) -> tuple[int, int]:
         return self.split

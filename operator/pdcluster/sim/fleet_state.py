@@ -1,0 +1,211 @@
+"""The fleet's state, its event queue and its shape: which engines exist, which are
+ready, and the GPUs they hold. The prefill and decode stages (fleet_prefill.py,
+fleet_decode.py) and the event loop (fleet.py) build on it."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from pdcluster.control.models import MAX_BATCHED_TOKENS
+from pdcluster.observability import Histogram
+from pdcluster.perf import Profile
+from pdcluster.router.policy import LeastLoaded, PreciseCache, make_policy
+from pdcluster.sim import metrics as M
+from pdcluster.sim.engines import (
+    DRAINING,
+    GONE,
+    PENDING,
+    READY,
+    STARTING,
+    DecodeEngine,
+    Engine,
+    PrefillEngine,
+)
+from pdcluster.sim.store import StoreConfig, TieredStore
+from pdcluster.sim.trace import Trace
+
+if TYPE_CHECKING:
+    from pdcluster.sim.fleet import Fleet
+
+ARRIVE, PREFILL_DONE, TRANSFER_DONE, DECODE_WAKE, ENGINE_READY, SCRAPE, CONTROL, STORE_LOADED = range(8)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    gpus: int  # GPUs in the cluster
+    startup_s: float = 60.0
+    link_gbps: float = 200.0  # effective P->D bandwidth per transfer
+    scrape_s: float = 15.0
+    router: str = "prefix-aware"
+    max_batched_tokens: int = MAX_BATCHED_TOKENS
+    gpus_per_engine: int = 1
+    max_time_s: float = 48 * 3600.0  # give up on requests that never finish
+    store: StoreConfig | None = None  # a Mooncake store shared by all engines
+    # The engine time of a prefill batch's fixed part; None: the profile's a. Below a,
+    # the rest of a is each request's own latency before it reaches an engine (HTTP,
+    # tokenization: work that holds no GPU), so an isolated request's TTFT is unchanged.
+    prefill_fixed_ms: float | None = None
+
+
+class Policy(Protocol):
+    name: str
+    interval_s: float
+
+    def initial(self) -> tuple[int, int]: ...
+
+    def decide(self, now_s: float, fleet: Fleet) -> tuple[int, int] | None: ...
+
+
+class FleetState:
+    """What every part of the fleet reads and writes, and the engines' lifecycle."""
+
+    def __init__(self, trace: Trace, profile: Profile, policy: Policy, config: FleetConfig) -> None:
+        self.trace = trace
+        self.profile = profile
+        self.policy = policy
+        self.cfg = config
+        self.router = make_policy(config.router, trace.block_tokens)
+        # precise-prefix: the engines' caches as their KV events tell, without delay
+        self.kv_index = self.router.index if isinstance(self.router, PreciseCache) else None
+        self.decode_router = LeastLoaded()
+        self.now = 0.0
+        self.events: list[tuple[float, int, int, object, int]] = []
+        self.seq = 0
+        self.next_id = 0
+        self.engines: dict[str, list[Engine]] = {"prefill": [], "decode": []}
+        self.ready: dict[str, list[Engine]] = {"prefill": [], "decode": []}
+        self.pending: deque[Engine] = deque()
+        self.held = 0
+        self.gpu_seconds = 0.0
+        self.held_since = 0.0
+        self.targets = (0, 0)
+        self.backlog: dict[str, deque[int]] = {"prefill": deque(), "decode": deque()}
+        n = len(trace)
+        self.ttft = [math.nan] * n
+        self.first_token = [math.nan] * n
+        self.prefilled_at = [math.nan] * n  # when the router got the prefill's answer
+        self.finish = [math.nan] * n
+        self.done = 0
+        self.cache_blocks = max(profile.max_kv_tokens // trace.block_tokens, 1)
+        a = profile.prefill_coef[0]
+        self.prefill_fixed_ms = a if config.prefill_fixed_ms is None else min(config.prefill_fixed_ms, a)
+        self.ingress_s = (a - self.prefill_fixed_ms) / 1000.0
+        self.store = TieredStore(config.store) if config.store else None
+        self.stored: dict[int, int] = {}  # request -> tokens prefill loaded from the store
+        self.prefill_gpu_seconds = 0.0
+        self.bypassed = 0
+        self.store_tokens = 0
+        self.reused_tokens = 0
+        self.bytes_per_s = config.link_gbps * 1e9 / 8
+        self.timeline: list[tuple[float, int, int, int, int, int]] = []
+        self.decisions: list[tuple[float, int, int, str]] = []
+        # Cumulative series, as the engines' and the router's /metrics would show them.
+        self.scrapes = M.Scrapes(M.histogram_bounds())
+        self.hist = {name: Histogram(bounds) for name, bounds in self.scrapes.bounds.items()}
+        self.counters = dict.fromkeys(
+            (
+                M.ROUTER_FINISHED,
+                M.ROUTER_PROMPT_TOKENS,
+                M.ROUTER_GENERATION_TOKENS,
+                M.PREFIX_QUERIES,
+                M.PREFIX_HITS,
+                M.REQUESTS_ARRIVED,
+                M.PREFILL_PROMPT_TOKENS,
+                M.PREFILL_SUCCESS,
+                M.DECODE_GENERATION_TOKENS,
+            ),
+            0.0,
+        )
+
+    # ---------------------------------------------------------------- event plumbing
+    def push(self, t: float, kind: int, obj: object = None, arg: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, obj, arg))
+
+    # ---------------------------------------------------------------- fleet shape
+    def account(self) -> None:
+        self.gpu_seconds += self.held * (self.now - self.held_since)
+        self.held_since = self.now
+
+    def set_held(self, delta: int) -> None:
+        self.account()
+        self.held += delta
+
+    def active(self, role: str) -> list[Engine]:
+        return [e for e in self.engines[role] if e.state in (PENDING, STARTING, READY)]
+
+    def scale(self, prefill: int, decode: int, initial: bool = False) -> None:
+        self.targets = (prefill, decode)
+        for role, want in (("prefill", prefill), ("decode", decode)):
+            active = self.active(role)
+            for _ in range(want - len(active)):
+                self.add_engine(role, ready=initial)
+            if want < len(active):
+                # A StatefulSet removes its highest ordinals first.
+                for engine in sorted(active, key=lambda e: e.ordinal, reverse=True)[: len(active) - want]:
+                    self.remove_engine(engine)
+        for role in self.engines:
+            self.engines[role] = [e for e in self.engines[role] if e.state != GONE]
+        self.schedule_pending()
+        self.mark()
+
+    def add_engine(self, role: str, ready: bool) -> None:
+        self.next_id += 1
+        ordinals = {e.ordinal for e in self.engines[role] if e.state != GONE}
+        ordinal = next(i for i in range(len(ordinals) + 1) if i not in ordinals)
+        gpus = self.cfg.gpus_per_engine
+        engine: Engine
+        if role == "prefill":
+            engine = PrefillEngine(self.next_id, ordinal, gpus, self.cache_blocks)
+        else:
+            engine = DecodeEngine(self.next_id, ordinal, gpus)
+        self.engines[role].append(engine)
+        if ready:
+            engine.state = READY
+            self.set_held(gpus)
+            self.ready[role].append(engine)
+            self.events_from(engine)
+        else:
+            self.pending.append(engine)
+
+    def remove_engine(self, engine: Engine) -> None:
+        if engine.state == PENDING:
+            self.pending.remove(engine)
+            engine.state = GONE
+        elif engine.state == STARTING:
+            engine.state = GONE
+            self.set_held(-engine.gpus)
+        else:
+            engine.state = DRAINING
+            self.ready[engine.role].remove(engine)
+            self.retire_if_empty(engine)
+
+    def retire_if_empty(self, engine: Engine) -> None:
+        if engine.state == DRAINING and engine.idle():  # type: ignore[attr-defined]
+            engine.state = GONE
+            self.router.forget(engine.id)
+            self.set_held(-engine.gpus)
+            self.engines[engine.role] = [e for e in self.engines[engine.role] if e.state != GONE]
+            self.schedule_pending()
+            self.mark()
+
+    def schedule_pending(self) -> None:
+        while self.pending and self.held + self.pending[0].gpus <= self.cfg.gpus:
+            engine = self.pending.popleft()
+            engine.state = STARTING
+            self.set_held(engine.gpus)
+            self.push(self.now + self.cfg.startup_s, ENGINE_READY, engine)
+
+    def events_from(self, engine: Engine) -> None:
+        """A ready prefill engine's (empty) cache is known from its first event batch on."""
+        if self.kv_index is not None and engine.role == "prefill":
+            self.kv_index.batch(engine.id, [])
+
+    def mark(self) -> None:
+        self.timeline.append(
+            (self.now, len(self.ready["prefill"]), len(self.ready["decode"]), *self.targets, self.held)
+        )
