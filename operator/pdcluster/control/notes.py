@@ -74,7 +74,9 @@ class Note:
             template = template[self.role or ""]
         # `who`: the role, where the note does not go without saying (a colocated pool's).
         who = f"{self.role} " if self.role and self.role != "colocated" else ""
-        return template.format(role=self.role, who=who, **self.figures)
+        unschedulable = self.figures.get("unschedulable")
+        stuck = f", {unschedulable} unschedulable" if unschedulable else ""
+        return template.format(role=self.role, who=who, stuck=stuck, **self.figures)
 
 
 def note(kind: NoteKind, role: str | None = None, **figures: Any) -> Note:

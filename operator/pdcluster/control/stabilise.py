@@ -36,14 +36,13 @@ def time_out(ctx: Context, timers: Timers, role: Role, current: int) -> tuple[Ti
     timers = (
         timers.set("pending", role, None).set("up_since", role, None).set("blocked", role, blocked_for(ctx))
     )
-    stuck = f", {seen.unschedulable} unschedulable" if seen.unschedulable else ""
     why = note(
         NoteKind.scale_up_timed_out,
         role,
         target=current,
         waited=waited,
         ready=seen.ready,
-        stuck=stuck,
+        unschedulable=seen.unschedulable,
         fallback=fallback,
         timeout=timeout,
     )
