@@ -12,8 +12,9 @@ from pdcluster.control.cause import Cause, Figures
 from pdcluster.control.context import ROLES, Context, Role
 from pdcluster.control.needs import Need, prefill_latency
 from pdcluster.control.notes import Note, worded
+from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms
 from pdcluster.control.stabilise import Settled
-from pdcluster.control.types import MetricsSnapshot, Stage, TTFTBreakdown
+from pdcluster.control.types import MetricsSnapshot, TTFTBreakdown
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def cause_of(current: Counts, a: Analysis) -> Verdict:
         return Verdict(Cause.cooling_down)
     if a.settled.blocked is not None:
         return Verdict(Cause.scale_up_blocked, a.settled.blocked)
-    if a.stages is not None and a.stages.largest == Stage.kv_handoff and a.ttft_missed:
+    if largest_stage(a.stages) == Stage.kv_handoff and a.ttft_missed:
         return Verdict(Cause.kv_handoff_slow)
     wanted = [r for r in ROLES if a.wants[r] != current[r]]
     if wanted:
@@ -82,7 +83,7 @@ def reason(ctx: Context, current: Counts, a: Analysis, notes: tuple[Note, ...]) 
     auto, m, target = ctx.auto, a.m, a.settled.target
     ttft_name = "TTFT" if auto.ttft_includes_prefill else "TTFT less own prefill"
     ttft = _quantile(ttft_name, prefill_latency(auto, m), auto.slo.ttft_ms, auto, ctx.tol)
-    itl = _quantile("ITL", m.itl_seen_ms(m.decode), auto.slo.itl_ms, auto, ctx.tol)
+    itl = _quantile("ITL", seen_itl_ms(m, m.decode), auto.slo.itl_ms, auto, ctx.tol)
     moves = [f"{target[r] - current[r]:+d} {r}" for r in ROLES if target[r] != current[r]]
     action = ", ".join(moves) if moves else f"hold {current[Role.prefill]}:{current[Role.decode]}"
     model = f"model needs {a.needs[Role.prefill].up}:{a.needs[Role.decode].up}"
@@ -98,7 +99,7 @@ def figures(ctx: Context, m: MetricsSnapshot | None, current: Counts, a: Analysi
         quantile=auto.slo.quantile.value,
         ttft_ms=None if m is None or m.request_rate <= 0 else prefill_latency(auto, m),
         ttft_target_ms=auto.slo.ttft_ms,
-        itl_ms=None if m is None else m.itl_seen_ms(m.decode),
+        itl_ms=None if m is None else seen_itl_ms(m, m.decode),
         itl_target_ms=auto.slo.itl_ms,
         kv_usage=None if m is None else m.decode_kv_usage,
         budget=auto.gpu_budget,

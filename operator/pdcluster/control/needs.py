@@ -18,8 +18,9 @@ from pdcluster.control import models
 from pdcluster.control.cause import Cause
 from pdcluster.control.context import Context, Role
 from pdcluster.control.notes import Note, NoteKind, note
+from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms, seen_ttft_ms
 from pdcluster.control.sizing import QUEUEING_SHARE, fewest_decode, fewest_prefill, prefill_bound
-from pdcluster.control.types import MetricsSnapshot, Stage, TTFTBreakdown
+from pdcluster.control.types import MetricsSnapshot, TTFTBreakdown
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def wait_quantile(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
 
 def prefill_latency(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
     """The TTFT quantile the target applies to, or None when unseen."""
-    ttft = m.ttft_seen_ms(m.prefill)
+    ttft = seen_ttft_ms(m, m.prefill)
     if auto.ttft_includes_prefill or ttft is None:
         return ttft
     # Without the prompt's own prefill: the prefill wait plus what follows prefill
@@ -164,7 +165,7 @@ def _mean_wait(m: MetricsSnapshot) -> float | None:
 
 
 def _lost_after_prefill(view: View) -> bool:
-    return view.stages is not None and view.stages.largest in (Stage.kv_handoff, Stage.decode_wait)
+    return largest_stage(view.stages) in (Stage.kv_handoff, Stage.decode_wait)
 
 
 def _decode_model(ctx: Context, m: MetricsSnapshot, view: View) -> models.DecodeModel:
@@ -177,7 +178,7 @@ def _decode_model(ctx: Context, m: MetricsSnapshot, view: View) -> models.Decode
         input_tokens=m.mean_input_tokens or 1.0,
         output_tokens=m.mean_output_tokens or 1.0,
         engines=ready if ready is not None else float(ctx.seen(Role.decode).ready),
-        observed_itl_ms=m.itl_seen_ms(m.decode),
+        observed_itl_ms=seen_itl_ms(m, m.decode),
         observed_kv_usage=m.decode_kv_usage,
     )
     return _grown(ctx, view, model, Role.decode)
@@ -195,7 +196,7 @@ def decode_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
     need = Need(
         up, fewest_decode(model, target, most, -tol) or up, cause_down=Cause.decode_headroom, notes=notes
     )
-    itl, kv = m.itl_seen_ms(m.decode), m.decode_kv_usage
+    itl, kv = seen_itl_ms(m, m.decode), m.decode_kv_usage
     kv_full = kv is not None and kv > models.KV_LIMIT
     if itl is not None:
         violated = itl > target * (1.0 + tol) or kv_full
@@ -210,9 +211,7 @@ def decode_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
     need = replace(need, cause_up=decode_cause(kv_full, need.violated))
     # Without the transfer-time series (vLLM 0.32 exports none) a decode wait may be a
     # slow hand-off: only a measured split asks for decode.
-    waited = (
-        view.stages is not None and view.stages.largest == Stage.decode_wait and m.kv_handoff_ms is not None
-    )
+    waited = largest_stage(view.stages) == Stage.decode_wait and m.kv_handoff_ms is not None
     if not (waited and ttft_missed(ctx, m)):
         return need
     # Requests wait for a decode step before their first token: decode is short.
@@ -242,7 +241,7 @@ def feedback_need(ctx: Context, m: MetricsSnapshot, view: View, role: Role, unse
     if role == Role.prefill:
         target, seen, full = float(slo.ttft_ms), prefill_latency(ctx.auto, m), False
     else:
-        target, seen = float(slo.itl_ms), m.itl_seen_ms(m.decode)
+        target, seen = float(slo.itl_ms), seen_itl_ms(m, m.decode)
         full = m.decode_kv_usage is not None and m.decode_kv_usage > models.KV_LIMIT
     need = Need(cur, cur, notes=(note(NoteKind.feedback_only, role, unseen=unseen),))
     if seen is not None:

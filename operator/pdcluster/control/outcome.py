@@ -11,6 +11,7 @@ from pdcluster.api.v1alpha1 import AutoscalingState, Decision, ObservedMetrics
 from pdcluster.control.cause import Figures
 from pdcluster.control.context import Context, Role, Timers
 from pdcluster.control.notes import Note
+from pdcluster.control.observed import seen_itl_ms, seen_ttft_ms
 from pdcluster.control.types import MetricsSnapshot
 
 
@@ -60,8 +61,8 @@ def observed_metrics(m: MetricsSnapshot | None) -> ObservedMetrics | None:
         return None if x is None or not math.isfinite(x) else round(x)
 
     return ObservedMetrics(
-        ttft_ms=whole(m.ttft_seen_ms(m.prefill)),
-        itl_ms=whole(m.itl_seen_ms(m.decode)),
+        ttft_ms=whole(seen_ttft_ms(m, m.prefill)),
+        itl_ms=whole(seen_itl_ms(m, m.decode)),
         request_rate_milli=whole(m.request_rate * 1000.0),
         mean_input_tokens=whole(m.mean_input_tokens),
         mean_output_tokens=whole(m.mean_output_tokens),

@@ -33,6 +33,7 @@ from pdcluster.control import models
 from pdcluster.control.cause import Cause, Figures, summary
 from pdcluster.control.context import Context, Role, Timers, context
 from pdcluster.control.notes import Note, NoteKind, note, worded
+from pdcluster.control.observed import seen_itl_ms, seen_ttft_ms
 from pdcluster.control.outcome import Outcome, action, next_state, pending_from_now
 from pdcluster.control.stabilise import step, time_out
 from pdcluster.control.types import MetricsSnapshot, Observed
@@ -108,10 +109,10 @@ def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot
 def _signals(ctx: Context, m: MetricsSnapshot) -> Signals:
     """Each signal as a share of its target (None when unseen)."""
     pool, slo = m.colocated, ctx.auto.slo
-    ttft = m.ttft_seen_ms(pool)
+    ttft = seen_ttft_ms(m, pool)
     if not ctx.auto.ttft_includes_prefill and pool.queue_time_q_ms is not None:
         ttft = pool.queue_time_q_ms  # what precedes the prompt's own (chunked) prefill
-    itl = m.itl_seen_ms(pool)
+    itl = seen_itl_ms(m, pool)
     return {
         "ttft": None if ttft is None else ttft / slo.ttft_ms,
         "itl": None if itl is None else itl / slo.itl_ms,
@@ -224,9 +225,9 @@ def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, want: int | 
     )
     return Figures(
         quantile=slo.quantile.value,
-        ttft_ms=None if m is None else m.ttft_seen_ms(m.colocated),
+        ttft_ms=None if m is None else seen_ttft_ms(m, m.colocated),
         ttft_target_ms=slo.ttft_ms,
-        itl_ms=None if m is None else m.itl_seen_ms(m.colocated),
+        itl_ms=None if m is None else seen_itl_ms(m, m.colocated),
         itl_target_ms=slo.itl_ms,
         kv_usage=None if m is None else m.colocated.kv_usage,
         budget=auto.gpu_budget,

@@ -4,6 +4,7 @@ fleet planner sizes a load with before any observation."""
 from __future__ import annotations
 
 from pdcluster.control import models
+from pdcluster.perf import Profile
 
 # Without a reachable TTFT target (prompts whose own prefill exceeds it) prefill is
 # sized so that queueing adds at most this share of the target.
@@ -35,3 +36,43 @@ def fewest_decode(model: models.DecodeModel, target_ms: float, limit: int, margi
     return models.fewest_engines(
         model.itl_ms, target_ms * (1.0 + margin), limit, lambda n: model.kv_usage(n) <= kv
     )
+
+
+def engines_for(
+    profile: Profile,
+    *,
+    rate: float,
+    input_tokens: float,
+    output_tokens: float,
+    lengths: tuple[tuple[float, float], ...],
+    ttft_ms: float,
+    itl_ms: float,
+    quantile: float,
+    own_prefill: bool,
+    limit: int,
+) -> tuple[int, int]:
+    """The fewest prefill and decode engines (each up to `limit`) for a load not observed
+    yet: the capacity models on the profile alone. `lengths` is the prompt-length
+    histogram as vLLM exports it (the prefill cost is convex in the length)."""
+    prefill = models.calibrate_prefill(
+        profile,
+        rate=rate,
+        input_tokens=input_tokens,
+        hit_ratio=0.0,
+        quantile=quantile,
+        engines=0,
+        observed_ttft_ms=None,
+        observed_wait_ms=None,
+        lengths=lengths,
+        own_prefill=own_prefill,
+    )
+    decode = models.calibrate_decode(
+        profile,
+        rate=rate,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        engines=0,
+        observed_itl_ms=None,
+    )
+    p = fewest_prefill(prefill, ttft_ms, limit) or limit
+    return p, fewest_decode(decode, itl_ms, limit) or limit

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 
 @dataclass(frozen=True)
@@ -59,24 +58,6 @@ class MetricsSnapshot:
     decode: RoleMetrics = field(default_factory=RoleMetrics)
     colocated: RoleMetrics = field(default_factory=RoleMetrics)
 
-    def ttft_seen_ms(self, engines: RoleMetrics) -> float | None:
-        """The router's TTFT quantile, else the engines' (a window without streamed requests)."""
-        return self.ttft_ms if self.ttft_ms is not None else engines.ttft_ms
-
-    def itl_seen_ms(self, engines: RoleMetrics) -> float | None:
-        """The router's ITL quantile, else the engines'."""
-        return self.itl_ms if self.itl_ms is not None else engines.itl_ms
-
-
-class Stage(Enum):
-    """A part of the time to first token."""
-
-    router = "router"
-    prefill_queue = "prefill queue"
-    prefill_compute = "prefill compute"
-    kv_handoff = "KV hand-off"
-    decode_wait = "decode wait"
-
 
 @dataclass(frozen=True)
 class TTFTBreakdown:
@@ -91,13 +72,13 @@ class TTFTBreakdown:
     decode_wait_ms: float
 
     @property
-    def largest(self) -> Stage:
+    def largest(self) -> str:
         parts = {
-            Stage.router: self.router_ms,
-            Stage.prefill_queue: self.prefill_queue_ms,
-            Stage.prefill_compute: self.prefill_compute_ms,
-            Stage.kv_handoff: self.kv_handoff_ms,
-            Stage.decode_wait: self.decode_wait_ms,
+            "router": self.router_ms,
+            "prefill queue": self.prefill_queue_ms,
+            "prefill compute": self.prefill_compute_ms,
+            "KV hand-off": self.kv_handoff_ms,
+            "decode wait": self.decode_wait_ms,
         }
         return max(parts, key=parts.__getitem__)
 
