@@ -19,304 +19,53 @@ trace's reusable share, and the TTFT it buys.
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
-import math
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
-from multiprocessing import get_context
-from pathlib import Path
+from dataclasses import replace
 
-from pdcluster import observability as obs
 from pdcluster import perf
-from pdcluster.api.v1alpha1 import PDClusterSpec
-from pdcluster.control import models
 from pdcluster.router.policy import POLICIES
 from pdcluster.sim import crossover, longload
-from pdcluster.sim.dynamo import Dynamo, DynamoLoad
-from pdcluster.sim.fleet import FleetConfig, Result, simulate
-from pdcluster.sim.llmd import LLMD
-from pdcluster.sim.oracle import Oracle
-from pdcluster.sim.policies import PDCluster, Static
-from pdcluster.sim.scoring import SLO, Score, band, score
-from pdcluster.sim.store import StoreConfig, reusable_fraction
+from pdcluster.sim.fleet import FleetConfig, Result
+from pdcluster.sim.planreport import plot, print_store_curve, print_table, report_for, store_curve
+from pdcluster.sim.plansetup import Setup, make_policy, model_split, size_for
+from pdcluster.sim.scoring import SLO, Score, band
+from pdcluster.sim.search import find_rate_scale, run_many, smallest_static, static_best
 from pdcluster.sim.trace import Trace, TraceError, load_trace
+
+# What callers of `pdctl plan` as a library use, wherever it is defined.
+__all__ = [
+    "SLO",
+    "Setup",
+    "add_arguments",
+    "evaluate",
+    "main",
+    "make_policy",
+    "print_table",
+    "run",
+    "run_many",
+    "size_for",
+    "store_curve",
+]
 
 DEFAULT_POLICIES = ("static-best", "dynamo", "pdcluster")
 
 
-# ------------------------------------------------------------------------- setup
-@dataclass(frozen=True)
-class Setup:
-    trace: Trace  # already scaled
-    profile: perf.Profile
-    slo: SLO
-    fleet: FleetConfig
-    args: argparse.Namespace
-
-    @property
-    def targets_s(self) -> list[float]:
-        return self.slo.ttft_targets_s(self.trace, self.profile)
-
-    @property
-    def engines(self) -> int:
-        """Engines the cluster's GPUs hold (an engine takes the profile's GPUs)."""
-        return self.fleet.gpus // self.fleet.gpus_per_engine
-
-
-def spec_for(setup: Setup, start: tuple[int, int], prior: bool = False) -> PDClusterSpec:
-    a = setup.args
-    n, gpus = setup.engines, setup.fleet.gpus_per_engine
-    return PDClusterSpec.model_validate(
-        {
-            "model": {"name": "simulated"},
-            "prefill": {"replicas": start[0], "minReplicas": 1, "maxReplicas": n - 1, "gpusPerPod": gpus},
-            "decode": {"replicas": start[1], "minReplicas": 1, "maxReplicas": n - 1, "gpusPerPod": gpus},
-            "autoscaling": {
-                "enabled": True,
-                "gpuBudget": n,
-                **({"profile": setup.profile.name} if prior else {}),
-                "slo": {
-                    "ttftMs": round(setup.slo.ttft_ms),
-                    "itlMs": round(setup.slo.itl_ms),
-                    "quantile": "p90",
-                },
-                "ttftIncludesPrefill": not setup.slo.plus_prefill,
-                "intervalSeconds": a.interval,
-                "windowSeconds": a.window,
-                "scaleUpStabilizationSeconds": a.scale_up_stabilization,
-                "scaleDownStabilizationSeconds": a.scale_down_stabilization,
-                "cooldownSeconds": a.cooldown,
-                "maxStep": a.max_step,
-                "tolerancePercent": a.tolerance,
-            },
-        }
-    )
-
-
-def size_for(
-    profile: perf.Profile, slo: SLO, rate: float, lengths: list[int], outputs: list[int], engines: int
-) -> tuple[int, int]:
-    """The split the capacity models give for a load (no observations), within `engines`."""
-    isl = sum(lengths) / len(lengths)
-    osl = sum(outputs) / len(outputs)
-    # The prompt-length histogram vLLM would export of this load (the convex prefill cost).
-    bounds = obs.vllm_request_token_buckets(1 << 20)
-    counts = [0] * (len(bounds) + 1)
-    for n in lengths:
-        counts[bisect.bisect_left(bounds, n)] += 1
-    histogram = tuple(zip((*map(float, bounds), math.inf), map(float, counts), strict=True))
-    prefill = models.calibrate_prefill(
-        profile,
-        rate=rate,
-        input_tokens=isl,
-        hit_ratio=0.0,
-        quantile=0.9,
-        engines=0,
-        observed_ttft_ms=None,
-        observed_wait_ms=None,
-        lengths=histogram,
-        own_prefill=not slo.plus_prefill,
-    )
-    ttft = slo.ttft_ms
-    bound = prefill.fixed_ms + max(ttft - prefill.fixed_ms, 0.2 * ttft)
-    limit = engines - 1
-    busy = models.PREFILL_MAX_BUSY
-    p = models.fewest_engines(prefill.ttft_ms, bound, limit, lambda k: prefill.load() <= busy * k) or limit
-    decode = models.calibrate_decode(
-        profile, rate=rate, input_tokens=isl, output_tokens=osl, engines=0, observed_itl_ms=None
-    )
-    d = models.fewest_engines(
-        decode.itl_ms, slo.itl_ms, limit, lambda k: decode.kv_usage(k) <= models.KV_LIMIT
-    )
-    d = d or limit
-    if p + d > engines:
-        p = min(max(round(engines * p / (p + d)), 1), engines - 1)
-        d = engines - p
-    return p, d
-
-
-def model_split(setup: Setup) -> tuple[int, int]:
-    """The split the capacity models give for the trace's mean load (no observations)."""
-    tr = setup.trace
-    rate = len(tr) / max(tr.span_s, 1e-9)
-    return size_for(setup.profile, setup.slo, rate, tr.input_tokens, tr.output_tokens, setup.engines)
-
-
-def make_policy(name: str, setup: Setup, start: tuple[int, int] | None = None):
-    if name.startswith("static:"):
-        _, p, d = name.split(":")
-        return Static(int(p), int(d))
-    start = start or model_split(setup)
-    if name == "pdcluster":  # as deployed by default: no profile, capacity learned online
-        return PDCluster(spec_for(setup, start), None)
-    if name == "pdcluster-prior":  # given the simulated engines' own profile as the prior
-        return PDCluster(spec_for(setup, start, prior=True), setup.profile, name)
-    if name == "oracle":
-        return Oracle(
-            setup.trace,
-            lambda rate, lengths, outputs: size_for(
-                setup.profile, setup.slo, rate, lengths, outputs, setup.engines
-            ),
-            setup.engines,
-            setup.fleet.startup_s,
-            float(setup.args.interval),
-        )
-    # The baselines get the engines' true profile where they need one, and the SLO.
-    given = {
-        "ttft_ms": setup.slo.ttft_ms,
-        "itl_ms": setup.slo.itl_ms,
-        "gpu_budget": setup.fleet.gpus,
-        "start": start,
-    }
-    dynamo_interval = setup.args.dynamo_interval
-    if name == "dynamo-load":  # throughput + load-based, Dynamo's advice for bursty traffic
-        return DynamoLoad(setup.profile, **given, interval_s=dynamo_interval)
-    if name == "llmd":
-        return LLMD(setup.profile, **given, gpus_per_engine=setup.fleet.gpus_per_engine)
-    if name in ("dynamo", "dynamo-constant"):
-        predictor = "constant" if name == "dynamo-constant" else "arima"
-        return Dynamo(setup.profile, **given, interval_s=dynamo_interval, predictor=predictor)
-    raise ValueError(f"unknown policy {name!r}")
-
-
-def _simulate(setup: Setup, start: tuple[int, int] | None, name: str) -> tuple[Score, Result]:
-    policy = make_policy(name, setup, start)
-    result = simulate(setup.trace, setup.profile, policy, setup.fleet)
-    scored = score(result, setup.trace, setup.targets_s, setup.slo.itl_ms)
-    if isinstance(policy, Static):
-        scored = replace(scored, split=policy.split)
-    return scored, result
-
-
-# A pool worker's setup, given once by its initializer (forked, not pickled per task).
-_WORKER_INPUTS: tuple[Setup, tuple[int, int] | None] | None = None
-
-
-def _init_worker(setup: Setup, start: tuple[int, int] | None) -> None:
-    global _WORKER_INPUTS
-    _WORKER_INPUTS = (setup, start)
-
-
-def _simulate_in_worker(name: str) -> tuple[Score, Result]:
-    assert _WORKER_INPUTS is not None
-    return _simulate(*_WORKER_INPUTS, name)
-
-
-def run_many(
-    setup: Setup, names: list[str], jobs: int, start: tuple[int, int] | None = None
-) -> list[tuple[Score, Result]]:
-    if jobs <= 1 or len(names) <= 1:  # a pool of none or one is only overhead (and none is an error)
-        return [_simulate(setup, start, n) for n in names]
-    with ProcessPoolExecutor(
-        min(jobs, len(names)),
-        mp_context=get_context("fork"),
-        initializer=_init_worker,
-        initargs=(setup, start),
-    ) as pool:
-        return list(pool.map(_simulate_in_worker, names))
-
-
-def static_best(setup: Setup, jobs: int, exhaustive: bool) -> tuple[Score, Result, list[Score]]:
-    """The best split in hindsight: every split, or a hill climb from the model's split."""
-    n = setup.engines
-    splits = [f"static:{p}:{n - p}" for p in range(1, n)]
-    if exhaustive:
-        runs = run_many(setup, splits, jobs)
-    else:
-        seen: dict[int, tuple[Score, Result]] = {}
-        p = model_split(setup)[0]
-        while True:
-            todo = [q for q in (p - 1, p, p + 1) if 1 <= q < n and q not in seen]
-            for q, run in zip(
-                todo, run_many(setup, [f"static:{q}:{n - q}" for q in todo], jobs), strict=True
-            ):
-                seen[q] = run
-            best = max(seen, key=lambda q: (seen[q][0].attainment, -abs(q - p)))
-            if best == p:
-                break
-            p = best
-        runs = [seen[q] for q in sorted(seen)]
-    best_score, best_result = max(runs, key=lambda r: r[0].attainment)
-    p, d = best_score.split
-    named = replace(best_score, policy=f"static-best ({p}:{d})")
-    return named, best_result, [r[0] for r in runs]
-
-
-def smallest_static(
-    setup: Setup, attainment: float, jobs: int, cache: dict[tuple[int, int], Score]
-) -> Score | None:
-    """The smallest static fleet (fewest engines, the best split of them, in hindsight)
-    that attains at least `attainment`; None if the whole budget cannot. Attainment
-    grows with engines, so the size is bisected; each size's split is hill-climbed
-    from the capacity model's proportion. `cache` keeps every simulated split."""
-
-    def run(splits: list[tuple[int, int]]) -> None:
-        todo = [sp for sp in splits if sp not in cache]
-        for sp, (sc, _) in zip(
-            todo, run_many(setup, [f"static:{p}:{d}" for p, d in todo], jobs), strict=True
-        ):
-            cache[sp] = sc
-
-    mp, md = model_split(setup)
-
-    def best_of(total: int) -> Score:
-        p = min(max(round(total * mp / (mp + md)), 1), total - 1)
-        while True:
-            around = [(q, total - q) for q in (p - 1, p, p + 1) if 1 <= q < total]
-            run(around)
-            q = max((sp[0] for sp in around), key=lambda q: (cache[(q, total - q)].attainment, -abs(q - p)))
-            if q == p:
-                return cache[(p, total - p)]
-            p = q
-
-    low, high = 2, setup.engines
-    if best_of(high).attainment < attainment:
-        return None
-    while low < high:
-        middle = (low + high) // 2
-        if best_of(middle).attainment >= attainment:
-            high = middle
-        else:
-            low = middle + 1
-    return best_of(low)
-
-
-def find_rate_scale(base: Trace, make_setup, jobs: int, log, target: float = 0.9) -> float:
-    """A rate scale at which static-best attains about `target` (geometric bisection)."""
-    low_band, high_band = band(target)
-    setup = make_setup(1.0)
-    tr, profile = setup.trace, setup.profile
-    rate = len(tr) / max(tr.span_s, 1e-9)
-    isl = sum(tr.input_tokens) / len(tr)
-    osl = sum(tr.output_tokens) / len(tr)
-    context = isl + osl / 2
-    gpu_load = rate * isl / profile.prefill_tokens_per_s(int(isl)) + rate * osl / max(
-        profile.decode_tokens_per_s(setup.slo.itl_ms, int(context)), 1.0
-    )
-    scale = 0.8 * setup.engines / gpu_load
-    low, high = 0.0, math.inf
-    for _ in range(12):
-        attained = static_best(make_setup(scale), jobs, exhaustive=False)[0].attainment
-        log(f"  rate scale {scale:.2f}: static-best attainment {attained:.3f}")
-        if low_band <= attained <= high_band:
-            return scale
-        if attained > high_band:
-            low = scale
-        else:
-            high = scale
-        if low and math.isfinite(high):
-            scale = math.sqrt(low * high)
-        else:
-            scale = scale * 1.6 if math.isfinite(scale) and not math.isfinite(high) else scale / 1.6
-    return scale
-
-
 # ------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_workload(parser)
+    _add_policies(parser)
+    _add_store(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival jitter")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel simulations")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", help="write a PNG of replicas and latency over time (needs matplotlib)")
+    _add_crossover(parser)
 
+
+def _add_workload(parser: argparse.ArgumentParser) -> None:
+    """The trace, its rate, the fleet and the SLO."""
     parser.add_argument(
         "--trace", help="Mooncake JSONL or Azure CSV trace (required but with --compare-colocated)"
     )
@@ -357,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-s", type=float, default=60.0, help="engine start-up delay")
     parser.add_argument("--link-gbps", type=float, default=200.0, help="P->D KV transfer bandwidth")
     parser.add_argument("--router", choices=POLICIES, default="prefix-aware")
+
+
+def _add_policies(parser: argparse.ArgumentParser) -> None:
+    """The policies compared, where the dynamic ones start, and their settings."""
     parser.add_argument(
         "--policy",
         action="append",
@@ -392,6 +145,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-step", type=int, default=2)
     parser.add_argument("--tolerance", type=int, default=10, help="pdcluster: tolerancePercent")
     parser.add_argument("--dynamo-interval", type=float, default=180.0, help="dynamo: adjustment_interval")
+
+
+def _add_store(parser: argparse.ArgumentParser) -> None:
+    """`--store-gib`: one static split with a Mooncake store of each size instead."""
     parser.add_argument(
         "--store-gib",
         type=_sizes,
@@ -406,10 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=512,
         help="the router sends a prompt straight to decode when at most this many tokens are not stored",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival jitter")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel simulations")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--plot", help="write a PNG of replicas and latency over time (needs matplotlib)")
+
+
+def _add_crossover(parser: argparse.ArgumentParser) -> None:
     compare = parser.add_argument_group(
         "disaggregated or colocated (sim/crossover.py)",
         "--compare-colocated: the best colocated fleet (one engine per GPU, chunked prefill) against the "
@@ -496,7 +252,7 @@ def evaluate(args: argparse.Namespace, say=lambda _msg: None) -> tuple[dict, dic
     for sc, result in run_many(setup, simple, args.jobs, start):
         scores.append(sc)
         results[sc.policy] = result
-    report = _report(setup, scale, searched, scores, results, start)
+    report = report_for(setup, scale, searched, scores, results, start)
     if args.equal_attainment:
         cache: dict[tuple[int, int], Score] = {}
         for sc in scores:
@@ -540,85 +296,14 @@ def _sizes(text: str) -> list[float]:
     return sizes
 
 
-def store_curve(setup: Setup, split: tuple[int, int]) -> dict:
-    """The trace on `split` without a store, then with one of each `--store-gib` size."""
-    args, trace, profile = setup.args, setup.trace, setup.profile
-    block_bytes = trace.block_tokens * profile.kv_bytes_per_token
-    prompt_tokens = sum(trace.input_tokens)
-    reusable = reusable_fraction(trace.blocks, trace.block_tokens, trace.input_tokens)
-    rows, base = [], None
-    for gib in (0.0, *args.store_gib):
-        store = None
-        if gib:
-            store = StoreConfig(
-                dram_blocks=max(int(gib * 2**30 // block_bytes), 1),
-                ssd_blocks=int(args.store_ssd_gib * 2**30 // block_bytes),
-                dram_gbps=setup.fleet.link_gbps,
-                ssd_gbps=args.store_ssd_gbps,
-                max_computed_tokens=args.store_max_computed_tokens,
-            )
-        result = simulate(trace, profile, Static(*split), replace(setup.fleet, store=store))
-        sc = score(result, trace, setup.targets_s, setup.slo.itl_ms)
-        ttfts = [t for t, done in zip(result.ttft_s, result.finished, strict=True) if done]
-        base = base or result
-        saved = (
-            1.0 - result.prefill_gpu_seconds / base.prefill_gpu_seconds if base.prefill_gpu_seconds else 0.0
-        )
-        rows.append(
-            {
-                "dram_gib": gib,
-                "served_from_store": round(result.store_tokens / prompt_tokens, 4),
-                "reused_of_reusable": round(result.reused_tokens / prompt_tokens / reusable, 4)
-                if reusable
-                else None,
-                "bypassed": round(result.bypassed / len(trace), 4),
-                "prefill_gpu_seconds": round(result.prefill_gpu_seconds, 1),
-                "prefill_saved": round(saved, 4),
-                "saved_of_reusable": round(saved / reusable, 4) if reusable else None,
-                "ttft_p50_ms": round(perf.percentile(ttfts, 50) * 1000.0, 1),
-                "ttft_p90_ms": round(sc.ttft_p90_ms, 1),
-                "attainment": round(sc.attainment, 4),
-            }
-        )
-    return {
-        "trace": trace.name,
-        "requests": len(trace),
-        "split": f"{split[0]}:{split[1]}",
-        "reusable": round(reusable, 4),
-        "ssd_gib": args.store_ssd_gib,
-        "max_computed_tokens": args.store_max_computed_tokens,
-        "rows": rows,
-    }
-
-
-def print_store_curve(curve: dict) -> None:
-    print(
-        f"{curve['trace']}: {curve['requests']} requests on {curve['split']} (prefill:decode); "
-        f"{curve['reusable']:.1%} of prompt tokens reusable; SSD tier {curve['ssd_gib']:g} GiB; "
-        f"straight to decode within {curve['max_computed_tokens']} computed tokens"
-    )
-    head = (
-        "DRAM GiB", "from store", "reused/reusable", "bypassed", "prefill GPU-s", "saved", "saved/reusable",
-        "TTFT p50", "TTFT p90",
-    )  # fmt: skip
-    print("".join(f"{h:>16}" for h in head))
-
-    def share(x: float | None) -> str:
-        return "-" if x is None else f"{x:.0%}"
-
-    for r in curve["rows"]:
-        print(
-            f"{r['dram_gib']:>16g}{r['served_from_store']:>16.1%}{share(r['reused_of_reusable']):>16}"
-            f"{r['bypassed']:>16.1%}{r['prefill_gpu_seconds']:>16.0f}{r['prefill_saved']:>16.1%}"
-            f"{share(r['saved_of_reusable']):>16}{r['ttft_p50_ms']:>14.0f}ms{r['ttft_p90_ms']:>14.0f}ms"
-        )
-
-
 def run(args: argparse.Namespace) -> int:
     say = (lambda _msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
     if args.compare_colocated:
         if args.rate_curve:
-            print("pdctl plan: --rate-curve applies to policies on a trace, not to --compare-colocated", file=sys.stderr)
+            print(
+                "pdctl plan: --rate-curve applies to policies on a trace, not to --compare-colocated",
+                file=sys.stderr,
+            )
             return 2
         return compare_colocated(args, say)
     if not args.trace:
@@ -645,12 +330,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_table(report)
     if args.plot:
-        return _plot(args.plot, results, setup)
+        return plot(args.plot, results, setup)
     return 0
 
 
 def compare_colocated(args: argparse.Namespace, say) -> int:
-
     profile = perf.load(args.profile)
     if args.gpus // profile.gpus < 2:
         print(
@@ -659,33 +343,19 @@ def compare_colocated(args: argparse.Namespace, say) -> int:
         return 2
     slo = SLO(args.slo_ttft_ms, args.slo_itl_ms, args.ttft_plus_prefill)
     setting = crossover.Setting(profile.name, args.gpus, slo, args.link_gbps, args.router, args.step_fixed)
-    if args.trace:
-        try:
-            base = load_trace(args.trace, args.format, seed=args.seed)
-            if args.rate_scale is None:
-
-                def make_setup(scale: float) -> Setup:
-                    return Setup(base.scaled(scale), profile, slo, _fleet_config(args, profile), args)
-
-                args.rate_scale = find_rate_scale(base, make_setup, args.jobs, say, args.static_attains)
-        except (TraceError, OSError) as e:
-            print(f"pdctl plan: {e}", file=sys.stderr)
-            return 2
-        cases = [(0, args.rate_scale, base.scaled(args.rate_scale))]
-    else:
-        workload = crossover.Workload(args.output_tokens, args.requests, args.span_s, args.seed)
-        cases = crossover.sweep_cases(setting, args.lengths, args.loads, workload)
+    workload = crossover.Workload(args.output_tokens, args.requests, args.span_s, args.seed)
+    try:
+        cases = _colocated_cases(args, profile, setting, workload, say)
+    except (TraceError, OSError) as e:
+        print(f"pdctl plan: {e}", file=sys.stderr)
+        return 2
     points = crossover.compare(setting, cases, args.jobs, say)
     report: dict = {"points": [p.row() for p in points]}
     by_itl = None  # ITL target -> goodput at 90% per prompt length: the sweep's
     if args.trace:
         report["recommended_mode"] = crossover.recommend(points[0])
     else:
-        by_itl = {}
-        for itl in sorted({args.slo_itl_ms, *(args.itl_targets or [])}):
-            say(f"searching each prompt length's goodput at 90% attainment, ITL target {itl:g} ms ...")
-            at = replace(setting, slo=replace(slo, itl_ms=itl))
-            by_itl[itl] = crossover.capacities(at, args.lengths, workload, args.jobs)
+        by_itl = _sweep_goodput(args, setting, workload, say)
         caps = by_itl[args.slo_itl_ms]
         report["goodput_per_gpu_at_90"] = caps
         report["goodput_per_gpu_at_90_by_itl_target"] = {f"{k:g}": v for k, v in by_itl.items()}
@@ -716,6 +386,39 @@ def compare_colocated(args: argparse.Namespace, say) -> int:
     return 0
 
 
+def _colocated_cases(
+    args: argparse.Namespace,
+    profile: perf.Profile,
+    setting: crossover.Setting,
+    workload: crossover.Workload,
+    say,
+) -> list[tuple[int, float, Trace]]:
+    """What --compare-colocated compares on: the trace at its rate scale (searched when not
+    given), else the sweep of prompt length and load."""
+    if not args.trace:
+        return crossover.sweep_cases(setting, args.lengths, args.loads, workload)
+    base = load_trace(args.trace, args.format, seed=args.seed)
+    if args.rate_scale is None:
+
+        def make_setup(scale: float) -> Setup:
+            return Setup(base.scaled(scale), profile, setting.slo, _fleet_config(args, profile), args)
+
+        args.rate_scale = find_rate_scale(base, make_setup, args.jobs, say, args.static_attains)
+    return [(0, args.rate_scale, base.scaled(args.rate_scale))]
+
+
+def _sweep_goodput(
+    args: argparse.Namespace, setting: crossover.Setting, workload: crossover.Workload, say
+) -> dict:
+    """Per mean-ITL target: each prompt length's goodput per GPU at 90% attainment."""
+    by_itl = {}
+    for itl in sorted({args.slo_itl_ms, *(args.itl_targets or [])}):
+        say(f"searching each prompt length's goodput at 90% attainment, ITL target {itl:g} ms ...")
+        at = replace(setting, slo=replace(setting.slo, itl_ms=itl))
+        by_itl[itl] = crossover.capacities(at, args.lengths, workload, args.jobs)
+    return by_itl
+
+
 def _fleet_config(args: argparse.Namespace, profile: perf.Profile) -> FleetConfig:
     return FleetConfig(
         gpus=args.gpus,
@@ -735,133 +438,6 @@ def _start(spec: str, setup: Setup, best: Score | None) -> tuple[int, int]:
         return model_split(setup)
     p, d = spec.split(":")
     return int(p), int(d)
-
-
-def _report(
-    setup: Setup,
-    scale: float,
-    searched: bool,
-    scores: list[Score],
-    results: dict[str, Result],
-    start: tuple[int, int],
-) -> dict:
-    trace = setup.trace
-    report: dict = {
-        "trace": trace.name,
-        "requests": len(trace),
-        "span_s": round(trace.span_s, 1),
-        "rate_scale": round(scale, 3),
-        "rate_mode": "curve" if setup.args.rate_curve else setup.args.rate_mode,
-        "rate_scale_searched": searched,
-        "profile": setup.profile.name,
-        "gpus": setup.fleet.gpus,
-        "slo": {
-            "ttft_ms": setup.slo.ttft_ms,
-            "itl_ms": setup.slo.itl_ms,
-            "ttft_plus_prefill": setup.slo.plus_prefill,
-        },
-        "dynamic_start": f"{start[0]}:{start[1]}",
-        "policies": {s.policy: s.as_dict() for s in scores},
-    }
-    best = next((s for s in scores if s.policy.startswith("static-best")), None)
-    ours = next((s for s in scores if s.policy == "pdcluster"), None)
-    lines = []
-    if best is not None:
-        lines.append(
-            f"Static: deploy {best.split[0]}:{best.split[1]} (prefill:decode); it meets the SLO for "
-            f"{best.attainment:.1%} of requests at {scale:.2f}x the trace's rate."
-        )
-    if ours is not None:
-        timeline = results["pdcluster"].timeline
-        p, d = _time_weighted_split(timeline, results["pdcluster"].end_s)
-        lines.append(
-            f"Autoscaled: start at {start[0]}:{start[1]} with autoscaling.gpuBudget {setup.fleet.gpus}; "
-            f"pdcluster held {p:.1f}:{d:.1f} on average and met the SLO for {ours.attainment:.1%} "
-            f"with {ours.gpu_hours:.2f} GPU-hours"
-            + (f" ({ours.gpu_hours / best.gpu_hours:.0%} of static-best's)." if best else ".")
-        )
-    report["recommendation"] = " ".join(lines)
-    return report
-
-
-def _time_weighted_split(timeline, end_s: float) -> tuple[float, float]:
-    total_p = total_d = 0.0
-    for (t, p, d, *_), nxt in zip(timeline, [*timeline[1:], (end_s,)], strict=True):
-        total_p += p * (nxt[0] - t)
-        total_d += d * (nxt[0] - t)
-    span = max(end_s - timeline[0][0], 1e-9)
-    return total_p / span, total_d / span
-
-
-def print_table(report: dict) -> None:
-    slo = report["slo"]
-    ttft = f"TTFT <= {slo['ttft_ms']:.0f} ms" + (" + isolated prefill" if slo["ttft_plus_prefill"] else "")
-    print(
-        f"{report['trace']}: {report['requests']} requests over {report['span_s']:.0f} s "
-        f"(rate x{report['rate_scale']} by {report['rate_mode']}{', searched' if report['rate_scale_searched'] else ''}), "
-        f"{report['gpus']} GPUs, {report['profile']}, SLO {ttft} and mean ITL <= {slo['itl_ms']:.0f} ms"
-    )
-    head = ("policy", "attain", "goodput/s", "GPU-h", "good/GPU-h", "TTFT p90", "ITL p90", "decisions")
-    equal = any("static_at_equal_attainment" in s for s in report["policies"].values())
-    print(
-        f"{head[0]:<24}"
-        + "".join(f"{h:>11}" for h in head[1:])
-        + ("  static at equal attainment" if equal else "")
-    )
-    for name, s in report["policies"].items():
-        line = (
-            f"{name:<24}{s['attainment']:>11.1%}{s['goodput_rps']:>11.2f}{s['gpu_hours']:>11.2f}"
-            f"{s['goodput_per_gpu_hour']:>11.0f}{s['ttft_p90_ms']:>9.0f}ms{s['itl_p90_ms']:>9.1f}ms{s['decisions']:>11}"
-        )
-        if "static_at_equal_attainment" in s:
-            match = s["static_at_equal_attainment"]
-            line += (
-                "  none within the budget"
-                if match is None
-                else (
-                    f"  {match['split']}: {match['gpu_hours']:.2f} GPU-h ({s['gpu_hours'] / match['gpu_hours']:.0%})"
-                )
-            )
-        print(line)
-    print(report["recommendation"])
-
-
-def _plot(path: str, results: dict[str, Result], setup: Setup) -> int:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib (pip install 'pdcluster-operator[plot]')", file=sys.stderr)
-        return 2
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for name, result in results.items():
-        times = [row[0] for row in result.timeline] + [result.end_s]
-        prefill = [row[1] for row in result.timeline]
-        decode = [row[2] for row in result.timeline]
-        line = top.step(times[:-1], prefill, where="post", label=f"{name} prefill")[0]
-        top.step(
-            times[:-1], decode, where="post", linestyle="--", color=line.get_color(), label=f"{name} decode"
-        )
-        bins = _ttft_p90_over_time(result, setup.trace)
-        bottom.plot([b[0] for b in bins], [b[1] for b in bins], color=line.get_color(), label=name)
-    top.set_ylabel("ready engines")
-    top.legend(fontsize=7, ncol=2)
-    bottom.set_ylabel("TTFT p90 per 30 s (ms)")
-    bottom.set_yscale("log")
-    bottom.set_xlabel("time (s)")
-    fig.tight_layout()
-    fig.savefig(Path(path), dpi=110)
-    return 0
-
-
-def _ttft_p90_over_time(result: Result, trace: Trace, width: float = 30.0) -> list[tuple[float, float]]:
-    buckets: dict[int, list[float]] = {}
-    for i, t in enumerate(trace.arrival_s):
-        if result.finished[i]:
-            buckets.setdefault(int(t // width), []).append(result.ttft_s[i] * 1000.0)
-    return [(k * width, perf.percentile(v, 90)) for k, v in sorted(buckets.items())]
 
 
 def main(argv: list[str] | None = None) -> int:
