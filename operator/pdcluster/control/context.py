@@ -104,6 +104,15 @@ def context(
 Times = Mapping[Role, datetime]
 
 
+class Timer(StrEnum):
+    """The timers Timers keeps per role (each names its field)."""
+
+    pending = "pending"
+    blocked = "blocked"
+    up_since = "up_since"
+    down_since = "down_since"
+
+
 @dataclass(frozen=True)
 class Timers:
     """Per role: since when a scale-up has waited for ready pods (`pending`), until when
@@ -135,21 +144,21 @@ class Timers:
             "down_wanted_since": _write(self.down_since),
         }
 
-    def set(self, name: str, role: Role, moment: datetime | None) -> Timers:
+    def set(self, timer: Timer, role: Role, moment: datetime | None) -> Timers:
         """These timers with one of `role`'s set (None clears it)."""
-        times = dict(getattr(self, name))
+        times = dict(getattr(self, timer))
         if moment is None:
             times.pop(role, None)
         else:
             times[role] = moment
-        return replace(self, **{name: times})
+        return replace(self, **{timer: times})
 
-    def start(self, name: str, role: Role, now: datetime) -> Timers:
+    def start(self, timer: Timer, role: Role, now: datetime) -> Timers:
         """These timers with one of `role`'s running since now, unless it already runs."""
-        return self if role in getattr(self, name) else self.set(name, role, now)
+        return self if role in getattr(self, timer) else self.set(timer, role, now)
 
-    def cleared(self, *names: str) -> Timers:
-        return replace(self, **{name: {} for name in names})
+    def cleared(self, *timers: Timer) -> Timers:
+        return replace(self, **{timer: {} for timer in timers})
 
 
 def _read(times: Mapping[str, str] | None) -> dict[Role, datetime]:

@@ -22,6 +22,12 @@ traffic -> hold; a scale-up whose pods never become ready -> time out, fall back
 what is ready and stop asking for that role a while; state older than a few intervals
 -> its timers are discarded; the autoscaler never reads back its own pending targets as
 capacity (it calibrates on ready engines only).
+
+A run is a chain of functions over frozen values, each in its own module: the context
+and timers read from status (context.py), the demand's trend (trend.py), the needs
+(needs.py, sized by sizing.py), the budget (budget.py), the stabilization
+(stabilise.py), and the explanation (explain.py); what a run notices are typed notes
+(notes.py), worded only in the reason.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from pdcluster.api.v1alpha1 import AutoscalingState, Decision, LearnedCapacity, 
 from pdcluster.control import learn
 from pdcluster.control.budget import Counts, fit_budget, gpu_total, split_budget
 from pdcluster.control.cause import Cause, summary
-from pdcluster.control.context import ROLES, Context, Role, Timers, context
+from pdcluster.control.context import ROLES, Context, Role, Timer, Timers, context
 from pdcluster.control.explain import Analysis, cause_of, figures, notes_of, reason, stages_status
 from pdcluster.control.needs import Need, View, decode_need, feedback_need, prefill_need, ttft_missed
 from pdcluster.control.notes import Note, NoteKind, note, with_notes, worded
@@ -142,7 +148,7 @@ def _run(ctx: Context, start: _Start, m: MetricsSnapshot | None, prior: perf.Pro
         )
     if m is None or m.request_rate <= 0 or m.mean_input_tokens is None or m.mean_output_tokens is None:
         # Nothing to go on: no timer may keep running across the gap.
-        timers = timers.cleared("up_since", "down_since")
+        timers = timers.cleared(Timer.up_since, Timer.down_since)
         if m is None:
             return held(
                 Cause.metrics_unavailable, "metrics unavailable (Prometheus unreachable or no series)", timers
@@ -163,7 +169,7 @@ def _time_out_scale_ups(
 ) -> tuple[Timers, Counts, Role | None, tuple[Note, ...]]:
     """The counts to fall back to where scale-ups timed out, the first such role, and why."""
     if ctx.recommend:
-        return timers.cleared("pending"), current, None, ()
+        return timers.cleared(Timer.pending), current, None, ()
     fallback, first, notes = dict(current), None, []
     for role in ROLES:
         timers, gave_up = time_out(ctx, timers, role, current[role])

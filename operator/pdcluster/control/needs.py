@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from pdcluster import observability as obs
 from pdcluster import perf
@@ -21,6 +22,8 @@ from pdcluster.control.notes import Note, NoteKind, note
 from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms, seen_ttft_ms
 from pdcluster.control.sizing import QUEUEING_SHARE, fewest_decode, fewest_prefill, prefill_bound
 from pdcluster.control.types import MetricsSnapshot, TTFTBreakdown
+
+Model = TypeVar("Model", models.PrefillModel, models.DecodeModel)
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ def limit(ctx: Context, role: Role) -> int:
     return high if budget is None else min(high, budget // ctx.gpus(role))
 
 
-def _grown(ctx: Context, view: View, model, role: Role):
+def _grown(ctx: Context, view: View, model: Model, role: Role) -> Model:
     """The model at the load a window ahead (the trend), plus the tolerance: room for
     noise, since latency rises steeply near capacity."""
     return replace(model, rate=model.rate * view.growth[role] * (1.0 + ctx.tol))

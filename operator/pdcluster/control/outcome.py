@@ -9,7 +9,7 @@ from typing import Any
 
 from pdcluster.api.v1alpha1 import AutoscalingState, Decision, ObservedMetrics
 from pdcluster.control.cause import Figures
-from pdcluster.control.context import Context, Role, Timers
+from pdcluster.control.context import Context, Role, Timer, Timers
 from pdcluster.control.notes import Note
 from pdcluster.control.observed import seen_itl_ms, seen_ttft_ms
 from pdcluster.control.types import MetricsSnapshot
@@ -34,7 +34,7 @@ def pending_from_now(ctx: Context, timers: Timers, target: dict[Role, int], appl
     if applied:
         for role, count in target.items():
             if count > ctx.seen(role).ready:
-                timers = timers.start("pending", role, ctx.stamp)
+                timers = timers.start(Timer.pending, role, ctx.stamp)
     return timers
 
 

@@ -31,7 +31,7 @@ from datetime import datetime
 from pdcluster.api.v1alpha1 import AutoscalingState, Decision, PDClusterSpec
 from pdcluster.control import models
 from pdcluster.control.cause import Cause, Figures, summary
-from pdcluster.control.context import Context, Role, Timers, context
+from pdcluster.control.context import Context, Role, Timer, Timers, context
 from pdcluster.control.notes import Note, NoteKind, note, worded
 from pdcluster.control.observed import seen_itl_ms, seen_ttft_ms
 from pdcluster.control.outcome import Outcome, action, next_state, pending_from_now
@@ -87,7 +87,7 @@ def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot
         notes = (*notes, gave_up.note)
         return _End(gave_up.fallback, Cause.scale_up_timed_out, worded(notes), notes, timers)
     if m is None or m.request_rate <= 0:
-        timers = timers.cleared("up_since", "down_since")  # no timer runs across a gap
+        timers = timers.cleared(Timer.up_since, Timer.down_since)  # no timer runs across a gap
         why = "metrics unavailable (Prometheus unreachable or no series)" if m is None else "no traffic"
         cause = Cause.metrics_unavailable if m is None else Cause.no_traffic
         return _End(current, cause, f"{why}: {hold}", notes, timers)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from pdcluster.control.budget import Counts, gpu_total
-from pdcluster.control.context import ROLES, Context, Role, Timers, blocked_for
+from pdcluster.control.context import ROLES, Context, Role, Timer, Timers, blocked_for
 from pdcluster.control.notes import Note, NoteKind, note
 from pdcluster.timestamps import time_ms
 
@@ -25,8 +25,8 @@ def time_out(ctx: Context, timers: Timers, role: Role, current: int) -> tuple[Ti
     """Fall back to the ready count when a scale-up has waited too long for its pods."""
     seen = ctx.seen(role)
     if ctx.recommend or current <= seen.ready:
-        return timers.set("pending", role, None), None
-    timers = timers.start("pending", role, ctx.stamp)
+        return timers.set(Timer.pending, role, None), None
+    timers = timers.start(Timer.pending, role, ctx.stamp)
     waited = ctx.since(timers.pending[role])
     timeout = ctx.auto.scale_up_timeout_seconds
     if waited < timeout:
@@ -34,7 +34,9 @@ def time_out(ctx: Context, timers: Timers, role: Role, current: int) -> tuple[Ti
     low, _ = ctx.bounds(role)
     fallback = max(low, seen.ready)
     timers = (
-        timers.set("pending", role, None).set("up_since", role, None).set("blocked", role, blocked_for(ctx))
+        timers.set(Timer.pending, role, None)
+        .set(Timer.up_since, role, None)
+        .set(Timer.blocked, role, blocked_for(ctx))
     )
     why = note(
         NoteKind.scale_up_timed_out,
@@ -65,17 +67,17 @@ def step(ctx: Context, timers: Timers, role: Role, current: int, want: int, down
     scale-down, `down_wait_s`)."""
     auto = ctx.auto
     if want > current:
-        timers = timers.set("down_since", role, None)
+        timers = timers.set(Timer.down_since, role, None)
         if role in timers.blocked:
             blocked = note(NoteKind.blocked, role, until=time_ms(timers.blocked[role]))
             return Step(current, timers, blocked, blocked=True)
-        timers = timers.start("up_since", role, ctx.stamp)
+        timers = timers.start(Timer.up_since, role, ctx.stamp)
         wanted = ctx.since(timers.up_since[role])
         if wanted < auto.scale_up_stabilization_seconds:
             return Step(current, timers, note(NoteKind.up_waiting, role, wanted=wanted))
         return Step(current + min(want - current, auto.max_step), timers, wanted_s=wanted)
     if want < current:
-        timers = timers.set("up_since", role, None).start("down_since", role, ctx.stamp)
+        timers = timers.set(Timer.up_since, role, None).start(Timer.down_since, role, ctx.stamp)
         since = timers.down_since[role]
         waited = ctx.since(since)
         if waited < down_wait_s:
@@ -87,9 +89,9 @@ def step(ctx: Context, timers: Timers, role: Role, current: int, want: int, down
         # The next step of the same scale-down waits for a window of metrics at the new
         # count, and for the stabilization since the wish began.
         settle = max(auto.scale_down_stabilization_seconds - auto.window_seconds, 0)
-        timers = timers.set("down_since", role, max(since, ctx.now - timedelta(seconds=settle)))
+        timers = timers.set(Timer.down_since, role, max(since, ctx.now - timedelta(seconds=settle)))
         return Step(current - min(current - want, auto.max_step), timers)
-    return Step(current, timers.set("up_since", role, None).set("down_since", role, None))
+    return Step(current, timers.set(Timer.up_since, role, None).set(Timer.down_since, role, None))
 
 
 @dataclass(frozen=True)
