@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from enum import StrEnum
 
 from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingSpec, AutoscalingState, PDClusterSpec
@@ -167,8 +167,3 @@ def _read(times: Mapping[str, str] | None) -> dict[Role, datetime]:
 
 def _write(times: Times) -> dict[str, str] | None:
     return {r.value: time_ms(t) for r, t in times.items()} or None
-
-
-def blocked_for(ctx: Context) -> datetime:
-    """The end of the block a scale-up timing out now sets."""
-    return ctx.now + timedelta(seconds=ctx.auto.scale_up_timeout_seconds)

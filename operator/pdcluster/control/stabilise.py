@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from pdcluster.control.budget import Counts, gpu_total
-from pdcluster.control.context import ROLES, Context, Role, Timer, Timers, blocked_for
+from pdcluster.control.context import ROLES, Context, Role, Timer, Timers
 from pdcluster.control.notes import Note, NoteKind, note
 from pdcluster.timestamps import time_ms
 
@@ -36,7 +36,7 @@ def time_out(ctx: Context, timers: Timers, role: Role, current: int) -> tuple[Ti
     timers = (
         timers.set(Timer.pending, role, None)
         .set(Timer.up_since, role, None)
-        .set(Timer.blocked, role, blocked_for(ctx))
+        .set(Timer.blocked, role, ctx.now + timedelta(seconds=timeout))
     )
     why = note(
         NoteKind.scale_up_timed_out,
