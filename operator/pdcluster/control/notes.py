@@ -3,6 +3,7 @@ decision's reason is written."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -63,6 +64,8 @@ _TEXT: dict[NoteKind, str | dict[str, str]] = {
 
 @dataclass(frozen=True)
 class Note:
+    """What a run noticed: its kind, the role it concerns, and the figures its text quotes."""
+
     kind: NoteKind
     role: str | None = None
     figures: dict[str, Any] = field(default_factory=dict)
@@ -83,10 +86,10 @@ def note(kind: NoteKind, role: str | None = None, **figures: Any) -> Note:
     return Note(kind, role, figures)
 
 
-def worded(notes: tuple[Note, ...] | list[Note]) -> str:
+def worded(notes: Sequence[Note]) -> str:
     return "; ".join(n.text for n in notes)
 
 
-def with_notes(reason: str, notes: tuple[Note, ...] | list[Note]) -> str:
+def with_notes(reason: str, notes: Sequence[Note]) -> str:
     """The reason with the notes in brackets, when there are any."""
     return f"{reason} ({worded(notes)})" if notes else reason

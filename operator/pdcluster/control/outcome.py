@@ -17,10 +17,12 @@ from pdcluster.control.types import MetricsSnapshot
 
 @dataclass(frozen=True)
 class Outcome:
+    """One run of a law."""
+
     state: AutoscalingState
     decision: Decision
     figures: Figures  # what the summary quotes
-    notes: tuple[Note, ...]  # what the run noticed, in the order the reason gives them
+    notes: tuple[Note, ...]  # what the run noticed on the way, in order
 
 
 def action(ctx: Context, stored: dict[str, int], target: dict[str, int]) -> tuple[str, bool]:
