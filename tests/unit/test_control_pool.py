@@ -8,8 +8,18 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
-from pdcluster.control import MetricsSnapshot, Observed, RoleMetrics, RoleObserved, decide
+from pdcluster.control import (
+    MetricsSnapshot,
+    NoteKind,
+    Observed,
+    RoleMetrics,
+    RoleObserved,
+    decide,
+    decide_outcome,
+)
 from pdcluster.control.cause import Cause
+from pdcluster.control.notes import Note
+from pdcluster.control.outcome import Outcome
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 CAPACITY = 2.0  # requests/s one engine of the model serves
@@ -53,6 +63,12 @@ def fleet(rate: float, engines: int, kv: float = 0.3) -> MetricsSnapshot:
         mean_output_tokens=200.0,
         colocated=RoleMetrics(kv_usage=kv, ready=engines),
     )
+
+
+def noted(outcome: Outcome, kind: NoteKind) -> Note:
+    """The outcome's one note of that kind."""
+    (found,) = [n for n in outcome.notes if n.kind == kind]
+    return found
 
 
 def run(s: PDClusterSpec, rates: list[float], start: int | None = None) -> list[tuple[int, str]]:
@@ -99,8 +115,9 @@ def test_the_gpu_budget_and_max_replicas_bound_scale_ups() -> None:
     s = spec(replicas=2, gpuBudget=3)
     trajectory = run(s, [30.0] * 8)
     assert max(n for n, _ in trajectory) == 3
-    state, decision = decide(s, fleet(30.0, 3), None, pool(3), T0)
-    assert state.colocated == 3 and "more than 3 engines" in decision.reason
+    outcome = decide_outcome(s, fleet(30.0, 3), None, pool(3), T0)
+    assert outcome.state.colocated == 3
+    assert noted(outcome, NoteKind.beyond_limit).figures["limit"] == 3
 
 
 def test_a_full_kv_cache_adds_engines_with_its_own_cause() -> None:
@@ -135,9 +152,10 @@ def test_a_scale_up_that_never_becomes_ready_falls_back_and_blocks() -> None:
     t = T0
     for _ in range(2):  # two of the four pods never get a node
         t += timedelta(seconds=30)
-        state, decision = decide(s, fleet(9.0, 2), state, pool(4, ready=2, unschedulable=2), t)
+        outcome = decide_outcome(s, fleet(9.0, 2), state, pool(4, ready=2, unschedulable=2), t)
+        state, decision = outcome.state, outcome.decision
     assert (state.colocated, decision.cause) == (2, Cause.scale_up_timed_out)
-    assert "2 unschedulable" in decision.reason
+    assert noted(outcome, NoteKind.scale_up_timed_out).figures["unschedulable"] == 2
     t += timedelta(seconds=30)
     state, decision = decide(s, fleet(9.0, 2), state, pool(2), t)
     assert (state.colocated, decision.cause) == (2, Cause.scale_up_blocked)
@@ -163,9 +181,11 @@ def test_while_engines_start_the_window_counts_only_the_ready_ones() -> None:
     state = AutoscalingState(colocated=4, last_run_time="2026-12-01T11:59:30.000Z")
     # 2 of 4 ready, TTFT 1.5x its target: 3 engines of the measured kind would do; 4 are coming.
     slow = MetricsSnapshot(60, 4.0, ttft_ms=750.0, itl_ms=12.0, colocated=RoleMetrics(kv_usage=0.3))
-    state, decision = decide(s, slow, state, pool(4, ready=2), T0)
+    outcome = decide_outcome(s, slow, state, pool(4, ready=2), T0)
+    state, decision = outcome.state, outcome.decision
     assert (state.colocated, decision.cause) == (4, Cause.stabilizing)
-    assert "scale-up to 4 under way (2 ready)" in decision.reason
+    starting = noted(outcome, NoteKind.starting).figures
+    assert (starting["target"], starting["ready"]) == (4, 2)
     # Three times over: 2 ready engines x 3 = 6, more than is coming.
     worse = MetricsSnapshot(60, 4.0, ttft_ms=1500.0, itl_ms=12.0, colocated=RoleMetrics(kv_usage=0.3))
     state, decision = decide(s, worse, state, pool(4, ready=2), T0 + timedelta(seconds=30))
@@ -184,9 +204,9 @@ def test_a_saturated_pool_is_sized_by_its_throughput_not_by_its_queue() -> None:
         mean_input_tokens=1000.0,
         colocated=RoleMetrics(kv_usage=0.5, tokens_per_s=5000.0, ready=2.0),
     )
-    state, decision = decide(s, saturated, None, pool(2), T0)
-    assert (state.colocated, decision.cause) == (4, Cause.ttft_over_target)
-    assert "saturated: 2.00x the prompt tokens it computes arrive" in decision.reason
+    outcome = decide_outcome(s, saturated, None, pool(2), T0)
+    assert (outcome.state.colocated, outcome.decision.cause) == (4, Cause.ttft_over_target)
+    assert noted(outcome, NoteKind.saturated).figures["backlog"] == 2.0
     # Without the throughput series the pressure sizes it (up to maxReplicas).
     blind = MetricsSnapshot(60, 10.0, ttft_ms=20000.0, itl_ms=20.0, colocated=RoleMetrics(kv_usage=0.5))
     state, _ = decide(s, blind, None, pool(2), T0)

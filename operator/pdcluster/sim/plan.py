@@ -31,7 +31,7 @@ from multiprocessing import get_context
 from pdcluster import observability as obs
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
-from pdcluster.control import models
+from pdcluster.control import sizing
 from pdcluster.sim import longload, plan_report
 from pdcluster.sim.dynamo import Dynamo, DynamoLoad
 from pdcluster.sim.fleet import FleetConfig, Result, simulate
@@ -103,39 +103,25 @@ def spec_for(setup: Setup, start: tuple[int, int], prior: bool = False) -> PDClu
 def size_for(
     profile: perf.Profile, slo: SLO, rate: float, lengths: list[int], outputs: list[int], engines: int
 ) -> tuple[int, int]:
-    """The split the capacity models give for a load (no observations), within `engines`."""
-    isl = sum(lengths) / len(lengths)
-    osl = sum(outputs) / len(outputs)
+    """The split the control law's sizing gives for a load (no observations), within `engines`."""
     # The prompt-length histogram vLLM would export of this load (the convex prefill cost).
     bounds = obs.vllm_request_token_buckets(1 << 20)
     counts = [0] * (len(bounds) + 1)
     for n in lengths:
         counts[bisect.bisect_left(bounds, n)] += 1
     histogram = tuple(zip((*map(float, bounds), math.inf), map(float, counts), strict=True))
-    prefill = models.calibrate_prefill(
+    p, d = sizing.engines_for(
         profile,
         rate=rate,
-        input_tokens=isl,
-        hit_ratio=0.0,
-        quantile=0.9,
-        engines=0,
-        observed_ttft_ms=None,
-        observed_wait_ms=None,
+        input_tokens=sum(lengths) / len(lengths),
+        output_tokens=sum(outputs) / len(outputs),
         lengths=histogram,
+        ttft_ms=slo.ttft_ms,
+        itl_ms=slo.itl_ms,
+        quantile=0.9,
         own_prefill=not slo.plus_prefill,
+        limit=engines - 1,
     )
-    ttft = slo.ttft_ms
-    bound = prefill.fixed_ms + max(ttft - prefill.fixed_ms, 0.2 * ttft)
-    limit = engines - 1
-    busy = models.PREFILL_MAX_BUSY
-    p = models.fewest_engines(prefill.ttft_ms, bound, limit, lambda k: prefill.load() <= busy * k) or limit
-    decode = models.calibrate_decode(
-        profile, rate=rate, input_tokens=isl, output_tokens=osl, engines=0, observed_itl_ms=None
-    )
-    d = models.fewest_engines(
-        decode.itl_ms, slo.itl_ms, limit, lambda k: decode.kv_usage(k) <= models.KV_LIMIT
-    )
-    d = d or limit
     if p + d > engines:
         p = min(max(round(engines * p / (p + d)), 1), engines - 1)
         d = engines - p

@@ -1,0 +1,264 @@
+"""What the capacity models say each role needs: the `Need` of one run, per role.
+
+`need_up` is the fewest engines that keep the SLO quantile under target x (1 + tol),
+`need_down` the fewest under target x (1 - tol); both for the load a window ahead plus
+the tolerance, room for it to grow while new engines start. A role whose capacity is
+not learned yet follows feedback alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from pdcluster import observability as obs
+from pdcluster import perf
+from pdcluster.api.v1alpha1 import AutoscalingSpec
+from pdcluster.control import models
+from pdcluster.control.cause import Cause
+from pdcluster.control.context import Context, Role
+from pdcluster.control.notes import Note, NoteKind, note
+from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms, seen_ttft_ms
+from pdcluster.control.sizing import QUEUEING_SHARE, fewest_decode, fewest_prefill, prefill_bound
+from pdcluster.control.types import MetricsSnapshot, TTFTBreakdown
+
+Model = TypeVar("Model", models.PrefillModel, models.DecodeModel)
+
+
+@dataclass(frozen=True)
+class Need:
+    """What the model says one role needs, and why."""
+
+    up: int  # fewest engines within target x (1 + tol)
+    down: int  # fewest engines within target x (1 - tol)
+    pressure: float = 0.0  # observed quantile / target (0 when unseen)
+    violated: bool = False  # observed quantile above target x (1 + tol)
+    headroom: bool = False  # observed quantile below target x (1 - tol)
+    reactive: bool = False  # violated although the model was content: add one
+    cause_up: Cause = Cause.within_targets  # why more engines, if more
+    cause_down: Cause = Cause.within_targets  # why fewer, if fewer
+    load_engines: float | None = None  # the work, in busy engines, where the model has it
+    notes: tuple[Note, ...] = ()
+
+
+@dataclass(frozen=True)
+class View:
+    """What the needs are computed from, besides the metrics."""
+
+    profile: perf.Profile | None
+    current: dict[Role, int]  # the engine counts the law starts from
+    growth: dict[Role, float]  # the load a window ahead over today's (the trend)
+    stages: TTFTBreakdown | None  # where the mean TTFT went, when the router shows it
+
+
+def wait_quantile(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
+    """The prefill wait at the SLO quantile (ms).
+
+    vLLM's queue-time histogram starts with a 0-300 ms bucket; a quantile inside it
+    is histogram_quantile's interpolation, not a measurement. There the exact mean
+    says more: the quantile of an exponential tail with that mean.
+    """
+    hist, mean = m.prefill.queue_time_q_ms, m.prefill.queue_time_ms
+    if hist is None:
+        return mean
+    if mean is not None and hist <= 1000.0 * obs.VLLM_REQUEST_LATENCY_BUCKETS[0]:
+        q = auto.slo.quantile.fraction
+        return min(hist, mean * math.log(1.0 / (1.0 - q)))
+    return hist
+
+
+def prefill_latency(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
+    """The TTFT quantile the target applies to, or None when unseen."""
+    ttft = seen_ttft_ms(m, m.prefill)
+    if auto.ttft_includes_prefill or ttft is None:
+        return ttft
+    # Without the prompt's own prefill: the prefill wait plus what follows prefill
+    # (KV transfer, the first decode step), the router's TTFT less the engine's.
+    wait, engine = wait_quantile(auto, m), m.prefill.ttft_ms
+    if wait is None or engine is None:
+        return ttft  # errs towards more engines
+    return wait + max(ttft - engine, 0.0)
+
+
+def ttft_missed(ctx: Context, m: MetricsSnapshot) -> bool:
+    ttft = prefill_latency(ctx.auto, m)
+    return ttft is not None and ttft > ctx.auto.slo.ttft_ms * (1.0 + ctx.tol)
+
+
+def limit(ctx: Context, role: Role) -> int:
+    """The most engines the role may have: its bounds, and the whole GPU budget."""
+    _, high = ctx.bounds(role)
+    budget = ctx.auto.gpu_budget
+    return high if budget is None else min(high, budget // ctx.gpus(role))
+
+
+def _grown(ctx: Context, view: View, model: Model, role: Role) -> Model:
+    """The model at the load a window ahead (the trend), plus the tolerance: room for
+    noise, since latency rises steeply near capacity."""
+    return replace(model, rate=model.rate * view.growth[role] * (1.0 + ctx.tol))
+
+
+def _prefill_model(ctx: Context, m: MetricsSnapshot, view: View, ttft: float | None) -> models.PrefillModel:
+    wait = _mean_wait(m)
+    served = None if m.prefill.tokens_per_s is None else m.prefill.tokens_per_s / (m.mean_input_tokens or 1.0)
+    ready = m.prefill.ready
+    model = models.calibrate_prefill(
+        view.profile,
+        rate=m.request_rate,
+        input_tokens=m.mean_input_tokens or 1.0,
+        hit_ratio=min(max(m.prefix_hit_ratio or 0.0, 0.0), 0.95),
+        quantile=ctx.auto.slo.quantile.fraction,
+        engines=ready if ready is not None else float(ctx.seen(Role.prefill).ready),
+        observed_ttft_ms=ttft,
+        observed_wait_ms=wait,
+        observed_wait_q_ms=wait_quantile(ctx.auto, m) if m.prefill.queue_time_ms is not None else wait,
+        served_rate=served,
+        lengths=m.prefill.prompt_tokens,
+        own_prefill=ctx.auto.ttft_includes_prefill,
+    )
+    return _grown(ctx, view, model, Role.prefill)
+
+
+def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
+    target, tol = float(ctx.auto.slo.ttft_ms), ctx.tol
+    ttft = prefill_latency(ctx.auto, m)
+    model = _prefill_model(ctx, m, view, ttft)
+    bound_up, bound_down = (
+        prefill_bound(model.fixed_ms, target, tol),
+        prefill_bound(model.fixed_ms, target, -tol),
+    )
+    notes = []
+    if model.fixed_ms > target * (1 - QUEUEING_SHARE) * (1 - tol):
+        notes.append(
+            note(NoteKind.queueing_share, fixed_ms=model.fixed_ms, queueing_ms=bound_up - model.fixed_ms)
+        )
+    most = limit(ctx, Role.prefill)
+    up = fewest_prefill(model, target, most, tol)
+    if up is None:
+        notes.append(note(NoteKind.beyond_limit, Role.prefill, load=model.load(), limit=most))
+    up = up or most
+    down = max(fewest_prefill(model, target, most, -tol) or up, up)
+    need = Need(up, down, cause_down=Cause.prefill_headroom, load_engines=model.load(), notes=tuple(notes))
+    if ttft is not None:
+        violated = ttft > bound_up
+        # Without a measured wait the split into fixed and queueing is the model's
+        # guess: then only headroom against the target itself counts.
+        measured = m.prefill.queue_time_q_ms is not None
+        queued = _mean_wait(m) or 0.0
+        need = replace(
+            need,
+            pressure=ttft * (1 + tol) / bound_up,
+            violated=violated,
+            headroom=ttft < bound_down and (measured or ttft < target * (1 - tol)),
+            # Unless the time went after prefill: prefill engines would not help then.
+            reactive=violated
+            and queued > 0.1 * target
+            and up <= view.current[Role.prefill]
+            and not _lost_after_prefill(view),
+        )
+    return replace(need, cause_up=Cause.ttft_over_target if need.violated else Cause.prefill_short)
+
+
+def _mean_wait(m: MetricsSnapshot) -> float | None:
+    """The mean prefill wait (ms); without the histogram, from the queue length (Little's law)."""
+    if m.prefill.queue_time_ms is not None or m.prefill_queue is None:
+        return m.prefill.queue_time_ms
+    return m.prefill_queue / m.request_rate * 1000.0
+
+
+def _lost_after_prefill(view: View) -> bool:
+    return largest_stage(view.stages) in (Stage.kv_handoff, Stage.decode_wait)
+
+
+def _decode_model(ctx: Context, m: MetricsSnapshot, view: View) -> models.DecodeModel:
+    # While prefill drains a backlog, decode receives more than arrives.
+    served = 0.0 if m.prefill.tokens_per_s is None else m.prefill.tokens_per_s / (m.mean_input_tokens or 1.0)
+    ready = m.decode.ready
+    model = models.calibrate_decode(
+        view.profile,
+        rate=max(m.request_rate, served),
+        input_tokens=m.mean_input_tokens or 1.0,
+        output_tokens=m.mean_output_tokens or 1.0,
+        engines=ready if ready is not None else float(ctx.seen(Role.decode).ready),
+        observed_itl_ms=seen_itl_ms(m, m.decode),
+        observed_kv_usage=m.decode_kv_usage,
+    )
+    return _grown(ctx, view, model, Role.decode)
+
+
+def decode_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
+    target, tol = float(ctx.auto.slo.itl_ms), ctx.tol
+    model = _decode_model(ctx, m, view)
+    most = limit(ctx, Role.decode)
+    up = fewest_decode(model, target, most, tol)
+    notes = (
+        () if up is not None else (note(NoteKind.beyond_limit, Role.decode, limit=most, target_ms=target),)
+    )
+    up = up or most
+    need = Need(
+        up, fewest_decode(model, target, most, -tol) or up, cause_down=Cause.decode_headroom, notes=notes
+    )
+    itl, kv = seen_itl_ms(m, m.decode), m.decode_kv_usage
+    kv_full = kv is not None and kv > models.KV_LIMIT
+    if itl is not None:
+        violated = itl > target * (1.0 + tol) or kv_full
+        need = replace(
+            need,
+            pressure=max(itl / target, (kv or 0.0) / models.KV_LIMIT),
+            violated=violated,
+            headroom=itl < target * (1.0 - tol)
+            and not (kv is not None and kv > models.KV_LIMIT * (1.0 - tol)),
+            reactive=violated and up <= view.current[Role.decode],
+        )
+    need = replace(need, cause_up=decode_cause(kv_full, need.violated))
+    # Without the transfer-time series (vLLM 0.32 exports none) a decode wait may be a
+    # slow hand-off: only a measured split asks for decode.
+    waited = largest_stage(view.stages) == Stage.decode_wait and m.kv_handoff_ms is not None
+    if not (waited and ttft_missed(ctx, m)):
+        return need
+    # Requests wait for a decode step before their first token: decode is short.
+    more = max(need.up, view.current[Role.decode] + 1)
+    itl_missed = itl is not None and itl > target * (1.0 + tol)
+    return replace(
+        need,
+        up=more,
+        down=more,
+        violated=True,
+        headroom=False,
+        pressure=max(need.pressure, (prefill_latency(ctx.auto, m) or 0.0) / ctx.auto.slo.ttft_ms),
+        cause_up=need.cause_up if kv_full or itl_missed else Cause.decode_wait,
+    )
+
+
+def decode_cause(kv_full: bool, violated: bool) -> Cause:
+    if kv_full:
+        return Cause.kv_cache_full
+    return Cause.itl_over_target if violated else Cause.decode_short
+
+
+def feedback_need(ctx: Context, m: MetricsSnapshot, view: View, role: Role, unseen: str) -> Need:
+    """A role whose capacity is not learned yet: one more engine while its SLO is
+    missed, never fewer unless another role needs the GPUs."""
+    cur, slo, tol = view.current[role], ctx.auto.slo, ctx.tol
+    if role == Role.prefill:
+        target, seen, full = float(slo.ttft_ms), prefill_latency(ctx.auto, m), False
+    else:
+        target, seen = float(slo.itl_ms), seen_itl_ms(m, m.decode)
+        full = m.decode_kv_usage is not None and m.decode_kv_usage > models.KV_LIMIT
+    need = Need(cur, cur, notes=(note(NoteKind.feedback_only, role, unseen=unseen),))
+    if seen is not None:
+        need = replace(
+            need,
+            pressure=seen / target,
+            violated=seen > target * (1.0 + tol) or full,
+            headroom=seen < target * (1.0 - tol),
+        )
+    if need.violated:
+        need = replace(need, up=cur + 1, down=cur + 1)
+    elif need.headroom:
+        # Never fewer of its own accord (need.down), but at a full GPU budget it may
+        # lend one engine to a role that misses its target (need.up is that floor).
+        need = replace(need, up=max(cur - 1, 1))
+    cause = Cause.ttft_over_target if role == Role.prefill else decode_cause(full, need.violated)
+    return replace(need, cause_up=cause)
