@@ -50,6 +50,11 @@ ANNOTATION_SCRAPE_PATH: Final = "prometheus.io/path"
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"
 ROLE_COLOCATED: Final = "colocated"  # colocated: prefill and decode on one engine, no KV hand-off
+# flexible: engines of one configuration (kv_both) that the router makes prefill or decode per request
+ROLE_FLEXIBLE: Final = "flexible"
+# In the roles ConfigMap the operator writes and the routers watch: how many flexible
+# engines act as prefill.
+KEY_PREFILL_ENGINES: Final = "prefillEngines"
 ROLE_ROUTER: Final = "router"
 ROLE_MOONCAKE_MASTER: Final = "mooncake-master"
 ROLE_MOONCAKE_STORE: Final = "mooncake-store"

@@ -39,7 +39,7 @@ def observe_reconcile(result: str, seconds: float) -> None:
 
 def forget(namespace: str, name: str) -> None:
     """Drop a deleted PDCluster's series, so that churn does not grow the exposition."""
-    for role in (*C.ENGINE_ROLES, C.ROLE_COLOCATED):
+    for role in (*C.ENGINE_ROLES, C.ROLE_COLOCATED, C.ROLE_FLEXIBLE):
         with contextlib.suppress(KeyError):
             DESIRED_REPLICAS.remove(namespace, name, role)
     for action in DECISION_ACTIONS:

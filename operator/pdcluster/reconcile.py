@@ -42,7 +42,9 @@ from pdcluster.status import Observation, Problem, compute_status
 
 log = logging.getLogger(__name__)
 
-WORKLOAD_ROLES = (C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_COLOCATED, C.ROLE_ROUTER, C.ROLE_MOONCAKE_MASTER)
+WORKLOAD_ROLES = (
+    C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_COLOCATED, C.ROLE_FLEXIBLE, C.ROLE_ROUTER, C.ROLE_MOONCAKE_MASTER
+)  # fmt: skip
 
 
 @dataclass
@@ -238,7 +240,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         autoscaling=result.condition,
         latency_p99_ms=result.latency_p99_ms,
         kv_verdicts=(verdicts or {}).get("data")
-        if spec.router.kv_probe.enabled and spec.mode == ServingMode.disaggregated
+        if spec.router.kv_probe.enabled and spec.hands_off_kv
         else None,
         rollout=rollout.progress,
         mode_fit=result.mode_fit,

@@ -23,6 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from pdcluster import constants as C
+from pdcluster import flexible
 from pdcluster.api.v1alpha1 import (
     AutoscalingState,
     ComponentStatus,
@@ -119,6 +120,20 @@ def _condition(
     )
 
 
+def _ratio(
+    spec: PDClusterSpec,
+    prefill: RoleStatus,
+    decode: RoleStatus,
+    colocated: RoleStatus | None,
+    flexible_pool: RoleStatus | None,
+) -> str | None:
+    if colocated is not None:
+        return None
+    if flexible_pool is not None:  # the split the routers apply to the ready engines
+        return "{}:{}".format(*flexible.split(flexible_pool.ready, flexible.prefill_engines(spec)))
+    return f"{prefill.ready}:{decode.ready}"
+
+
 def compute_status(
     spec: PDClusterSpec,
     generation: int | None,
@@ -132,6 +147,7 @@ def compute_status(
     prefill = pools.get(C.ROLE_PREFILL, (RoleStatus(), True))[0]
     decode = pools.get(C.ROLE_DECODE, (RoleStatus(), True))[0]
     colocated = pools[C.ROLE_COLOCATED][0] if C.ROLE_COLOCATED in pools else None
+    flexible = pools[C.ROLE_FLEXIBLE][0] if C.ROLE_FLEXIBLE in pools else None
     router, router_settled = _role_status(obs, C.ROLE_ROUTER, 0)
     master, master_settled = _role_status(obs, C.ROLE_MOONCAKE_MASTER, 0)
 
@@ -215,7 +231,8 @@ def compute_status(
         prefill=prefill,
         decode=decode,
         colocated=colocated,
-        ratio=None if colocated is not None else f"{prefill.ready}:{decode.ready}",
+        flexible=flexible,
+        ratio=_ratio(spec, prefill, decode, colocated, flexible),
         router=ComponentStatus(replicas=router.replicas, ready=router.ready),
         mooncake=ComponentStatus(replicas=master.replicas, ready=master.ready),
         ttft_p99_ms=ttft if ttft is not None else previous.ttft_p99_ms,

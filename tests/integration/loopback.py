@@ -67,7 +67,7 @@ async def router(
     `ready` holds for its pool and its hand-off probes have run (within 10 s). Its port is
     service.args.port."""
     args = parser().parse_args(["--host", "127.0.0.1", "--port", str(free_port()), *argv])
-    service = RouterService(args, parse_static(args.prefill, args.decode, args.colocated))
+    service = RouterService(args, parse_static(args.prefill, args.decode, args.colocated, args.flexible))
     await service.start()
     try:
         pool = service.pool

@@ -164,7 +164,7 @@ def shipped_pods() -> list[tuple[str, str, RDMAMode | None, dict[str, Any]]]:
 
 PODS = shipped_pods()
 IDS = [f"{where}/{role}" for where, role, _, _ in PODS]
-ENGINES = (C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_COLOCATED)
+ENGINES = (C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_COLOCATED, C.ROLE_FLEXIBLE)
 ON_FABRIC = (*ENGINES, C.ROLE_MOONCAKE_STORE)  # pods that move KV over RDMA
 
 
@@ -221,6 +221,7 @@ def test_every_component_is_checked() -> None:
         "operator",
         *C.ENGINE_ROLES,
         C.ROLE_COLOCATED,
+        C.ROLE_FLEXIBLE,
         C.ROLE_ROUTER,
         C.ROLE_MOONCAKE_MASTER,
         C.ROLE_MOONCAKE_STORE,

@@ -15,8 +15,16 @@ def test_kv_events_config_binds_all_interfaces_on_both_ports():
 
 
 def test_render_uses_the_kv_roles_of_vllm():
-    assert engine.KV_ROLE == {C.ROLE_PREFILL: "kv_producer", C.ROLE_DECODE: "kv_consumer"}
-    assert engine.STORE_KV_ROLE == {C.ROLE_PREFILL: "kv_both", C.ROLE_DECODE: "kv_consumer"}
+    assert engine.KV_ROLE == {
+        C.ROLE_PREFILL: "kv_producer",
+        C.ROLE_DECODE: "kv_consumer",
+        C.ROLE_FLEXIBLE: "kv_both",
+    }
+    assert engine.STORE_KV_ROLE == {
+        C.ROLE_PREFILL: "kv_both",
+        C.ROLE_DECODE: "kv_consumer",
+        C.ROLE_FLEXIBLE: "kv_both",
+    }
     assert set(kvt.WRITING_ROLES) | set(kvt.LOADING_ROLES) == set(kvt.KV_ROLES)
 
 

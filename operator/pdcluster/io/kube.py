@@ -368,6 +368,7 @@ class Kube:
         namespace: str | None = None,
         *,
         label_selector: str | None = None,
+        field_selector: str | None = None,
         resource_version: str | None = None,
         timeout_seconds: int = 300,
     ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
@@ -377,8 +378,10 @@ class Kube:
         assert self._session is not None
         path = resource_path(api_version, kind, namespace)
         while True:
+            selectors = {"labelSelector": label_selector, "fieldSelector": field_selector}
+            selectors = {key: value for key, value in selectors.items() if value}
             if resource_version is None:
-                params = {"labelSelector": label_selector} if label_selector else {}
+                params = dict(selectors)
                 listing = await self.request("GET", path, params=params or None)
                 resource_version = listing["metadata"]["resourceVersion"]
                 yield "SYNC", {"items": listing.get("items", [])}
@@ -388,8 +391,7 @@ class Kube:
                 "resourceVersion": resource_version,
                 "timeoutSeconds": str(timeout_seconds),
             }
-            if label_selector:
-                params["labelSelector"] = label_selector
+            params |= selectors
             try:
                 async with self._session.get(
                     path,

@@ -22,11 +22,17 @@ class Replicas:
     prefill: int
     decode: int
     colocated: int = 0
+    flexible: int = 0
 
     def of(self, role: str) -> int:
-        counts = {C.ROLE_PREFILL: self.prefill, C.ROLE_DECODE: self.decode, C.ROLE_COLOCATED: self.colocated}
+        counts = {
+            C.ROLE_PREFILL: self.prefill,
+            C.ROLE_DECODE: self.decode,
+            C.ROLE_COLOCATED: self.colocated,
+            C.ROLE_FLEXIBLE: self.flexible,
+        }
         if role not in counts:
-            raise ValueError(f"no engine role {role!r} (prefill, decode or colocated)")
+            raise ValueError(f"no engine role {role!r} (prefill, decode, colocated or flexible)")
         return counts[role]
 
     @classmethod
@@ -50,9 +56,7 @@ class Replicas:
             r = spec.role(role)
             wanted = source.get(role)
             counts[role] = r.replicas if wanted is None else min(max(wanted, r.min_replicas), r.max_replicas)
-        return cls(
-            counts.get(C.ROLE_PREFILL, 0), counts.get(C.ROLE_DECODE, 0), counts.get(C.ROLE_COLOCATED, 0)
-        )
+        return cls(*(counts.get(role, 0) for role in (*C.ENGINE_ROLES, C.ROLE_COLOCATED, C.ROLE_FLEXIBLE)))
 
 
 def render_all(

@@ -32,7 +32,12 @@ from pdcluster.render import mooncake, rdma
 from pdcluster.render.names import Owner, env_field, labels, metadata, scrape_annotations, selector
 from pdcluster.vllm import kvtransfer as kvt
 
-KV_ROLE = {C.ROLE_PREFILL: kvt.KV_PRODUCER, C.ROLE_DECODE: kvt.KV_CONSUMER}
+# A flexible engine is both: each request's kv_transfer_params make it prefill or decode
+# (mooncake_connector.py: with kv_both neither is_kv_producer nor is_kv_consumer is set,
+# and the worker starts the sender, the receiver and the bootstrap server).
+KV_ROLE = {C.ROLE_PREFILL: kvt.KV_PRODUCER, C.ROLE_DECODE: kvt.KV_CONSUMER, C.ROLE_FLEXIBLE: kvt.KV_BOTH}
+# Engines that serve the Mooncake bootstrap server, which decode asks for the engine ids.
+BOOTSTRAP_ROLES = (C.ROLE_PREFILL, C.ROLE_FLEXIBLE)
 SHM_VOLUME = "dshm"
 # Long enough for routers to see the pod leave its EndpointSlice before SIGTERM, so no
 # new request lands on an engine that is shutting down.
@@ -41,7 +46,7 @@ PRESTOP_SLEEP_SECONDS = 5
 SHUTDOWN_MARGIN_SECONDS = 2
 
 
-STORE_KV_ROLE = {C.ROLE_PREFILL: kvt.KV_BOTH, C.ROLE_DECODE: kvt.KV_CONSUMER}
+STORE_KV_ROLE = {C.ROLE_PREFILL: kvt.KV_BOTH, C.ROLE_DECODE: kvt.KV_CONSUMER, C.ROLE_FLEXIBLE: kvt.KV_BOTH}
 STORE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 
 
@@ -110,7 +115,7 @@ KV_EVENTS = kvt.kv_events_config(C.KV_EVENTS_PORT, C.KV_EVENTS_REPLAY_PORT)
 
 def publishes_kv_events(spec: PDClusterSpec, role: str) -> bool:
     """The precise-prefix router reads the KV events of the engines it picks among."""
-    return spec.router.policy == RouterPolicy.precise_prefix and role in (C.ROLE_PREFILL, C.ROLE_COLOCATED)
+    return spec.router.policy == RouterPolicy.precise_prefix and role != C.ROLE_DECODE
 
 
 def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
@@ -171,9 +176,9 @@ def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, A
     if spec.mooncake.store.enabled:
         env.append({"name": STORE_CONFIG_ENV, "value": f"{mooncake.CONFIG_DIR}/{mooncake.ENGINE_CONFIG}"})
         env += mooncake.client_env(spec, owner)
-    if role == C.ROLE_PREFILL:
+    if role in BOOTSTRAP_ROLES:
         env.append({"name": "VLLM_MOONCAKE_BOOTSTRAP_PORT", "value": str(spec.kv_transfer.bootstrap_port)})
-    if role in C.ENGINE_ROLES:
+    if role != C.ROLE_COLOCATED:
         # The router gives up on a request after its timeout: KV held longer for a decode
         # that never pulls it is held for nobody (vLLM's default is 480 s).
         env.append(
@@ -235,7 +240,7 @@ def _probe(path: str, port: str, probe: Any) -> dict[str, Any]:
 
 def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
     ports = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
-    if role == C.ROLE_PREFILL:
+    if role in BOOTSTRAP_ROLES:
         ports.append(
             {"name": "bootstrap", "containerPort": spec.kv_transfer.bootstrap_port, "protocol": "TCP"}
         )
@@ -391,7 +396,7 @@ def leaderworkerset(
 
 def headless_service(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
     ports = [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}]
-    if role == C.ROLE_PREFILL:
+    if role in BOOTSTRAP_ROLES:
         ports.append(
             {"name": "bootstrap", "port": spec.kv_transfer.bootstrap_port, "targetPort": "bootstrap"}
         )

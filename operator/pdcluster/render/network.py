@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster import constants as C
-from pdcluster.api.v1alpha1 import PDClusterSpec, RouterPolicy, ServingMode
+from pdcluster.api.v1alpha1 import PDClusterSpec, RouterPolicy
 from pdcluster.render.names import Owner, metadata, selector
 
 ZMQ_RANDOM_PORTS = (49152, 65535)  # pyzmq Socket.bind_to_random_port defaults
@@ -70,7 +70,7 @@ def build_network_policies(spec: PDClusterSpec, owner: Owner) -> list[dict[str, 
 
     api = [_port(spec.engine.port)]
     engine_rules = [{"from": router + scrape, "ports": api}]
-    if spec.mode == ServingMode.disaggregated:
+    if spec.hands_off_kv:
         bootstrap = [_port(kv.bootstrap_port)]
         engine_rules += [
             {"from": router, "ports": bootstrap},

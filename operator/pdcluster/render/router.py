@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster import constants as C
+from pdcluster import flexible
 from pdcluster.api.v1alpha1 import PDClusterSpec, RouterPolicy, ServingMode
 from pdcluster.render.names import (
     Owner,
@@ -51,7 +52,7 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     if not retries.resume_streams:
         args.append("--no-resume-streams")
     probe = r.kv_probe
-    if probe.enabled and spec.mode == ServingMode.disaggregated:  # colocated: no hand-off to verify
+    if probe.enabled and spec.hands_off_kv:  # colocated: no hand-off to verify
         args += [
             f"--kv-probe-interval={probe.interval_seconds}",
             f"--kv-probe-tokens={probe.prompt_tokens}",
@@ -59,6 +60,8 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
         ]
     else:
         args.append("--kv-probe-interval=0")
+    if spec.mode == ServingMode.flexible:
+        args += [f"--roles-configmap={roles_configmap_name(owner)}", f"--prefill-engines={flexible.prefill_engines(spec)}"]
     if r.api_key_secret:
         args.append(f"--api-key-file={API_KEY_DIR}/{r.api_key_secret.key}")
     if spec.engine.api_key_secret:
@@ -90,7 +93,7 @@ def store_hit_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     same_tp = spec.prefill.tensor_parallel_size == spec.decode.tensor_parallel_size
     # A colocated engine loads stored prefixes itself: there is no prefill to skip.
     if not (
-        spec.mooncake.store.enabled and hits.enabled and same_tp and spec.mode == ServingMode.disaggregated
+        spec.mooncake.store.enabled and hits.enabled and same_tp and spec.hands_off_kv
     ):
         return []
     master = f"http://{owner.child(C.ROLE_MOONCAKE_MASTER)}:{spec.mooncake.metrics_port}"
@@ -183,9 +186,44 @@ def state_configmap(owner: Owner) -> dict[str, Any]:
     }
 
 
-def rbac(owner: Owner) -> list[dict[str, Any]]:
+def roles_configmap_name(owner: Owner) -> str:
+    return f"{owner.child(C.ROLE_ROUTER)}-roles"
+
+
+def roles_configmap(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
+    """The flexible split the routers apply (router/membership.py): a change here moves
+    engines between the roles within a second, with no pod restarted."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(owner, C.ROLE_ROUTER, roles_configmap_name(owner)),
+        "data": {C.KEY_PREFILL_ENGINES: str(flexible.prefill_engines(spec))},
+    }
+
+
+def rbac(spec: PDClusterSpec, owner: Owner) -> list[dict[str, Any]]:
     role = C.ROLE_ROUTER
     name = owner.child(role)
+    # Membership: which engine pods are ready; its one ConfigMap of verdicts; in flexible
+    # mode the ConfigMap of roles, by name.
+    rules: list[dict[str, Any]] = [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": [state_configmap_name(owner)],
+            "verbs": ["get", "patch"],
+        },
+    ]
+    if spec.mode == ServingMode.flexible:
+        rules.append(
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [roles_configmap_name(owner)],
+                "verbs": ["get", "list", "watch"],
+            }
+        )
     return [
         {
             "apiVersion": "v1",
@@ -197,16 +235,7 @@ def rbac(owner: Owner) -> list[dict[str, Any]]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": metadata(owner, role),
-            # Membership: which engine pods are ready; and its one ConfigMap of verdicts.
-            "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-                {
-                    "apiGroups": [""],
-                    "resources": ["configmaps"],
-                    "resourceNames": [state_configmap_name(owner)],
-                    "verbs": ["get", "patch"],
-                },
-            ],
+            "rules": rules,
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -220,4 +249,7 @@ def rbac(owner: Owner) -> list[dict[str, Any]]:
 
 def build_router(spec: PDClusterSpec, owner: Owner, *, suspended: bool) -> list[dict[str, Any]]:
     replicas = 0 if suspended else spec.router.replicas
-    return [*rbac(owner), state_configmap(owner), deployment(spec, owner, replicas), service(spec, owner)]
+    roles = [roles_configmap(spec, owner)] if spec.mode == ServingMode.flexible else []
+    return [
+        *rbac(spec, owner), state_configmap(owner), *roles, deployment(spec, owner, replicas), service(spec, owner)
+    ]  # fmt: skip

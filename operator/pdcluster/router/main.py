@@ -22,7 +22,7 @@ from pdcluster.router.config import RouterConfig
 from pdcluster.router.engines import EngineClient
 from pdcluster.router.http import HttpServer
 from pdcluster.router.kvevents import KvEventFeed, Source
-from pdcluster.router.membership import Members, Pool, Upstream, parse_static, watch_kube
+from pdcluster.router.membership import Members, Pool, Upstream, parse_static, watch_kube, watch_roles
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policy import POLICIES, Admission, KvIndex, make_policy
 from pdcluster.router.probe import KvProber
@@ -92,6 +92,24 @@ def _add_backends(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="a colocated engine (prefill and decode in one, no KV hand-off); repeatable, with or "
         "without --prefill/--decode",
+    )
+    members.add_argument(
+        "--flexible",
+        action="append",
+        default=[],
+        metavar="URL[#bootstrap=PORT]",
+        help="a flexible engine (MooncakeConnector kv_both), made prefill or decode by the router; "
+        "repeatable, in pool order",
+    )
+    members.add_argument(
+        "--prefill-engines",
+        type=int,
+        default=1,
+        help="how many flexible engines act as prefill, the first ones in pool order (at least one of "
+        "each role); with --kube the roles ConfigMap changes it",
+    )
+    members.add_argument(
+        "--roles-configmap", help="with --kube: the ConfigMap whose prefillEngines sets the flexible split"
     )
 
 
@@ -239,6 +257,7 @@ class RouterService:
         self._prober: asyncio.Task[None] | None = None
         self._publishing: asyncio.Task[None] | None = None
         self._events: asyncio.Task[None] | None = None
+        self._roles: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         args = self.args
@@ -325,6 +344,7 @@ class RouterService:
         """Follow the cluster's engines (or take the static ones); the publisher of the
         KV verdicts, where the router has a ConfigMap to write them to."""
         args = self.args
+        pool.assign(args.prefill_engines)
         if self.members is not None:
             pool.update(self.members)
             return None
@@ -332,9 +352,12 @@ class RouterService:
         self._kube = Kube(config)
         await self._kube.__aenter__()
         namespace = args.namespace or config.namespace
-        self._watcher = asyncio.get_running_loop().create_task(
-            watch_kube(self._kube, namespace, args.cluster, pool, args.discovery)
-        )
+        loop = asyncio.get_running_loop()
+        self._watcher = loop.create_task(watch_kube(self._kube, namespace, args.cluster, pool, args.discovery))
+        if args.roles_configmap:
+            self._roles = loop.create_task(
+                watch_roles(self._kube, namespace, args.roles_configmap, pool)
+            )
         if args.state_configmap and args.pod_name:
             return StatePublisher(self._kube, namespace, args.state_configmap, args.pod_name)
         return None
@@ -393,7 +416,7 @@ class RouterService:
     async def stop(self) -> None:
         if self._http is not None:  # the drain has waited for in-flight requests: cut the rest
             await self._http.close()
-        for task in (self._watcher, self._prober, self._publishing, self._events):
+        for task in (self._watcher, self._roles, self._prober, self._publishing, self._events):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -427,14 +450,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if args.kube and not args.cluster:
         parser().error("--kube needs --cluster")
-    if not args.kube and not (args.prefill and args.decode) and not args.colocated:
-        parser().error("give --kube, at least one --prefill and one --decode, or --colocated")
+    if not args.kube and not (args.prefill and args.decode) and not args.colocated and not args.flexible:
+        parser().error("give --kube, at least one --prefill and one --decode, --colocated or --flexible")
     if not 0.0 <= args.trace_sample_ratio <= 1.0:
         parser().error("--trace-sample-ratio must be between 0 and 1")
     if not args.kube and bool(args.prefill) != bool(args.decode):
         parser().error("--prefill and --decode come together: a prefill needs a decode to hand its KV to")
     try:
-        members = None if args.kube else parse_static(args.prefill, args.decode, args.colocated)
+        members = None if args.kube else parse_static(args.prefill, args.decode, args.colocated, args.flexible)
     except ValueError as e:
         sys.exit(f"pdcluster-router: {e}")
     logging.basicConfig(

@@ -16,6 +16,15 @@ A role spanning nodes runs as LeaderWorkerSet groups: only each group's leader s
 Colocated engines (role `colocated`) form a plain pool: each serves a request whole, with
 no KV hand-off, and is routable as soon as it is ready.
 
+Flexible engines (role `flexible`, vLLM's MooncakeConnector as `kv_both`) are prefill or
+decode by the request's kv_transfer_params alone, so the router decides each one's role:
+of the ready ones, in the order of their ordinals (the StatefulSet's, or the order of
+`--flexible`), the first `prefill_engines` act as prefill and the rest as decode, at
+least one of each; a lone engine serves requests whole. The operator writes the number in
+the `<cluster>-roles` ConfigMap, which the router watches, so a role changes within a
+second of the decision and without a restart; requests in flight on an engine whose role
+changed finish there (a kv_both engine does both at once).
+
 A prefill instance becomes routable once its bootstrap server has told us its DP
 ranks' engine ids (`GET /query`); each rank is then its own `Upstream`. Ids are
 re-queried periodically and after a failure, so a restarted instance (new random
@@ -33,15 +42,18 @@ from typing import Any
 
 import aiohttp
 
+from pdcluster import flexible
 from pdcluster.constants import (
     BOOTSTRAP_PORT,
     ENGINE_PORT,
+    KEY_PREFILL_ENGINES,
     LABEL_CLUSTER,
     LABEL_KV_REVISION,
     LABEL_LWS_WORKER_INDEX,
     LABEL_ROLE,
     ROLE_COLOCATED,
     ROLE_DECODE,
+    ROLE_FLEXIBLE,
     ROLE_PREFILL,
     ROLE_ROUTER,
 )
@@ -101,26 +113,50 @@ class Members:
     names: dict[str, str] = field(default_factory=dict)  # engine URL -> pod name
     revisions: dict[str, str] = field(default_factory=dict)  # engine URL -> its kv-revision label
     routers: frozenset[str] = frozenset()  # router pod names (pod discovery only)
+    flexible: dict[str, str] = field(default_factory=dict)  # flexible engine URL -> bootstrap base URL
+    ordinals: dict[str, int] = field(default_factory=dict)  # flexible engine URL -> its place in the pool
 
 
-def parse_static(prefill: Iterable[str], decode: Iterable[str], colocated: Iterable[str] = ()) -> Members:
-    """`--prefill URL[#bootstrap=PORT]`, `--decode URL` and `--colocated URL` values."""
-    prefills = {}
-    for spec in prefill:
-        url, _, fragment = spec.partition("#")
-        url = url.rstrip("/")
-        port = BOOTSTRAP_PORT
-        if fragment:
-            key, _, value = fragment.partition("=")
-            if key != "bootstrap" or not value.isdigit():
-                raise ValueError(f"--prefill {spec!r}: expected URL[#bootstrap=PORT]")
-            port = int(value)
-        prefills[url] = f"http://{_host(Origin.parse(url).host)}:{port}"
+def parse_static(
+    prefill: Iterable[str], decode: Iterable[str], colocated: Iterable[str] = (), flexible: Iterable[str] = ()
+) -> Members:
+    """`--prefill URL[#bootstrap=PORT]`, `--decode URL`, `--colocated URL` and
+    `--flexible URL[#bootstrap=PORT]` values."""
+    prefills = dict(_with_bootstrap(spec, "--prefill") for spec in prefill)
+    flexibles = dict(_with_bootstrap(spec, "--flexible") for spec in flexible)
     decodes = frozenset(d.rstrip("/") for d in decode)
     plain = frozenset(e.rstrip("/") for e in colocated)
     for url in decodes | plain:
         Origin.parse(url)
-    return Members(prefills, decodes, plain)
+    ordinals = {url: n for n, url in enumerate(flexibles)}
+    return Members(prefills, decodes, plain, flexible=flexibles, ordinals=ordinals)
+
+
+def _with_bootstrap(spec: str, flag: str) -> tuple[str, str]:
+    """(API URL, bootstrap base URL) of a `URL[#bootstrap=PORT]` value."""
+    url, _, fragment = spec.partition("#")
+    url = url.rstrip("/")
+    port = BOOTSTRAP_PORT
+    if fragment:
+        key, _, value = fragment.partition("=")
+        if key != "bootstrap" or not value.isdigit():
+            raise ValueError(f"{flag} {spec!r}: expected URL[#bootstrap=PORT]")
+        port = int(value)
+    return url, f"http://{_host(Origin.parse(url).host)}:{port}"
+
+
+def _ordinal(name: str) -> int | None:
+    """A StatefulSet pod's ordinal, from its name."""
+    tail = name.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else None
+
+
+def assign_roles(engines: list[str], prefill_engines: int) -> dict[str, str]:
+    """Each flexible engine's role, the engines in pool order (pdcluster.flexible)."""
+    if len(engines) == 1:
+        return {engines[0]: ROLE_COLOCATED}
+    prefill, _ = flexible.split(len(engines), prefill_engines)
+    return {e: ROLE_PREFILL if n < prefill else ROLE_DECODE for n, e in enumerate(engines)}
 
 
 def _host(address: str) -> str:
@@ -131,6 +167,8 @@ def members_from_slices(slices: Iterable[dict[str, Any]]) -> Members:
     prefill: dict[str, str] = {}
     decode: set[str] = set()
     plain: set[str] = set()
+    flexible: dict[str, str] = {}
+    names: dict[str, str] = {}
     for s in slices:
         role = ((s.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE)
         if role not in _ENGINE_ROLES:
@@ -147,17 +185,40 @@ def members_from_slices(slices: Iterable[dict[str, Any]]) -> Members:
                 continue
             host = _host(addresses[0])
             url = f"http://{host}:{http}"
-            if role == ROLE_PREFILL:
-                prefill[url] = f"http://{host}:{ports.get('bootstrap') or BOOTSTRAP_PORT}"
-            else:
-                (decode if role == ROLE_DECODE else plain).add(url)
-    return Members(prefill, frozenset(decode), frozenset(plain))
+            if name := (endpoint.get("targetRef") or {}).get("name"):
+                names[url] = name
+            bootstrap = f"http://{host}:{ports.get('bootstrap') or BOOTSTRAP_PORT}"
+            _place(role, url, bootstrap, prefill, decode, plain, flexible)
+    return Members(
+        prefill, frozenset(decode), frozenset(plain), names, flexible=flexible, ordinals=_ordinals(flexible, names)
+    )
+
+
+def _place(
+    role: str, url: str, bootstrap: str, prefill: dict[str, str], decode: set[str], plain: set[str],
+    flexible: dict[str, str],
+) -> None:  # fmt: skip
+    if role == ROLE_PREFILL:
+        prefill[url] = bootstrap
+    elif role == ROLE_FLEXIBLE:
+        flexible[url] = bootstrap
+    else:
+        (decode if role == ROLE_DECODE else plain).add(url)
+
+
+def _ordinals(flexible: dict[str, str], names: dict[str, str]) -> dict[str, int]:
+    """Flexible engines' places in the pool: their pods' ordinals, else their URLs' order."""
+    by_name = {url: _ordinal(names.get(url, "")) for url in flexible}
+    unnamed = sorted(url for url, n in by_name.items() if n is None)
+    last = max((n for n in by_name.values() if n is not None), default=-1)
+    return {url: n if n is not None else last + 1 + unnamed.index(url) for url, n in by_name.items()}
 
 
 def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
     prefill: dict[str, str] = {}
     decode: set[str] = set()
     plain: set[str] = set()
+    flexible: dict[str, str] = {}
     names: dict[str, str] = {}
     revisions: dict[str, str] = {}
     routers: set[str] = set()
@@ -184,14 +245,15 @@ def members_from_pods(pods: Iterable[dict[str, Any]]) -> Members:
         url = f"http://{host}:{ports.get('http') or ENGINE_PORT}"
         names[url] = meta.get("name", url)
         revisions[url] = (meta.get("labels") or {}).get(LABEL_KV_REVISION, "")
-        if role == ROLE_PREFILL:
-            prefill[url] = f"http://{host}:{ports.get('bootstrap') or BOOTSTRAP_PORT}"
-        else:
-            (decode if role == ROLE_DECODE else plain).add(url)
-    return Members(prefill, frozenset(decode), frozenset(plain), names, revisions, frozenset(routers))
+        bootstrap = f"http://{host}:{ports.get('bootstrap') or BOOTSTRAP_PORT}"
+        _place(role, url, bootstrap, prefill, decode, plain, flexible)
+    return Members(
+        prefill, frozenset(decode), frozenset(plain), names, revisions, frozenset(routers), flexible,
+        _ordinals(flexible, names),
+    )  # fmt: skip
 
 
-_ENGINE_ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED)
+_ENGINE_ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED, ROLE_FLEXIBLE)
 
 _DISCOVERY = {
     "endpointslices": ("discovery.k8s.io/v1", "EndpointSlice", members_from_slices),
@@ -209,6 +271,22 @@ class _PrefillInstance:
         self.stale = asyncio.Event()
 
 
+class _FlexibleEngine:
+    """A kv_both engine: its prefill ranks (once its bootstrap server names them), and
+    itself as a decode engine and as an engine serving requests whole."""
+
+    def __init__(self, instance: _PrefillInstance, members: Members):
+        url = instance.url
+        name, revision = members.names.get(url, ""), instance.revision
+        self.instance = instance
+        self.decode = Upstream(url, ROLE_DECODE, url=url, name=name, revision=revision)
+        self.whole = Upstream(url, ROLE_COLOCATED, url=url, name=name, revision=revision)
+        self.ordinal = members.ordinals.get(url, 0)
+
+    def upstreams(self) -> list[Upstream]:
+        return [*self.instance.ranks, self.decode, self.whole]
+
+
 class Pool:
     """The router's live view of its backends."""
 
@@ -220,6 +298,9 @@ class Pool:
         self._prefill: dict[str, _PrefillInstance] = {}
         self._decode: dict[str, Upstream] = {}
         self._colocated: dict[str, Upstream] = {}
+        self._flexible: dict[str, _FlexibleEngine] = {}
+        self.prefill_engines = 1  # of the flexible engines, how many act as prefill
+        self.roles: dict[str, str] = {}  # flexible engine URL -> its role now
         self.prefill: list[Upstream] = []  # routable prefill ranks
         self.decode: list[Upstream] = []
         self.colocated: list[Upstream] = []  # colocated: a plain pool
@@ -250,7 +331,41 @@ class Pool:
                 instance.task = asyncio.get_running_loop().create_task(self._resolve(instance))
         self._follow(self._decode, members.decode, ROLE_DECODE, members)
         self._follow(self._colocated, members.colocated, ROLE_COLOCATED, members)
+        self._follow_flexible(members)
         self._publish()
+
+    def _follow_flexible(self, members: Members) -> None:
+        for url in set(self._flexible) - set(members.flexible):
+            self._drop_flexible(url)
+        for url, bootstrap_addr in members.flexible.items():
+            engine = self._flexible.get(url)
+            revision = members.revisions.get(url, "")
+            if engine is not None and (engine.instance.bootstrap_addr, engine.instance.revision) != (
+                bootstrap_addr,
+                revision,
+            ):
+                self._drop_flexible(url)  # another engine at this address
+                engine = None
+            if engine is None:
+                instance = _PrefillInstance(url, bootstrap_addr, revision)
+                engine = self._flexible[url] = _FlexibleEngine(instance, members)
+                instance.task = asyncio.get_running_loop().create_task(self._resolve(instance))
+            engine.ordinal = members.ordinals.get(url, 0)
+
+    def _drop_flexible(self, url: str) -> None:
+        engine = self._flexible.pop(url)
+        if engine.instance.task is not None:
+            engine.instance.task.cancel()
+        for upstream in engine.upstreams():
+            upstream.gone.set()
+            self.on_forget(upstream.id)
+
+    def assign(self, prefill_engines: int) -> None:
+        """How many flexible engines act as prefill: the operator's split, applied now."""
+        if prefill_engines != self.prefill_engines:
+            log.info("flexible engines acting as prefill: %d -> %d", self.prefill_engines, prefill_engines)
+            self.prefill_engines = prefill_engines
+            self._publish()
 
     def _follow(self, known: dict[str, Upstream], urls: frozenset[str], role: str, members: Members) -> None:
         """Make `known` (engines addressed by URL alone) hold exactly `urls`."""
@@ -278,13 +393,31 @@ class Pool:
         self.prefill = [rank for instance in self._prefill.values() for rank in instance.ranks]
         self.decode = list(self._decode.values())
         self.colocated = list(self._colocated.values())
+        engines = sorted(self._flexible.values(), key=lambda e: (e.ordinal, e.instance.url))
+        roles = assign_roles([e.instance.url for e in engines], self.prefill_engines)
+        for engine in engines:
+            role = roles[engine.instance.url]
+            if role == ROLE_PREFILL:
+                self.prefill += engine.instance.ranks
+            elif role == ROLE_DECODE:
+                self.decode.append(engine.decode)
+            else:
+                self.colocated.append(engine.whole)
+        flipped = [url for url, role in roles.items() if self.roles.get(url, role) != role]
+        if flipped:
+            log.info("flexible engines changed role: %s", ", ".join(f"{u} -> {roles[u]}" for u in flipped))
+        self.roles = roles
         self.changed.set()
 
     def invalidate(self, upstream: Upstream) -> None:
         """A request to this prefill failed: re-query its engine ids now."""
-        for instance in self._prefill.values():
+        for instance in self._instances():
             if upstream in instance.ranks:
                 instance.stale.set()
+
+    def _instances(self) -> list[_PrefillInstance]:
+        """Every engine with a bootstrap server: prefill instances and flexible engines."""
+        return [*self._prefill.values(), *(e.instance for e in self._flexible.values())]
 
     async def _resolve(self, instance: _PrefillInstance) -> None:
         """Query the engine ids, soon again while the answer is changing or empty (DP
@@ -362,6 +495,7 @@ class Pool:
                 url: {"bootstrap_addr": i.bootstrap_addr, "ranks": len(i.ranks)}
                 for url, i in self._prefill.items()
             },
+            "flexible": {"prefill_engines": self.prefill_engines, "roles": self.roles},
             "prefill": [one(u) for u in self.prefill],
             "decode": [one(u) for u in self.decode],
             "colocated": [one(u) for u in self.colocated],
@@ -376,10 +510,10 @@ class Pool:
         return self.all_upstreams(), counts
 
     async def close(self) -> None:
-        for instance in self._prefill.values():
+        for instance in self._instances():
             if instance.task is not None:
                 instance.task.cancel()
-        tasks = [i.task for i in self._prefill.values() if i.task is not None]
+        tasks = [i.task for i in self._instances() if i.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
@@ -404,3 +538,29 @@ async def watch_kube(
         except (ApiError, aiohttp.ClientError, TimeoutError) as e:
             log.warning("%s watch failed (%s); retrying", kind, e)
             await asyncio.sleep(1.0)
+
+
+async def watch_roles(kube: Kube, namespace: str, configmap: str, pool: Pool) -> None:
+    """Keep `pool`'s split of its flexible engines equal to the roles ConfigMap's. By name:
+    the router may read that one ConfigMap (RBAC resourceNames holds for a list or watch
+    by metadata.name)."""
+    while True:
+        try:
+            async for event, obj in kube.watch(
+                "v1", "ConfigMap", namespace, field_selector=f"metadata.name={configmap}"
+            ):
+                items = obj["items"] if event == "SYNC" else [obj] if event != "DELETED" else []
+                for item in items:
+                    _apply_roles(item, pool)
+        except (ApiError, aiohttp.ClientError, TimeoutError) as e:
+            log.warning("ConfigMap %s watch failed (%s); retrying", configmap, e)
+            await asyncio.sleep(1.0)
+
+
+def _apply_roles(configmap: dict[str, Any], pool: Pool) -> None:
+    value = (configmap.get("data") or {}).get(KEY_PREFILL_ENGINES, "")
+    if not value.isdigit():
+        log.warning("ConfigMap %s: %s is %r, not a count; roles unchanged", configmap["metadata"]["name"],
+                    KEY_PREFILL_ENGINES, value)  # fmt: skip
+        return
+    pool.assign(int(value))
