@@ -18,7 +18,10 @@ from pdcluster import __version__, perf
 from pdcluster.enginesim.api import OpenAIServer
 from pdcluster.enginesim.cli import SimConfig, parse
 from pdcluster.enginesim.engine import EngineCore, Seq, TransferHook
-from pdcluster.enginesim.kv import BootstrapServer, KvPuller, MooncakeStore, SideChannel, TransferTable
+from pdcluster.enginesim.kv.mooncake_client import MooncakeStore
+from pdcluster.enginesim.kv.puller import KvPuller
+from pdcluster.enginesim.kv.side_channel import BootstrapServer, SideChannel
+from pdcluster.enginesim.kv.transfers import TransferTable
 from pdcluster.enginesim.metrics import EngineMetrics, MetricFamilies
 from pdcluster.enginesim.nodes import Group
 from pdcluster.enginesim.prefix import EventPublisher, PrefixCache
