@@ -27,7 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdcluster.enginesim.cli import SimConfig
 from pdcluster.enginesim.engine import EngineCore, RemotePrefill, Seq
-from pdcluster.enginesim.store import PrefixStore
+from pdcluster.enginesim.store_connector import PrefixStore
 from pdcluster.router import openai
 from pdcluster.router.prompt import count_tokens, prompt_of, token_ids
 from pdcluster.vllm.version import VLLM_VERSION

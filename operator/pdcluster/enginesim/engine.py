@@ -33,8 +33,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from pdcluster.enginesim.metrics import EngineMetrics
 from pdcluster.enginesim.prefix import PrefixCache
+from pdcluster.enginesim.vllm_metrics import EngineMetrics
 from pdcluster.perf import Profile
 
 log = logging.getLogger(__name__)

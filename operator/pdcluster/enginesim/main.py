@@ -22,10 +22,10 @@ from pdcluster.enginesim.kv.mooncake_client import MooncakeStore
 from pdcluster.enginesim.kv.puller import KvPuller
 from pdcluster.enginesim.kv.side_channel import BootstrapServer, SideChannel
 from pdcluster.enginesim.kv.transfers import TransferTable
-from pdcluster.enginesim.metrics import EngineMetrics, MetricFamilies
 from pdcluster.enginesim.nodes import Group
 from pdcluster.enginesim.prefix import EventPublisher, PrefixCache
-from pdcluster.enginesim.store import PrefixStore
+from pdcluster.enginesim.store_connector import PrefixStore
+from pdcluster.enginesim.vllm_metrics import EngineMetrics, MetricFamilies
 from pdcluster.vllm import kvtransfer as kvt
 
 log = logging.getLogger("pdcluster.enginesim")
