@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdcluster import observability as obs
@@ -48,6 +50,8 @@ class EngineMetrics:
 
 
 class MetricFamilies:
+    """Every family the simulator exports, registered in vLLM's order."""
+
     def __init__(
         self,
         max_model_len: int,
@@ -56,133 +60,114 @@ class MetricFamilies:
         block_size: int = 16,
     ):
         self.registry = registry or CollectorRegistry()
-        r, labels = self.registry, obs.VLLM_LABELS
-        # vLLM's info gauge of its KV cache: value 1, the facts in labels (the router
-        # reads block size and hash from it to key store lookups).
+        self._publish_cache_config(kv_tokens, block_size)
+        self.running = self._gauge(obs.VLLM_RUNNING, "Number of requests in model execution batches.")
+        self.waiting = self._gauge(obs.VLLM_WAITING, "Number of requests waiting to be processed.")
+        self.kv_usage = self._gauge(obs.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.")
+        self.prompt_tokens = self._counter(obs.VLLM_PROMPT_TOKENS, "Number of prefill tokens processed.")
+        self.prompt_by_source = self._counter(
+            obs.VLLM_PROMPT_TOKENS_BY_SOURCE, "Number of prompt tokens by source.", "source"
+        )
+        self.generation_tokens = self._counter(
+            obs.VLLM_GENERATION_TOKENS, "Number of generation tokens processed."
+        )
+        self.prefix_queries = self._counter(
+            obs.VLLM_PREFIX_QUERIES, "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = self._counter(
+            obs.VLLM_PREFIX_HITS, "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.success = self._counter(
+            obs.VLLM_REQUEST_SUCCESS, "Count of successfully processed requests.", "finished_reason"
+        )
+        self.preemptions = self._counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self._add_latency_histograms()
+        self._add_token_histograms(obs.vllm_request_token_buckets(max_model_len))
+        self._add_mooncake_connector_metrics()
+
+    def _publish_cache_config(self, kv_tokens: int | None, block_size: int) -> None:
+        """vLLM's info gauge of its KV cache: value 1, the facts in labels (the router
+        reads block size and hash from it to key store lookups)."""
         Gauge(
             obs.VLLM_CACHE_CONFIG,
             "Information of the LLMEngine CacheConfig",
             ("block_size", "num_gpu_blocks", "prefix_caching_hash_algo"),
-            registry=r,
+            registry=self.registry,
         ).labels(str(block_size), str(kv_tokens // block_size) if kv_tokens else "None", "sha256").set(1)
-        token_buckets = obs.vllm_request_token_buckets(max_model_len)
-        self.running = Gauge(
-            obs.VLLM_RUNNING, "Number of requests in model execution batches.", labels, registry=r
+
+    def _add_latency_histograms(self) -> None:
+        self.ttft = self._histogram(
+            obs.VLLM_TTFT, "Histogram of time to first token in seconds.", obs.VLLM_TTFT_BUCKETS
         )
-        self.waiting = Gauge(
-            obs.VLLM_WAITING, "Number of requests waiting to be processed.", labels, registry=r
+        self.itl = self._histogram(
+            obs.VLLM_ITL, "Histogram of inter-token latency in seconds.", obs.VLLM_ITL_BUCKETS
         )
-        self.kv_usage = Gauge(
-            obs.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", labels, registry=r
-        )
-        self.prompt_tokens = Counter(
-            obs.VLLM_PROMPT_TOKENS, "Number of prefill tokens processed.", labels, registry=r
-        )
-        self.prompt_by_source = Counter(
-            obs.VLLM_PROMPT_TOKENS_BY_SOURCE,
-            "Number of prompt tokens by source.",
-            (*labels, "source"),
-            registry=r,
-        )
-        self.generation_tokens = Counter(
-            obs.VLLM_GENERATION_TOKENS, "Number of generation tokens processed.", labels, registry=r
-        )
-        self.prefix_queries = Counter(
-            obs.VLLM_PREFIX_QUERIES,
-            "Prefix cache queries, in terms of number of queried tokens.",
-            labels,
-            registry=r,
-        )
-        self.prefix_hits = Counter(
-            obs.VLLM_PREFIX_HITS,
-            "Prefix cache hits, in terms of number of cached tokens.",
-            labels,
-            registry=r,
-        )
-        self.success = Counter(
-            obs.VLLM_REQUEST_SUCCESS,
-            "Count of successfully processed requests.",
-            (*labels, "finished_reason"),
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r
-        )
-        self.ttft = Histogram(
-            obs.VLLM_TTFT,
-            "Histogram of time to first token in seconds.",
-            labels,
-            buckets=obs.VLLM_TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            obs.VLLM_ITL,
-            "Histogram of inter-token latency in seconds.",
-            labels,
-            buckets=obs.VLLM_ITL_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
+        self.tpot = self._histogram(
             "vllm:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.",
-            labels,
-            buckets=obs.VLLM_ITL_BUCKETS,
-            registry=r,
+            obs.VLLM_ITL_BUCKETS,
+        )
+        phases = obs.VLLM_REQUEST_LATENCY_BUCKETS
+        self.e2e = self._histogram(obs.VLLM_E2E, "Histogram of e2e request latency in seconds.", phases)
+        self.queue = self._histogram(
+            obs.VLLM_QUEUE_TIME, "Histogram of time spent in WAITING phase for request.", phases
+        )
+        self.inference = self._histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            phases,
+        )
+        self.prefill = self._histogram(
+            obs.VLLM_PREFILL_TIME, "Histogram of time spent in PREFILL phase for request.", phases
+        )
+        self.decode = self._histogram(
+            obs.VLLM_DECODE_TIME, "Histogram of time spent in DECODE phase for request.", phases
         )
 
-        def latency(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, labels, buckets=obs.VLLM_REQUEST_LATENCY_BUCKETS, registry=r)
-
-        self.e2e = latency(obs.VLLM_E2E, "Histogram of e2e request latency in seconds.")
-        self.queue = latency(obs.VLLM_QUEUE_TIME, "Histogram of time spent in WAITING phase for request.")
-        self.inference = latency(
-            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request."
+    def _add_token_histograms(self, request_token_buckets: Sequence[float]) -> None:
+        self.request_prompt_tokens = self._histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", request_token_buckets
         )
-        self.prefill = latency(obs.VLLM_PREFILL_TIME, "Histogram of time spent in PREFILL phase for request.")
-        self.decode = latency(obs.VLLM_DECODE_TIME, "Histogram of time spent in DECODE phase for request.")
-
-        def tokens(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, labels, buckets=token_buckets, registry=r)
-
-        self.request_prompt_tokens = tokens(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed."
+        self.request_generation_tokens = self._histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", request_token_buckets
         )
-        self.request_generation_tokens = tokens(
-            "vllm:request_generation_tokens", "Number of generation tokens processed."
+        self.request_max_tokens = self._histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            request_token_buckets,
         )
-        self.request_max_tokens = tokens(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter."
-        )
-        self.iteration_tokens = Histogram(
+        self.iteration_tokens = self._histogram(
             obs.VLLM_ITERATION_TOKENS,
             "Histogram of number of tokens per engine_step.",
-            labels,
-            buckets=obs.VLLM_ITERATION_TOKEN_BUCKETS,
-            registry=r,
+            obs.VLLM_ITERATION_TOKEN_BUCKETS,
         )
-        self.xfer_time = Histogram(
+
+    def _add_mooncake_connector_metrics(self) -> None:
+        self.xfer_time = self._histogram(
             obs.VLLM_MOONCAKE_XFER_TIME,
             "Histogram of transfer duration for Mooncake KV Cache transfers.",
-            labels,
-            buckets=obs.VLLM_MOONCAKE_XFER_BUCKETS,
-            registry=r,
+            obs.VLLM_MOONCAKE_XFER_BUCKETS,
         )
-        self.xfer_bytes = Histogram(
+        self.xfer_bytes = self._histogram(
             "vllm:mooncake_bytes_transferred",
             "Histogram of bytes transferred per Mooncake KV Cache transfer.",
-            labels,
-            buckets=_MOONCAKE_BYTES_BUCKETS,
-            registry=r,
+            _MOONCAKE_BYTES_BUCKETS,
         )
-        self.failed_recvs = Counter(
-            "vllm:mooncake_num_failed_recvs",
-            "Number of failed Mooncake KV Cache receives.",
-            labels,
-            registry=r,
+        self.failed_recvs = self._counter(
+            "vllm:mooncake_num_failed_recvs", "Number of failed Mooncake KV Cache receives."
         )
-        self.expired = Counter(
-            "vllm:mooncake_num_kv_expired_reqs",
-            "Number of requests that had their KV expire.",
-            labels,
-            registry=r,
+        self.expired = self._counter(
+            "vllm:mooncake_num_kv_expired_reqs", "Number of requests that had their KV expire."
         )
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, obs.VLLM_LABELS, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, *extra_labels: str) -> Counter:
+        """`extra_labels` follow vLLM's model and engine labels."""
+        return Counter(name, doc, (*obs.VLLM_LABELS, *extra_labels), registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(name, doc, obs.VLLM_LABELS, buckets=buckets, registry=self.registry)
