@@ -5,7 +5,7 @@ by side in one run.
 Two PDClusters of examples/pdcluster-sim.yaml (engine simulators on the H200 profile,
 autoscaling off, the same split) run at once: `nostore` as it is, `store` with
 `mooncake.store.enabled`. Their simulators run vLLM's MooncakeStoreConnector against
-the master (enginesim/store.py: vLLM's block keys, loads of the leading stored run,
+the master (enginesim/store_connector.py: vLLM's block keys, loads of the leading stored run,
 writes of every computed block) and their router sends prompts the store holds straight
 to decode. Each request of the slice goes to both routers at its trace time (divided by
 --speed), as a stream of at most --max-tokens tokens; the prompts are token ids whose

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 import aiohttp
 
 from pdcluster import constants as C
 from pdcluster import metrics, perf
-from pdcluster.api.v1alpha1 import AutoscalingMode, PDClusterSpec, PDClusterStatus, RoleStatus
-from pdcluster.control import Observed, RoleObserved, decide
+from pdcluster.api.v1alpha1 import (
+    AutoscalingMode,
+    AutoscalingState,
+    Decision,
+    PDClusterSpec,
+    PDClusterStatus,
+    RoleStatus,
+)
+from pdcluster.control import MetricsSnapshot, Observed, RoleObserved, decide
 from pdcluster.control.modefit import mode_fit
 from pdcluster.io.kube import Kube
 from pdcluster.io.prometheus import Prometheus, PrometheusUnavailable
@@ -25,6 +33,9 @@ from pdcluster.render import Owner
 from pdcluster.timestamps import parse
 
 log = logging.getLogger(__name__)
+
+Condition = tuple[bool, str, str]  # (status, reason, message)
+Event = tuple[str, str, str]  # (type, reason, message)
 
 
 def _unschedulable(pods: list[dict]) -> int:
@@ -42,7 +53,7 @@ def _unschedulable(pods: list[dict]) -> int:
     return count
 
 
-def _held(status: PDClusterStatus, kind: str) -> tuple[bool, str, str] | None:
+def _held(status: PDClusterStatus, kind: str) -> Condition | None:
     """A condition as the last run of the autoscaler left it."""
     c = next((c for c in status.conditions if c.type == kind), None)
     return (c.status == "True", c.reason, c.message) if c else None
@@ -112,63 +123,89 @@ class PrometheusAutoscaler:
         a = spec.autoscaling
         state = status.autoscaling
         held, fit = (_held(status, kind) for kind in ("Autoscaling", "ModeFit"))
+        stored_latency = (status.ttft_p99_ms, status.itl_p99_ms)
         due = state is None or not state.last_run_time
         if not due and now - parse(state.last_run_time) < timedelta(seconds=a.interval_seconds):
-            return AutoscaleResult(state, held, (status.ttft_p99_ms, status.itl_p99_ms), mode_fit=fit)
+            return AutoscaleResult(state, held, stored_latency, mode_fit=fit)
         try:
             prior = await self._prior(spec, owner)
         except ProfileError as e:
             return AutoscaleResult(
-                state,
-                (False, "UnknownProfile", f"{e}; holding replicas"),
-                (status.ttft_p99_ms, status.itl_p99_ms),
-                mode_fit=fit,
+                state, (False, "UnknownProfile", f"{e}; holding replicas"), stored_latency, mode_fit=fit
             )
-        url = a.prometheus_url or self.default_url
-        events: list[tuple[str, str, str]] = []
-        latency: tuple[int | None, int | None] = (None, None)
-        snapshot = None
-        if not url:
-            condition = (
-                False,
-                "NoPrometheus",
-                "set spec.autoscaling.prometheusUrl or the operator's --prometheus-url",
-            )
-        else:
-            prom = self._prometheus(url)
-            try:
-                snapshot = await prom.snapshot(
-                    owner.namespace, owner.name, a.window_seconds, a.slo.quantile.fraction
-                )
-                latency = await prom.router_p99_ms(owner.namespace, owner.name, a.window_seconds)
-            except PrometheusUnavailable as e:
-                condition = (
-                    False,
-                    "MetricsUnavailable",
-                    f"Prometheus cannot be queried ({e}); holding replicas",
-                )
-            else:
-                if snapshot is None:
-                    condition = (
-                        False,
-                        "NoMetrics",
-                        f"Prometheus at {url} has no series of this cluster yet; holding replicas",
-                    )
-                else:
-                    condition = None
+        read = await self._read_metrics(spec, owner)
         observed = await self._observed(spec, owner, status)
-        new_state, decision = decide(spec, snapshot, state, observed, now, profile=prior)
+        new_state, decision = decide(spec, read.snapshot, state, observed, now, profile=prior)
+        condition = read.problem
         if condition is None:
             recommend = "recommend: " if a.mode == AutoscalingMode.recommend else ""
             condition = (True, decision.cause, recommend + decision.summary)
         metrics.DECISIONS.labels(owner.namespace, owner.name, decision.action, decision.cause).inc()
-        counts = ("prefill", "decode", "colocated")
-        changed = state is None or any(getattr(new_state, r) != getattr(state, r) for r in counts)
-        if decision.action in ("scale", "recommend") and changed:
-            reason = "Scaled" if decision.action == "scale" else "Recommended"
-            events.append(("Normal", reason, decision.summary))
-        if snapshot is not None and snapshot.request_rate > 0:  # else the last advice stands
-            before, fit = fit, mode_fit(spec.mode, a.profile, snapshot.mean_input_tokens, a.slo.itl_ms)
-            if fit is not None and not fit[0] and (before is None or before[0]):
-                events.append(("Normal", "ModeAdvice", fit[2]))
-        return AutoscaleResult(new_state, condition, latency, events, mode_fit=fit)
+        events = _scaling_events(state, new_state, decision)
+        fit, advice = _mode_advice(spec, read.snapshot, fit)
+        return AutoscaleResult(new_state, condition, read.latency_p99_ms, events + advice, mode_fit=fit)
+
+    async def _read_metrics(self, spec: PDClusterSpec, owner: Owner) -> _MetricsRead:
+        """The window's metrics and the router's p99s, or why there are none."""
+        a = spec.autoscaling
+        url = a.prometheus_url or self.default_url
+        if not url:
+            return _MetricsRead(
+                None,
+                (None, None),
+                (
+                    False,
+                    "NoPrometheus",
+                    "set spec.autoscaling.prometheusUrl or the operator's --prometheus-url",
+                ),
+            )
+        prom = self._prometheus(url)
+        snapshot = None
+        try:
+            snapshot = await prom.snapshot(
+                owner.namespace, owner.name, a.window_seconds, a.slo.quantile.fraction
+            )
+            latency = await prom.router_p99_ms(owner.namespace, owner.name, a.window_seconds)
+        except PrometheusUnavailable as e:
+            # A snapshot read before the failure still goes to the law.
+            problem = (False, "MetricsUnavailable", f"Prometheus cannot be queried ({e}); holding replicas")
+            return _MetricsRead(snapshot, (None, None), problem)
+        if snapshot is None:
+            problem = (
+                False,
+                "NoMetrics",
+                f"Prometheus at {url} has no series of this cluster yet; holding replicas",
+            )
+            return _MetricsRead(None, latency, problem)
+        return _MetricsRead(snapshot, latency, None)
+
+
+class _MetricsRead(NamedTuple):
+    snapshot: MetricsSnapshot | None
+    latency_p99_ms: tuple[int | None, int | None]  # (TTFT, ITL) at the router
+    problem: Condition | None  # the Autoscaling condition when the metrics cannot be had
+
+
+def _scaling_events(
+    state: AutoscalingState | None, new_state: AutoscalingState, decision: Decision
+) -> list[Event]:
+    """One event when the law scaled or recommended new replica counts."""
+    counts = ("prefill", "decode", "colocated")
+    changed = state is None or any(getattr(new_state, r) != getattr(state, r) for r in counts)
+    if decision.action in ("scale", "recommend") and changed:
+        reason = "Scaled" if decision.action == "scale" else "Recommended"
+        return [("Normal", reason, decision.summary)]
+    return []
+
+
+def _mode_advice(
+    spec: PDClusterSpec, snapshot: MetricsSnapshot | None, before: Condition | None
+) -> tuple[Condition | None, list[Event]]:
+    """The ModeFit condition, and an event when the serving mode stops fitting the traffic."""
+    if snapshot is not None and snapshot.request_rate > 0:
+        a = spec.autoscaling
+        fit = mode_fit(spec.mode, a.profile, snapshot.mean_input_tokens, a.slo.itl_ms)
+        if fit is not None and not fit[0] and (before is None or before[0]):
+            return fit, [("Normal", "ModeAdvice", fit[2])]
+        return fit, []
+    return before, []  # without traffic the last advice stands

@@ -177,85 +177,161 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         await _write_status(ctx, body, previous, status)
         return status
 
-    result = AutoscaleResult(previous.autoscaling)
+    plan = await _plan(ctx, body, spec, owner, previous, now)
+    problems, blocked = await preflight(ctx.kube, spec, owner.namespace)
+    live: dict[tuple[str, str], dict[str, Any] | None] = {}
+    for obj in plan.desired:
+        live[_key(obj)] = await _live(ctx, obj["apiVersion"], obj["kind"], obj["metadata"]["name"], owner)
+    applied = {} if spec.paused else await _converge(ctx, owner, plan.desired, live, problems, blocked)
+
+    workloads = {_workload_role(o): live[_key(o)] for o in plan.desired if _workload_role(o) is not None}
+    obs = _observation(spec, owner, plan, live, workloads, problems)
+    status = compute_status(spec, generation, obs, previous, plan.autoscale.state, now)
+    for role, scaler in plan.scalers.items():
+        await _report_scale(ctx, owner, role, scaler, workloads.get(role))
+    # Status first: events describe what was stored, so a failed write (retried) emits none.
+    await _write_status(ctx, body, previous, status)
+    await _emit_events(ctx, body, previous, status, applied, plan.autoscale.events, problems)
+    metrics.observe_reconcile("degraded" if problems else "ok", time.monotonic() - started)
+    return status
+
+
+@dataclass
+class _Plan:
+    """The children this reconcile wants, and how it chose their replicas."""
+
+    autoscale: AutoscaleResult
+    scalers: dict[str, dict[str, Any]]  # role -> the PDRoleScaler HPA/KEDA write to (external mode)
+    replicas: Replicas
+    rollout: Rollout
+    desired: list[dict[str, Any]]  # rendered and stamped children
+
+
+async def _plan(
+    ctx: Context,
+    body: dict[str, Any],
+    spec: PDClusterSpec,
+    owner: Owner,
+    previous: PDClusterStatus,
+    now: datetime,
+) -> _Plan:
+    autoscale = AutoscaleResult(previous.autoscaling)
     scalers: dict[str, dict[str, Any]] = {}
     if spec.autoscaling.enabled and spec.autoscaling.mode == AutoscalingMode.external:
         scalers = await role_scalers(ctx, body, spec, owner)
     elif spec.autoscaling.enabled and ctx.autoscaler is not None:
-        result = await ctx.autoscaler.step(spec, owner, previous, now)
+        autoscale = await ctx.autoscaler.step(spec, owner, previous, now)
     external = {role: obj["spec"]["replicas"] for role, obj in scalers.items()}
-    replicas = Replicas.choose(spec, result.state, external)
+    replicas = Replicas.choose(spec, autoscale.state, external)
     for role in spec.engine_roles:
         metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name, role).set(replicas.of(role))
-    rollout = Rollout({})  # colocated: no pairs to keep at one revision
-    if spec.mode == ServingMode.disaggregated:
-        engines = {}
-        for role in C.ENGINE_ROLES:
-            found = await _live(ctx, *workload_kind(spec, role), owner.child(role), owner)
-            engines[role] = None if _left_behind(found, owner) else found
-        rollout = plan_rollout(
-            kv_revision(spec), engines, {role: replicas.of(role) for role in C.ENGINE_ROLES}
-        )
+    rollout = await _rollout(ctx, spec, owner, replicas)
     desired = [stamp(obj) for obj in render_all(spec, owner, replicas, rollout.partitions)]
+    return _Plan(autoscale, scalers, replicas, rollout, desired)
 
-    problems, blocked = await preflight(ctx.kube, spec, owner.namespace)
-    live: dict[tuple[str, str], dict[str, Any] | None] = {}
-    for obj in desired:
-        live[_key(obj)] = await _live(ctx, obj["apiVersion"], obj["kind"], obj["metadata"]["name"], owner)
 
-    applied: dict[str, list[str]] = {"Created": [], "Updated": []}  # one event each, after the status
-    if not spec.paused:
-        applied["Deleted"] = await _delete_left_behind(ctx, owner, desired, live, problems)
-        stale = [o for o in desired if _workload_role(o) not in blocked and not in_sync(o, live[_key(o)])]
-        # A new PDCluster's children: one round trip per stage, not one per child.
-        for _, stage in itertools.groupby(stale, key=apply_stage):
-            batch = list(stage)
-            outcomes = await asyncio.gather(
-                *(ctx.kube.apply(obj, field_manager=C.FIELD_MANAGER) for obj in batch), return_exceptions=True
-            )
-            for obj, outcome in zip(batch, outcomes, strict=True):
-                name = f"{obj['kind']} {obj['metadata']['name']}"
-                if isinstance(outcome, ApiError):
-                    problems.append(Problem("ApplyFailed", f"{name}: {outcome.message}"))
-                    continue
-                if isinstance(outcome, BaseException):
-                    raise outcome  # transient (the worker retries) or a bug
-                verb = "Created" if live[_key(obj)] is None else "Updated"
-                live[_key(obj)] = outcome
-                log.info("%s %s/%s %s", verb, owner.namespace, obj["metadata"]["name"], obj["kind"])
-                applied[verb].append(name)
-        applied["Deleted"] += await _prune(ctx, owner, desired, problems)
+async def _rollout(ctx: Context, spec: PDClusterSpec, owner: Owner, replicas: Replicas) -> Rollout:
+    """How far prefill and decode may each move to a new engine revision."""
+    if spec.mode != ServingMode.disaggregated:
+        return Rollout({})  # one pool (colocated, flexible): no pairs of roles to keep at one revision
+    engines = {}
+    for role in C.ENGINE_ROLES:
+        found = await _live(ctx, *workload_kind(spec, role), owner.child(role), owner)
+        engines[role] = None if _left_behind(found, owner) else found
+    return plan_rollout(kv_revision(spec), engines, {role: replicas.of(role) for role in C.ENGINE_ROLES})
 
-    workloads = {_workload_role(obj): live[_key(obj)] for obj in desired if _workload_role(obj) is not None}
+
+async def _converge(
+    ctx: Context,
+    owner: Owner,
+    desired: list[dict[str, Any]],
+    live: dict[tuple[str, str], dict[str, Any] | None],
+    problems: list[Problem],
+    blocked: set[str],
+) -> dict[str, list[str]]:
+    """Apply what differs, delete what is left behind or no longer rendered; `live` is
+    kept to what the apiserver answered. Returns the children touched, by verb."""
+    applied: dict[str, list[str]] = {"Created": [], "Updated": []}
+    applied["Deleted"] = await _delete_left_behind(ctx, owner, desired, live, problems)
+    stale = [o for o in desired if _workload_role(o) not in blocked and not in_sync(o, live[_key(o)])]
+    # A new PDCluster's children: one round trip per stage, not one per child.
+    for _, stage in itertools.groupby(stale, key=apply_stage):
+        for verb, name in await _apply_stage(ctx, owner, list(stage), live, problems):
+            applied[verb].append(name)
+    applied["Deleted"] += await _prune(ctx, owner, desired, problems)
+    return applied
+
+
+async def _apply_stage(
+    ctx: Context,
+    owner: Owner,
+    batch: list[dict[str, Any]],
+    live: dict[tuple[str, str], dict[str, Any] | None],
+    problems: list[Problem],
+) -> list[tuple[str, str]]:
+    """Apply one stage's children at once; (verb, "Kind name") of each that went through."""
+    outcomes = await asyncio.gather(
+        *(ctx.kube.apply(obj, field_manager=C.FIELD_MANAGER) for obj in batch), return_exceptions=True
+    )
+    done = []
+    for obj, outcome in zip(batch, outcomes, strict=True):
+        name = f"{obj['kind']} {obj['metadata']['name']}"
+        if isinstance(outcome, ApiError):
+            problems.append(Problem("ApplyFailed", f"{name}: {outcome.message}"))
+            continue
+        if isinstance(outcome, BaseException):
+            raise outcome  # transient (the worker retries) or a bug
+        verb = "Created" if live[_key(obj)] is None else "Updated"
+        live[_key(obj)] = outcome
+        log.info("%s %s/%s %s", verb, owner.namespace, obj["metadata"]["name"], obj["kind"])
+        done.append((verb, name))
+    return done
+
+
+def _observation(
+    spec: PDClusterSpec,
+    owner: Owner,
+    plan: _Plan,
+    live: dict[tuple[str, str], dict[str, Any] | None],
+    workloads: dict[str, dict[str, Any] | None],
+    problems: list[Problem],
+) -> Observation:
     desired_counts = {
-        **{role: replicas.of(role) for role in spec.engine_roles},
+        **{role: plan.replicas.of(role) for role in spec.engine_roles},
         C.ROLE_ROUTER: 0 if spec.suspend else spec.router.replicas,
         C.ROLE_MOONCAKE_MASTER: 0 if spec.suspend else spec.mooncake.master_replicas,
     }
     verdicts = live.get(("ConfigMap", state_configmap_name(owner)))
-    obs = Observation(
+    return Observation(
         workloads=workloads,
         desired=desired_counts,
         problems=problems,
-        autoscaling=result.condition,
-        latency_p99_ms=result.latency_p99_ms,
+        autoscaling=plan.autoscale.condition,
+        latency_p99_ms=plan.autoscale.latency_p99_ms,
         kv_verdicts=(verdicts or {}).get("data")
         if spec.router.kv_probe.enabled and spec.hands_off_kv
         else None,
-        rollout=rollout.progress,
-        mode_fit=result.mode_fit,
+        rollout=plan.rollout.progress,
+        mode_fit=plan.autoscale.mode_fit,
     )
-    status = compute_status(spec, generation, obs, previous, result.state, now)
-    for role, scaler in scalers.items():
-        await _report_scale(ctx, owner, role, scaler, workloads.get(role))
-    # Status first: events describe what was stored, so a failed write (retried) emits none.
-    await _write_status(ctx, body, previous, status)
+
+
+async def _emit_events(
+    ctx: Context,
+    body: dict[str, Any],
+    previous: PDClusterStatus,
+    status: PDClusterStatus,
+    applied: dict[str, list[str]],
+    autoscale_events: list[tuple[str, str, str]],
+    problems: list[Problem],
+) -> None:
+    """The events of a reconcile whose status was stored."""
     # One event per verb naming every child, not one per child: a thousand new PDClusters
     # would otherwise post an event for each of their children while the apiserver is busiest.
     applied_events = [
         ("Normal", verb, f"{verb} {', '.join(names)}") for verb, names in applied.items() if names
     ]
-    for type_, reason, message in applied_events + result.events:
+    for type_, reason, message in applied_events + autoscale_events:
         await ctx.events.emit(body, type_, reason, message)
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
@@ -267,8 +343,6 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
         and (before is None or before.message != handoff.message)
     ):
         await ctx.events.warning(body, "KVTransferFailed", handoff.message)
-    metrics.observe_reconcile("degraded" if problems else "ok", time.monotonic() - started)
-    return status
 
 
 async def _delete_left_behind(

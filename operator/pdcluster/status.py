@@ -34,6 +34,8 @@ from pdcluster.api.v1alpha1 import (
 )
 from pdcluster.timestamps import time_s
 
+ConditionFields = tuple[bool, str, str]  # (status, reason, message)
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -55,7 +57,7 @@ class Observation:
     mode_fit: tuple[bool, str, str] | None = None  # (fits, reason, message)
 
 
-def kv_transfer(verdicts: dict[str, str] | None) -> tuple[bool, str, str] | None:
+def kv_transfer(verdicts: dict[str, str] | None) -> ConditionFields | None:
     """(ok, reason, message) from every router's verdicts; None before any probe."""
     failed: dict[tuple[str, str], str] = {}
     passed = 0
@@ -143,100 +145,117 @@ def compute_status(
     now: datetime,
 ) -> PDClusterStatus:
     previous = previous or PDClusterStatus()
-    pools = {role: _role_status(obs, role, spec.role(role).gpus) for role in spec.engine_roles}
-    prefill = pools.get(C.ROLE_PREFILL, (RoleStatus(), True))[0]
-    decode = pools.get(C.ROLE_DECODE, (RoleStatus(), True))[0]
-    colocated = pools[C.ROLE_COLOCATED][0] if C.ROLE_COLOCATED in pools else None
-    flexible = pools[C.ROLE_FLEXIBLE][0] if C.ROLE_FLEXIBLE in pools else None
-    router, router_settled = _role_status(obs, C.ROLE_ROUTER, 0)
-    master, master_settled = _role_status(obs, C.ROLE_MOONCAKE_MASTER, 0)
-
-    components = {
-        **{role: status for role, (status, _) in pools.items()},
-        "router": router,
-        "mooncake master": master,
-    }
-    missing = [name for name, s in components.items() if s.desired > 0 and s.ready == 0]
-    if spec.suspend:
-        ready, ready_reason, ready_msg = (
-            False,
-            "Suspended",
-            "spec.suspend is true: pools and router are scaled to zero",
-        )
-    elif missing:
-        ready, ready_reason, ready_msg = (
-            False,
-            "ComponentsUnavailable",
-            f"no ready pods yet: {', '.join(missing)}",
-        )
-    else:
-        ready, ready_reason, ready_msg = (
-            True,
-            "AllComponentsReady",
-            ", ".join(f"{s.ready} {role}" for role, (s, _) in pools.items())
-            + f", {router.ready} router pods ready",
-        )
-
-    moving = [
-        name
-        for name, settled in (
-            *((role, settled) for role, (_, settled) in pools.items()),
-            ("router", router_settled),
-            ("mooncake master", master_settled),
-        )
-        if not settled
-    ]
-    if spec.paused:
-        progressing, prog_reason, prog_msg = False, "Paused", "spec.paused is true: changes are not applied"
-    elif obs.rollout:
-        progressing, prog_reason, prog_msg = True, "RollingOut", f"prefill and decode together: {obs.rollout}"
-    elif moving:
-        progressing, prog_reason, prog_msg = (
-            True,
-            "Reconciling",
-            f"waiting for {', '.join(moving)} to reach the desired state",
-        )
-    else:
-        progressing, prog_reason, prog_msg = False, "Stable", "all workloads match the desired state"
-
-    if obs.problems:
-        first = obs.problems[0]
-        degraded, deg_reason = True, first.reason
-        deg_msg = "; ".join(p.message for p in obs.problems)
-    else:
-        degraded, deg_reason, deg_msg = False, "AsExpected", "no problems found"
-
-    now_s = time_s(now)
-    prev = previous.conditions
-    conditions = [
-        _condition(prev, "Ready", ready, ready_reason, ready_msg, now_s, generation),
-        _condition(prev, "Progressing", progressing, prog_reason, prog_msg, now_s, generation),
-        _condition(prev, "Degraded", degraded, deg_reason, deg_msg, now_s, generation),
-    ]
-    if obs.autoscaling is not None:
-        ok, reason, message = obs.autoscaling
-        conditions.append(_condition(prev, "Autoscaling", ok, reason, message, now_s, generation))
-    if obs.mode_fit is not None:
-        ok, reason, message = obs.mode_fit
-        conditions.append(_condition(prev, "ModeFit", ok, reason, message, now_s, generation))
-    handoff = kv_transfer(obs.kv_verdicts)
-    if handoff is not None:
-        ok, reason, message = handoff
-        conditions.append(_condition(prev, "KVTransfer", ok, reason, message, now_s, generation))
-
+    seen = _observe_components(spec, obs)
+    prefill = seen.pools.get(C.ROLE_PREFILL, (RoleStatus(), True))[0]
+    decode = seen.pools.get(C.ROLE_DECODE, (RoleStatus(), True))[0]
+    colocated = seen.pools[C.ROLE_COLOCATED][0] if C.ROLE_COLOCATED in seen.pools else None
+    flexible = seen.pools[C.ROLE_FLEXIBLE][0] if C.ROLE_FLEXIBLE in seen.pools else None
     ttft, itl = obs.latency_p99_ms
     return PDClusterStatus(
         observed_generation=generation,
-        conditions=conditions,
+        conditions=_conditions(spec, obs, seen, previous.conditions, time_s(now), generation),
         prefill=prefill,
         decode=decode,
         colocated=colocated,
         flexible=flexible,
         ratio=_ratio(spec, prefill, decode, colocated, flexible),
-        router=ComponentStatus(replicas=router.replicas, ready=router.ready),
-        mooncake=ComponentStatus(replicas=master.replicas, ready=master.ready),
+        router=ComponentStatus(replicas=seen.router.replicas, ready=seen.router.ready),
+        mooncake=ComponentStatus(replicas=seen.master.replicas, ready=seen.master.ready),
         ttft_p99_ms=ttft if ttft is not None else previous.ttft_p99_ms,
         itl_p99_ms=itl if itl is not None else previous.itl_p99_ms,
         autoscaling=autoscaling,
         rollout=obs.rollout,
     )
+
+
+@dataclass(frozen=True)
+class _Components:
+    """Every component's counts, and whether it has reached its desired state."""
+
+    pools: dict[str, tuple[RoleStatus, bool]]  # engine role -> (status, settled)
+    router: RoleStatus
+    router_settled: bool
+    master: RoleStatus
+    master_settled: bool
+
+    def statuses(self) -> dict[str, RoleStatus]:
+        return {
+            **{role: status for role, (status, _) in self.pools.items()},
+            "router": self.router,
+            "mooncake master": self.master,
+        }
+
+    def unsettled(self) -> list[str]:
+        return [
+            name
+            for name, settled in (
+                *((role, settled) for role, (_, settled) in self.pools.items()),
+                ("router", self.router_settled),
+                ("mooncake master", self.master_settled),
+            )
+            if not settled
+        ]
+
+
+def _observe_components(spec: PDClusterSpec, obs: Observation) -> _Components:
+    pools = {role: _role_status(obs, role, spec.role(role).gpus) for role in spec.engine_roles}
+    router, router_settled = _role_status(obs, C.ROLE_ROUTER, 0)
+    master, master_settled = _role_status(obs, C.ROLE_MOONCAKE_MASTER, 0)
+    return _Components(pools, router, router_settled, master, master_settled)
+
+
+def _conditions(
+    spec: PDClusterSpec,
+    obs: Observation,
+    seen: _Components,
+    previous: list[Condition],
+    now_s: str,
+    generation: int | None,
+) -> list[Condition]:
+    """Ready, Progressing and Degraded always; the others when there is something to say."""
+    judged: list[tuple[str, ConditionFields]] = [
+        ("Ready", _ready(spec, seen)),
+        ("Progressing", _progressing(spec, obs, seen)),
+        ("Degraded", _degraded(obs)),
+    ]
+    optional = (
+        ("Autoscaling", obs.autoscaling),
+        ("ModeFit", obs.mode_fit),
+        ("KVTransfer", kv_transfer(obs.kv_verdicts)),
+    )
+    judged += [(type_, fields) for type_, fields in optional if fields is not None]
+    return [
+        _condition(previous, type_, ok, reason, message, now_s, generation)
+        for type_, (ok, reason, message) in judged
+    ]
+
+
+def _ready(spec: PDClusterSpec, seen: _Components) -> ConditionFields:
+    missing = [name for name, s in seen.statuses().items() if s.desired > 0 and s.ready == 0]
+    if spec.suspend:
+        return False, "Suspended", "spec.suspend is true: pools and router are scaled to zero"
+    if missing:
+        return False, "ComponentsUnavailable", f"no ready pods yet: {', '.join(missing)}"
+    return (
+        True,
+        "AllComponentsReady",
+        ", ".join(f"{s.ready} {role}" for role, (s, _) in seen.pools.items())
+        + f", {seen.router.ready} router pods ready",
+    )
+
+
+def _progressing(spec: PDClusterSpec, obs: Observation, seen: _Components) -> ConditionFields:
+    moving = seen.unsettled()
+    if spec.paused:
+        return False, "Paused", "spec.paused is true: changes are not applied"
+    if obs.rollout:
+        return True, "RollingOut", f"prefill and decode together: {obs.rollout}"
+    if moving:
+        return True, "Reconciling", f"waiting for {', '.join(moving)} to reach the desired state"
+    return False, "Stable", "all workloads match the desired state"
+
+
+def _degraded(obs: Observation) -> ConditionFields:
+    if obs.problems:
+        return True, obs.problems[0].reason, "; ".join(p.message for p in obs.problems)
+    return False, "AsExpected", "no problems found"

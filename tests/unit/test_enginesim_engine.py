@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pdcluster.enginesim.engine import EngineCore, KvLoadError, RemotePrefill, Seq, State
-from pdcluster.enginesim.metrics import EngineMetrics, MetricFamilies
+from pdcluster.enginesim.vllm_metrics import EngineMetrics, MetricFamilies
 from pdcluster.perf import Profile
 
 # 10 ms + 0.01 ms/token prefill, 5 ms decode steps; run 10x faster than real time.

@@ -8,7 +8,7 @@ import asyncio
 from test_enginesim_engine import PROFILE, finish, make_core, sample
 
 from pdcluster.enginesim.engine import Seq
-from pdcluster.enginesim.store import PrefixStore
+from pdcluster.enginesim.store_connector import PrefixStore
 from pdcluster.perf import Profile
 from pdcluster.vllm.hashing import block_keys
 

@@ -4,9 +4,7 @@ speaks the same protocol).
 
 Responses follow vllm/entrypoints/openai/{completion,chat_completion}/serving.py: ids
 `cmpl-<X-Request-Id or random>` / `chatcmpl-...`, usage, finish_reason, streamed chunks
-ending in `data: [DONE]`, errors as {"error": {...}}. Generated text is filler drawn
-deterministically from the prompt and seed: one word (about 4 characters, so about one
-token by the router's count) per token.
+ending in `data: [DONE]`, errors as {"error": {...}}; their bodies are in responses.py.
 """
 
 from __future__ import annotations
@@ -18,7 +16,8 @@ import uuid
 import zlib
 from array import array
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import orjson
 from aiohttp import web
@@ -27,23 +26,23 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdcluster.enginesim.cli import SimConfig
 from pdcluster.enginesim.engine import EngineCore, RemotePrefill, Seq
-from pdcluster.enginesim.store import PrefixStore
+from pdcluster.enginesim.prefix import PrefixCache
+from pdcluster.enginesim.responses import (
+    DONE,
+    FILLER_WORDS,
+    GENERATED_ID,
+    GenerateRequest,
+    closing_events,
+    completion_body,
+    stream_frames,
+    token_events,
+)
+from pdcluster.enginesim.store_connector import PrefixStore
 from pdcluster.router import openai
 from pdcluster.router.prompt import count_tokens, prompt_of, token_ids
 from pdcluster.vllm.version import VLLM_VERSION
 
 log = logging.getLogger(__name__)
-
-_WORDS = (
-    " the", " of", " and", " to", " in", " is", " for", " on", " with", " as", " at", " by",
-    " data", " node", " cache", " token", " model", " layer", " batch", " queue", " load",
-    " time", " rate", " path", " key", " value", " block", " page", " link", " fast",
-)  # fmt: skip
-_WORDS_JSON = tuple(orjson.dumps(w) for w in _WORDS)
-_DONE = b"data: [DONE]\n\n"
-# The id of generated word w is GENERATED_ID + w, above every id of UTF-8 text (whose
-# fourth bytes are never 0xFF), so a prompt ending in generated ids continues an answer.
-GENERATED_ID = 2**31 - 64
 
 
 def _json(status: int, payload: Any) -> web.Response:
@@ -56,50 +55,20 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
     )
 
 
-class _Request:
-    """What the server needs of one validated generate request."""
+class _OutputLengths(NamedTuple):
+    max_tokens: int
+    min_tokens: int
 
-    __slots__ = ("chat", "created", "first_word", "id", "include_usage", "model", "prompt_ids", "seq")
 
-    def __init__(
-        self,
-        chat: bool,
-        request_id: str,
-        model: str,
-        seq: Seq,
-        first_word: int,
-        include_usage: bool,
-        prompt_ids: list[int] | None = None,
-    ):
-        self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.created = int(time.time())
-        self.model = model
-        self.seq = seq
-        self.first_word = first_word
-        self.include_usage = include_usage
-        self.prompt_ids = prompt_ids  # set when the client asked for token ids
+@dataclass(slots=True)
+class _Admitted:
+    """An admitted request and what to do with its prompt's blocks once it ran."""
 
-    def words(self, start: int, stop: int) -> list[int]:
-        return [(self.first_word + i) % len(_WORDS) for i in range(start, stop)]
-
-    def token_ids(self, start: int, stop: int) -> list[int]:
-        return [GENERATED_ID + w for w in self.words(start, stop)]
-
-    def usage(self, details: bool) -> dict[str, Any]:
-        """As vLLM's: with --enable-prompt-tokens-details, the prompt tokens it did not
-        compute (its prefix cache, or KV loaded through the connector) as cached."""
-        prompt, completion = self.seq.prompt_tokens, self.seq.generated
-        out: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                               "completion_tokens": completion}  # fmt: skip
-        if details:
-            # vLLM 0.32's PromptTokenUsageInfo (entrypoints/serve/engine/protocol.py), all its fields
-            out["prompt_tokens_details"] = {
-                "cached_tokens": max(self.seq.stored, self.seq.cached),
-                "created_cache_tokens": None,
-                "multimodal_tokens": None,
-            }
-        return out
+    req: GenerateRequest
+    store_tokens: list[int] | None  # the prompt's ids when the store connector saves it after prefill
+    cache: PrefixCache | None  # the engine's prefix cache, None when the KV is handed over
+    hashes: list[bytes]  # the prompt's block hashes in that cache
+    ids: list[int]
 
 
 class OpenAIServer:
@@ -197,14 +166,43 @@ class OpenAIServer:
         if body is None:
             return _error(400, why or "bad request")
         if self.config.record:
-            headers = {
-                k: request.headers[k]
-                for k in ("X-Request-Id", "X-data-parallel-rank", "traceparent")
-                if k in request.headers
-            }
-            self.recorded.append(
-                {"path": request.path, "headers": headers, "body": body, "received_at": time.time()}
-            )
+            self._record(request, body)
+        rejection = self._unservable(body, chat)
+        if rejection is not None:
+            return rejection
+        core = self._core(request)
+        if core is None:
+            return _error(400, f"X-data-parallel-rank must be in [0, {len(self.cores)})")
+        prompt = prompt_of(body, chat)
+        prompt_tokens = max(count_tokens(prompt), 1)
+        lengths = self._output_lengths(body, chat, prompt_tokens, core)
+        if isinstance(lengths, web.Response):
+            return lengths
+        run = await self._admit(request, body, chat, prompt, prompt_tokens, lengths, core)
+        core.submit(run.req.seq)
+        try:
+            if run.req.seq.streaming:
+                return await self._stream(request, run.req)
+            return await self._complete(run.req)
+        finally:
+            core.abort(run.req.seq)  # no-op once finished; frees everything on a disconnect
+            if run.store_tokens and run.req.seq.first_token_at:  # prefilled here: its blocks go to the store
+                self.store.save(run.store_tokens)  # type: ignore[union-attr]
+            if run.cache is not None and run.req.seq.first_token_at:
+                run.cache.insert(run.hashes, run.ids)
+
+    def _record(self, request: web.Request, body: dict[str, Any]) -> None:
+        headers = {
+            k: request.headers[k]
+            for k in ("X-Request-Id", "X-data-parallel-rank", "traceparent")
+            if k in request.headers
+        }
+        self.recorded.append(
+            {"path": request.path, "headers": headers, "body": body, "received_at": time.time()}
+        )
+
+    def _unservable(self, body: dict[str, Any], chat: bool) -> web.Response | None:
+        """The error for a request this server does not serve, whatever its length."""
         problem = openai.check_request(body, chat)
         if problem:
             return _error(400, *problem)
@@ -215,11 +213,12 @@ class OpenAIServer:
             not chat and isinstance(body["prompt"], list) and _is_batch(body["prompt"])
         ):
             return _error(400, "the engine simulator serves one prompt and n=1 per request")
-        core = self._core(request)
-        if core is None:
-            return _error(400, f"X-data-parallel-rank must be in [0, {len(self.cores)})")
-        prompt = prompt_of(body, chat)
-        prompt_tokens = max(count_tokens(prompt), 1)
+        return None
+
+    def _output_lengths(
+        self, body: dict[str, Any], chat: bool, prompt_tokens: int, core: EngineCore
+    ) -> _OutputLengths | web.Response:
+        """The request's output bounds, or the error when they do not fit the context."""
         limit = self.config.max_model_len
         max_tokens = openai.max_tokens_of(body, chat) or max(limit - prompt_tokens, 1)
         if prompt_tokens + max_tokens > limit or prompt_tokens > core.capacity:
@@ -233,6 +232,19 @@ class OpenAIServer:
             return _error(
                 400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
             )
+        return _OutputLengths(max_tokens, min_tokens)
+
+    async def _admit(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        chat: bool,
+        prompt: str | list[int],
+        prompt_tokens: int,
+        lengths: _OutputLengths,
+        core: EngineCore,
+    ) -> _Admitted:
+        """The sequence for a valid request, with what it has cached or is handed."""
         ids = token_ids(prompt)
         # Greedy and deterministic, as a model: the answer depends on the prompt alone, and
         # a prompt that ends in k ids of an answer gets that answer from its token k on.
@@ -243,45 +255,34 @@ class OpenAIServer:
         remote, hold = self._kv_params(body.get("kv_transfer_params"))
         # A hand-off brings the whole prompt (MultiConnector asks MooncakeConnector
         # first); without one, the store may hold a prefix.
-        tokens = token_ids(prompt) if self.store is not None and remote is None else None
-        stored = await self.store.load(tokens) if self.store is not None and tokens else 0
+        store_tokens = token_ids(prompt) if self.store is not None and remote is None else None
+        stored = await self.store.load(store_tokens) if self.store is not None and store_tokens else 0
         cache = core.prefix if remote is None else None
         hashes = cache.hashes(ids) if cache is not None else []
         seq = Seq(
             prompt_tokens,
-            max_tokens,
-            min_tokens=min_tokens,
+            lengths.max_tokens,
+            min_tokens=lengths.min_tokens,
             eos_at=self._eos_at(digest, body, answered),
             remote=remote,
             hold_transfer_id=hold,
             stored=stored,
             cached=cache.cached_tokens(hashes, prompt_tokens) if cache is not None else 0,
         )
-        stream = bool(body.get("stream"))
-        seq.streaming = stream
+        seq.streaming = bool(body.get("stream"))
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage")) or self.config.force_include_usage
         request_id = request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
-        req = _Request(
+        req = GenerateRequest(
             chat,
             str(request_id),
             self.config.model_name,
             seq,
-            (digest + answered) % len(_WORDS),
+            (digest + answered) % len(FILLER_WORDS),
             include_usage,
             ids if body.get("return_token_ids") else None,
         )
-        core.submit(seq)
-        try:
-            if stream:
-                return await self._stream(request, req)
-            return await self._complete(req)
-        finally:
-            core.abort(seq)  # no-op once finished; frees everything on a disconnect
-            if tokens and seq.first_token_at:  # prefilled here: its blocks go to the store
-                self.store.save(tokens)  # type: ignore[union-attr]
-            if cache is not None and seq.first_token_at:
-                cache.insert(hashes, ids)
+        return _Admitted(req, store_tokens, cache, hashes, ids)
 
     def _core(self, request: web.Request) -> EngineCore | None:
         rank = request.headers.get("X-data-parallel-rank")
@@ -325,56 +326,19 @@ class OpenAIServer:
             self._warn_once("Missing transfer_id in kv_transfer_params from router!")
         return None, None
 
-    async def _complete(self, req: _Request) -> web.Response:
+    async def _complete(self, req: GenerateRequest) -> web.Response:
         seq = req.seq
         while not seq.finished:
             await seq.wait()
         if seq.finish_reason == "error":
             return _error(500, "Internal server error")
-        text = "".join(_WORDS[w] for w in req.words(0, seq.generated))
-        end = {"logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}
-        payload: dict[str, Any] = {"id": req.id, "created": req.created, "model": req.model}
-        if req.chat:
-            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                       "function_call": None, "reasoning": None}  # fmt: skip
-            payload["object"] = "chat.completion"
-            payload["choices"] = [{"index": 0, "message": message, **end}]
-        else:
-            payload["object"] = "text_completion"
-            ids = req.prompt_ids is not None
-            payload["choices"] = [
-                {"index": 0, "text": text, **end, "token_ids": req.token_ids(0, seq.generated) if ids else None,
-                 "prompt_logprobs": None, "prompt_token_ids": req.prompt_ids}
-            ]  # fmt: skip
-        payload |= {
-            "service_tier": None,
-            "system_fingerprint": self.fingerprint,
-            "usage": {"prompt_tokens_details": None} | req.usage(self.config.prompt_tokens_details),
-        }
-        if req.chat:
-            payload["prompt_logprobs"] = None
-        payload["kv_transfer_params"] = None
-        return _json(200, payload)
+        return _json(200, completion_body(req, self.fingerprint, self.config.prompt_tokens_details))
 
-    async def _stream(self, request: web.Request, req: _Request) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
         seq = req.seq
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
-        kind = "chat.completion.chunk" if req.chat else "text_completion"
-        head = orjson.dumps({"id": req.id, "object": kind, "created": req.created, "model": req.model})[:-1]
-        if req.chat:
-            open_, close = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":', b"}"
-            tail = b',"logprobs":null,"finish_reason":%s%s%s}]%s}\n\n'
-        else:
-            open_, close = b"data: " + head + b',"choices":[{"index":0,"text":', b""
-            tail = b',"logprobs":null,"finish_reason":%s%s,"prompt_token_ids":%s,"token_ids":%s}]%s}\n\n'
-        # vLLM sends the prompt's ids with the first event, each token's with it.
-        with_ids = req.prompt_ids is not None
-        prompt_ids = orjson.dumps(req.prompt_ids) if with_ids else b"null"
-        # vLLM names itself in the last event before [DONE].
-        fingerprint = b',"system_fingerprint":' + orjson.dumps(self.fingerprint)
-        not_final = b',"stop_reason":null' if not req.chat else b""
-        no_ids = (b"",) if req.chat else (b"null", b"null")
+        frames = stream_frames(req, self.fingerprint)
         sent = 0
         while True:
             if seq.generated == sent and not seq.finished:
@@ -382,44 +346,12 @@ class OpenAIServer:
             generated, finished = seq.generated, seq.finished
             if finished and seq.finish_reason == "error":
                 error = openai.error_body(500, "Internal server error")
-                await response.write(b"data: " + error + b"\n\n" + _DONE)
+                await response.write(b"data: " + error + b"\n\n" + DONE)
                 break
-            out = []
-            if req.chat and sent == 0 and generated > 0:
-                out.append(b"data: " + head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-                           b'"logprobs":null,"finish_reason":null}]'
-                           + (b',"prompt_token_ids":' + prompt_ids if with_ids else b"") + b"}\n\n")  # fmt: skip
-            # Relay-latency probe for benchmarks: when this batch of tokens left the engine.
-            stamp = b',"sim_sent_at":%.6f' % time.monotonic() if self.config.stamp_tokens else b""
-            running = tail % (b"null", not_final, *no_ids, stamp)
-            words = req.words(sent, generated)
-            for i, word in enumerate(words):
-                last = finished and i == len(words) - 1
-                ids = no_ids
-                if with_ids and req.chat:
-                    ids = (b',"token_ids":[%d]' % (GENERATED_ID + word),)
-                elif with_ids:
-                    ids = (prompt_ids if sent + i == 0 else b"null", b"[%d]" % (GENERATED_ID + word))
-                if last:
-                    reason = orjson.dumps(seq.finish_reason)
-                    end = tail % (
-                        reason,
-                        b',"stop_reason":null',
-                        *ids,
-                        stamp + (b"" if req.include_usage else fingerprint),
-                    )
-                elif with_ids:
-                    end = tail % (b"null", not_final, *ids, stamp)
-                else:
-                    end = running
-                out.append(open_ + _WORDS_JSON[word] + close + end)
+            out = token_events(req, frames, sent, generated, finished, self.config.stamp_tokens)
             sent = generated
             if finished:
-                if req.include_usage:
-                    usage = {"id": req.id, "object": kind, "created": req.created, "model": req.model,
-                             "choices": [], "usage": req.usage(self.config.prompt_tokens_details), "system_fingerprint": self.fingerprint}  # fmt: skip
-                    out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
-                out.append(_DONE)
+                out += closing_events(req, frames, self.fingerprint, self.config.prompt_tokens_details)
             if out:
                 await response.write(b"".join(out))
             if finished:

@@ -141,11 +141,19 @@ def _store_config(kv_config: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="pdcluster-engine-sim serve",
         description="A vLLM-compatible engine simulator. Accepts every `vllm serve` flag; "
         "the ones below change its behaviour.",
     )
+    _add_engine_arguments(parser)
+    _add_multi_node_arguments(parser)
+    _add_simulator_arguments(parser.add_argument_group("simulator"))
+    return parser
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The `vllm serve` flags the simulator honours, with vLLM's defaults."""
     p.add_argument("model_tag", nargs="?")
     p.add_argument("--model")
     p.add_argument("--host")
@@ -167,13 +175,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)  # vLLM's default on CUDA
-    # vLLM's multi-node mode (vllm/config/parallel.py defaults; --headless: workers only)
+
+
+def _add_multi_node_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's multi-node mode (vllm/config/parallel.py defaults; --headless: workers only)."""
     p.add_argument("--nnodes", "-n", type=int, default=1)
     p.add_argument("--node-rank", "-r", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29501)
     p.add_argument("--headless", action="store_true")
-    sim = p.add_argument_group("simulator")
+
+
+def _add_simulator_arguments(sim: argparse._ArgumentGroup) -> None:
     sim.add_argument(
         "--sim-profile", default="h200-llama3.1-8b", help="pdcluster.perf profile, or `zero` (no latency)"
     )
@@ -207,7 +220,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help='serve POST /sim/faults {"kv_send": "fail" | "ok"}: a prefill whose KV hand-offs fail (tests)',
     )
-    return p
 
 
 _ENABLE_USAGE = {
@@ -297,7 +309,19 @@ def parse(argv: list[str]) -> SimConfig:
     model = args.model_tag or args.model
     if not model:
         parser.error("a model is required: pdcluster-engine-sim serve MODEL")
-    kv_config = args.kv_transfer_config
+    kv_config = _kv_transfer_config(parser, args.kv_transfer_config, dotted)
+    max_model_len = DEFAULT_MAX_MODEL_LEN
+    if args.max_model_len not in (None, "auto", "-1"):
+        max_model_len = human_readable_int(args.max_model_len)
+    _check_sizes(parser, args)
+    kv_events_config = _zmq_kv_events_config(parser, args.kv_events_config)
+    return _sim_config(args, model, kv_config, max_model_len, kv_events_config, bool(include_usage))
+
+
+def _kv_transfer_config(
+    parser: argparse.ArgumentParser, kv_config: Any, dotted: dict[str, str]
+) -> dict[str, Any] | None:
+    """--kv-transfer-config with its `--kv-transfer-config.key value` overrides applied."""
     if dotted:
         kv_config = dict(kv_config or {})
         for key, raw in dotted.items():
@@ -306,16 +330,20 @@ def parse(argv: list[str]) -> SimConfig:
         parser.error("--kv-transfer-config must be a JSON object")
     if kv_config and kv_config.get("kv_connector") and kv_config.get("kv_role") not in ROLE_FOR_KV_ROLE:
         parser.error("--kv-transfer-config: kv_role must be kv_producer, kv_consumer or kv_both")
-    max_model_len = DEFAULT_MAX_MODEL_LEN
-    if args.max_model_len not in (None, "auto", "-1"):
-        max_model_len = human_readable_int(args.max_model_len)
+    return kv_config
+
+
+def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.sim_time_scale <= 0:
         parser.error("--sim-time-scale must be positive")
     if args.block_size <= 0:
         parser.error("--block-size must be positive")
     if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override <= 0:
         parser.error("--num-gpu-blocks-override must be positive")
-    events = args.kv_events_config
+
+
+def _zmq_kv_events_config(parser: argparse.ArgumentParser, events: Any) -> dict[str, Any] | None:
+    """--kv-events-config when it enables ZMQ events; None when events are off or go nowhere."""
     if events is not None and not isinstance(events, dict):
         parser.error("--kv-events-config must be a JSON object")
     if (
@@ -324,6 +352,20 @@ def parse(argv: list[str]) -> SimConfig:
         and events.get("publisher", "zmq") not in ("zmq", "null")
     ):
         parser.error("--kv-events-config: publisher must be zmq or null")
+    if events and events.get("enable_kv_cache_events") and events.get("publisher", "zmq") == "zmq":
+        return events
+    return None
+
+
+def _sim_config(
+    args: argparse.Namespace,
+    model: str,
+    kv_config: dict[str, Any] | None,
+    max_model_len: int,
+    kv_events_config: dict[str, Any] | None,
+    force_include_usage: bool,
+) -> SimConfig:
+    """The parsed flags, with what vLLM reads from the environment."""
     return SimConfig(
         model=model,
         served_model_names=args.served_model_name or [model],
@@ -337,7 +379,7 @@ def parse(argv: list[str]) -> SimConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_transfer_config=kv_config,
         api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
-        force_include_usage=bool(include_usage),
+        force_include_usage=force_include_usage,
         block_size=args.block_size,
         bootstrap_port=int(os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT") or BOOTSTRAP_PORT),
         host_ip=os.environ.get("VLLM_HOST_IP", ""),
@@ -347,9 +389,7 @@ def parse(argv: list[str]) -> SimConfig:
         prefix_caching=args.enable_prefix_caching,
         prompt_tokens_details=args.enable_prompt_tokens_details,
         num_gpu_blocks=args.num_gpu_blocks_override,
-        kv_events_config=events
-        if events and events.get("enable_kv_cache_events") and events.get("publisher", "zmq") == "zmq"
-        else None,
+        kv_events_config=kv_events_config,
         profile=args.sim_profile,
         time_scale=args.sim_time_scale,
         kv_gbps=args.sim_kv_gbps,

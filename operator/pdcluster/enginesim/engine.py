@@ -16,7 +16,7 @@ KV: a sequence holds its prompt's tokens from admission and one more per generat
 token; admission is first-come-first-served while the prompt fits, and when decoding
 outgrows the capacity the newest sequence is preempted and later recomputed (vLLM's
 recompute preemption). A prefill-role sequence that ends by length keeps its KV until
-decode has pulled it (see kv.py).
+decode has pulled it (see kv/transfers.py).
 
 Steps are timed against a planned clock: each step ends `dt` after the previous planned
 end, so timer jitter does not add up, and a step that finds the loop behind by more than
@@ -33,8 +33,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from pdcluster.enginesim.metrics import EngineMetrics
 from pdcluster.enginesim.prefix import PrefixCache
+from pdcluster.enginesim.vllm_metrics import EngineMetrics
 from pdcluster.perf import Profile
 
 log = logging.getLogger(__name__)

@@ -18,11 +18,14 @@ from pdcluster import __version__, perf
 from pdcluster.enginesim.api import OpenAIServer
 from pdcluster.enginesim.cli import SimConfig, parse
 from pdcluster.enginesim.engine import EngineCore, Seq, TransferHook
-from pdcluster.enginesim.kv import BootstrapServer, KvPuller, MooncakeStore, SideChannel, TransferTable
-from pdcluster.enginesim.metrics import EngineMetrics, MetricFamilies
+from pdcluster.enginesim.kv.mooncake_client import MooncakeStore
+from pdcluster.enginesim.kv.puller import KvPuller
+from pdcluster.enginesim.kv.side_channel import BootstrapServer, SideChannel
+from pdcluster.enginesim.kv.transfers import TransferTable
 from pdcluster.enginesim.nodes import Group
 from pdcluster.enginesim.prefix import EventPublisher, PrefixCache
-from pdcluster.enginesim.store import PrefixStore
+from pdcluster.enginesim.store_connector import PrefixStore
+from pdcluster.enginesim.vllm_metrics import EngineMetrics, MetricFamilies
 from pdcluster.vllm import kvtransfer as kvt
 
 log = logging.getLogger("pdcluster.enginesim")

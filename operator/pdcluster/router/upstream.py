@@ -130,56 +130,21 @@ class _Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------ parsing
     def _parse(self) -> None:
+        """Consume the buffer state by state, until it is empty or a state needs more bytes."""
         buf = self._buf
         while buf:
             state = self._state
             if state == "head":
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
+                if not self._parse_head(buf):
                     return
-                lines = bytes(buf[:end]).split(b"\r\n")
-                del buf[: end + 4]
-                self.status = int(lines[0].split(b" ", 2)[1])
-                headers = {}
-                for line in lines[1:]:
-                    name, _, value = line.partition(b":")
-                    headers[name.strip().lower()] = value.strip()
-                self.headers = headers
-                self.keep_alive = headers.get(b"connection", b"").lower() != b"close"
-                if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
-                    self._state = "size"
-                elif b"content-length" in headers:
-                    self._remaining = int(headers[b"content-length"])
-                    self._state = "body"
-                    if self._remaining == 0:
-                        self._done()
-                else:
-                    self._state = "close"
-                    self.keep_alive = False
             elif state == "body":
-                take = min(self._remaining, len(buf))
-                self._push(bytes(buf[:take]))
-                del buf[:take]
-                self._remaining -= take
-                if self._remaining == 0:
+                if self._take_framed(buf):
                     self._done()
             elif state == "size":
-                end = buf.find(b"\r\n")
-                if end < 0:
+                if not self._parse_chunk_size(buf):
                     return
-                size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
-                del buf[: end + 2]
-                if size == 0:
-                    self._state = "trailer"
-                else:
-                    self._remaining = size
-                    self._state = "chunk"
             elif state == "chunk":
-                take = min(self._remaining, len(buf))
-                self._push(bytes(buf[:take]))
-                del buf[:take]
-                self._remaining -= take
-                if self._remaining == 0:
+                if self._take_framed(buf):
                     self._state = "chunk_end"
             elif state == "chunk_end":
                 if len(buf) < 2:
@@ -187,17 +152,70 @@ class _Connection(asyncio.Protocol):
                 del buf[:2]
                 self._state = "size"
             elif state == "trailer":
-                end = buf.find(b"\r\n")
-                if end < 0:
+                if not self._parse_trailer_line(buf):
                     return
-                del buf[: end + 2]
-                if end == 0:
-                    self._done()
             elif state == "close":
                 self._push(bytes(buf))
                 buf.clear()
             else:  # "done": bytes after a complete answer are a protocol error
                 raise ValueError("data after the end of the answer")
+
+    def _parse_head(self, buf: bytearray) -> bool:
+        """Status line and headers, then how the body is framed; False until all have come."""
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            return False
+        lines = bytes(buf[:end]).split(b"\r\n")
+        del buf[: end + 4]
+        self.status = int(lines[0].split(b" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        self.headers = headers
+        self.keep_alive = headers.get(b"connection", b"").lower() != b"close"
+        if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+            self._state = "size"
+        elif b"content-length" in headers:
+            self._remaining = int(headers[b"content-length"])
+            self._state = "body"
+            if self._remaining == 0:
+                self._done()
+        else:
+            self._state = "close"
+            self.keep_alive = False
+        return True
+
+    def _take_framed(self, buf: bytearray) -> bool:
+        """Body bytes of a known length (the whole body, or one chunk); True once all taken."""
+        take = min(self._remaining, len(buf))
+        self._push(bytes(buf[:take]))
+        del buf[:take]
+        self._remaining -= take
+        return self._remaining == 0
+
+    def _parse_chunk_size(self, buf: bytearray) -> bool:
+        end = buf.find(b"\r\n")
+        if end < 0:
+            return False
+        size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
+        del buf[: end + 2]
+        if size == 0:
+            self._state = "trailer"
+        else:
+            self._remaining = size
+            self._state = "chunk"
+        return True
+
+    def _parse_trailer_line(self, buf: bytearray) -> bool:
+        """One trailer line; the empty one ends the answer."""
+        end = buf.find(b"\r\n")
+        if end < 0:
+            return False
+        del buf[: end + 2]
+        if end == 0:
+            self._done()
+        return True
 
     def _push(self, data: bytes) -> None:
         if data:

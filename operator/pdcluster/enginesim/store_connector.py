@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdcluster.enginesim.kv import MOONCAKE_PAYLOAD_DIVISOR, MooncakeStore
+from pdcluster.enginesim.kv.mooncake_client import MOONCAKE_PAYLOAD_DIVISOR, MooncakeStore
 from pdcluster.perf import Profile
 from pdcluster.vllm import kvtransfer as kvt
 from pdcluster.vllm.hashing import block_keys, loadable_tokens
