@@ -3,7 +3,7 @@
 A prefill and a decode engine can only hand KV to each other when they agree on what the
 KV is: the model, the served name, the engine image and its arguments, the connector and
 block settings, the hash seed. `render.engine.kv_revision` hashes exactly those into a pod label on
-both roles; the router pairs only engines with equal labels (router/membership.py), so an
+both roles; the router pairs only engines with equal labels (router/routing.py), so an
 old prefill never hands KV to a new decode.
 
 StatefulSets roll their roles independently, which alone could leave all of prefill on

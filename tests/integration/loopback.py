@@ -19,8 +19,9 @@ from harness import counter  # noqa: F401 (the loopback tests' too)
 
 from pdcluster.enginesim.cli import parse
 from pdcluster.enginesim.main import Simulator
+from pdcluster.router.discovery import parse_static
 from pdcluster.router.main import RouterService, parser
-from pdcluster.router.membership import Pool, parse_static
+from pdcluster.router.membership import Pool
 
 # --kv-transfer-config of a MooncakeConnector prefill (producer) and decode (consumer).
 PRODUCER = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'

@@ -14,7 +14,8 @@ from pdcluster import flexible
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.api.validate import problems
 from pdcluster.render import Owner, Replicas, render_all
-from pdcluster.router.membership import assign_roles, members_from_pods, members_from_slices, parse_static
+from pdcluster.router.discovery import members_from_pods, members_from_slices, parse_static
+from pdcluster.router.membership import assign_roles
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdcluster-flexible.yaml"
 DOC = yaml.safe_load(EXAMPLE.read_text())

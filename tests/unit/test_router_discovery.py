@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pdcluster.router.membership import Members, members_from_slices, parse_static
+from pdcluster.router.discovery import Members, members_from_slices, parse_static
 
 
 def endpoint_slice(role: str, endpoints: list[dict[str, Any]], ports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def pod(
 
 
 def test_ready_pods_become_backends() -> None:
-    from pdcluster.router.membership import members_from_pods
+    from pdcluster.router.discovery import members_from_pods
 
     named = [{"name": "http", "containerPort": 9000}, {"name": "bootstrap", "containerPort": 9998}]
     pods = [
@@ -140,7 +140,7 @@ def test_ready_pods_become_backends() -> None:
 
 
 def test_of_a_multi_node_group_only_the_leader_serves() -> None:
-    from pdcluster.router.membership import members_from_pods
+    from pdcluster.router.discovery import members_from_pods
 
     leader, worker = pod("p-0", "prefill", "127.1.0.1", True), pod("p-0-1", "prefill", "127.1.0.2", True)
     leader["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] = "0"
@@ -151,7 +151,7 @@ def test_of_a_multi_node_group_only_the_leader_serves() -> None:
 
 
 def test_colocated_engines_form_a_plain_pool() -> None:
-    from pdcluster.router.membership import members_from_pods
+    from pdcluster.router.discovery import members_from_pods
 
     slices = [
         endpoint_slice(

@@ -19,10 +19,11 @@ from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.router import openai
 from pdcluster.router.attempt import Services
 from pdcluster.router.config import RouterConfig
+from pdcluster.router.discovery import Members, parse_static, watch_kube, watch_roles
 from pdcluster.router.engines import EngineClient
 from pdcluster.router.http import HttpServer
 from pdcluster.router.kvevents import KvEventFeed, Source
-from pdcluster.router.membership import Members, Pool, Upstream, parse_static, watch_kube, watch_roles
+from pdcluster.router.membership import Pool, Upstream
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policy import POLICIES, Admission, KvIndex, make_policy
 from pdcluster.router.probe import KvProber
