@@ -1,0 +1,100 @@
+"""The rebalancer: SLO, budget, windows and the other knobs of the control law."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from pdcluster.api.base import Model, cel
+from pdcluster.api.v1alpha1.common import section
+
+
+class Quantile(StrEnum):
+    p50 = "p50"
+    p90 = "p90"
+    p95 = "p95"
+    p99 = "p99"
+
+    @property
+    def fraction(self) -> float:
+        """0.9 for p90: what histogram_quantile takes."""
+        return int(self.value[1:]) / 100
+
+
+class SLOSpec(Model):
+    """Latency targets the autoscaler keeps."""
+
+    ttft_ms: int = Field(500, ge=1, description="Time-to-first-token target.")
+    itl_ms: int = Field(25, ge=1, description="Inter-token latency target.")
+    quantile: Quantile = Field(Quantile.p90, description="Quantile both targets apply to.")
+
+
+class AutoscalingMode(StrEnum):
+    auto = "auto"
+    recommend = "recommend"
+    external = "external"
+
+
+_AUTOSCALING_RULES = [
+    cel(
+        "self.scaleDownStabilizationSeconds >= self.scaleUpStabilizationSeconds",
+        "scaleDownStabilizationSeconds must be >= scaleUpStabilizationSeconds (scale down slower than up)",
+    ),
+]
+
+
+class AutoscalingSpec(Model):
+    """Rebalancing prefill:decode from Prometheus TTFT/ITL within a GPU budget."""
+
+    model_config = Model.model_config | {
+        "json_schema_extra": {"x-kubernetes-validations": _AUTOSCALING_RULES}
+    }
+
+    enabled: bool = Field(False)
+    mode: AutoscalingMode = Field(
+        AutoscalingMode.auto,
+        description="`auto` applies the control law's decisions; `recommend` only records them; `external` takes "
+        "replicas from the PDRoleScalers `<name>-prefill` and `<name>-decode`, which HPA or KEDA scale through "
+        "their /scale subresource.",
+    )
+    slo: SLOSpec = section(SLOSpec)
+    gpu_budget: int | None = Field(
+        None,
+        ge=1,
+        description="Most GPUs the engine pools may hold (prefill plus decode, or the colocated pool); "
+        "unbounded when unset.",
+    )
+    interval_seconds: int = Field(30, ge=5, le=3600, description="How often the control law runs.")
+    window_seconds: int = Field(120, ge=15, le=3600, description="PromQL rate window.")
+    scale_up_stabilization_seconds: int = Field(0, ge=0, description="A scale-up must be wanted this long.")
+    scale_down_stabilization_seconds: int = Field(
+        300, ge=0, description="A scale-down must be wanted this long."
+    )
+    cooldown_seconds: int = Field(60, ge=0, description="No new change this soon after the last one.")
+    max_step: int = Field(2, ge=1, description="Most replicas one role moves per decision.")
+    tolerance_percent: int = Field(10, ge=0, le=100, description="Hysteresis band around the SLO targets.")
+    scale_up_timeout_seconds: int = Field(
+        600, ge=30, description="Give up on a scale-up whose pods never become ready (e.g. no free GPUs)."
+    )
+    prometheus_url: str | None = Field(
+        None, description="Prometheus base URL; defaults to the operator's setting."
+    )
+    profile: str | None = Field(
+        None,
+        min_length=1,
+        description="A latency profile shipped with the operator (`pdctl plan --help` lists them), the prior of "
+        "the capacity model. Unset: the model is learned from the engines' own metrics alone.",
+    )
+    profile_config_map: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="A ConfigMap in the cluster's namespace whose `profile.json` holds a latency profile, as "
+        "`pdctl profile` writes it; used as the prior instead of `profile`.",
+    )
+    ttft_includes_prefill: bool = Field(
+        True,
+        description="When false, `slo.ttftMs` bounds TTFT minus the prompt's own prefill time (queueing, KV "
+        "transfer, first decode step): for long prompts whose prefill alone exceeds any fixed target.",
+    )

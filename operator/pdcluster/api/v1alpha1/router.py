@@ -1,0 +1,124 @@
+"""The router: policy, admission, store hits, retries, KV hand-off probes."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from pdcluster import constants as C
+from pdcluster.api.base import Model, Port
+from pdcluster.api.v1alpha1.common import Resources, SecretKeyRef, section
+
+
+class RouterPolicy(StrEnum):
+    least_loaded = "least-loaded"
+    prefix_aware = "prefix-aware"
+    precise_prefix = "precise-prefix"
+
+
+class AdmissionSpec(Model):
+    """SLO-based early rejection in the router."""
+
+    enabled: bool = Field(True, description="Reject requests predicted to miss the TTFT target.")
+    ttft_target_ms: int | None = Field(
+        None, ge=1, description="TTFT target; defaults to `autoscaling.slo.ttftMs`."
+    )
+    reject_factor_percent: int = Field(
+        200, ge=100, description="Reject when predicted TTFT exceeds the target by this factor (200 = 2x)."
+    )
+
+
+class StoreHitsSpec(Model):
+    """Prompt hits: with `mooncake.store.enabled`, the router asks the store how much of a
+    prompt it holds (the engines' own block keys) and sends a prompt that leaves little to
+    compute straight to decode, which loads the stored prefix: no prefill at all."""
+
+    enabled: bool = Field(
+        True,
+        description="Look prompts up in the store. Needs one tensorParallelSize for both roles (the store's "
+        "default key layout); otherwise prefill still reuses stored prefixes but every prompt goes to prefill.",
+    )
+    max_computed_tokens: int = Field(
+        512,
+        ge=0,
+        description="Straight to decode when at most this many of a prompt's tokens are not stored "
+        "(decode computes them itself, between its decode steps).",
+    )
+    lookup_timeout_ms: int = Field(
+        100,
+        ge=1,
+        le=10000,
+        description="What a lookup may add to a request; past it, the prompt goes to prefill. Also bounds "
+        "the precise-prefix policy's call for a prompt's tokens; past it, that policy guesses.",
+    )
+
+
+class RetrySpec(Model):
+    """What the router does when an engine fails a request: another attempt on engines not
+    tried before for it, and a stream whose decode engine dies goes on from another."""
+
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        le=10,
+        description="Attempts per request. With no prefill engine left to try, the last goes to decode "
+        "alone, which computes the prompt itself.",
+    )
+    prefill_timeout_seconds: int = Field(
+        120, ge=1, description="A prefill that has not answered by then is abandoned and tried elsewhere."
+    )
+    resume_streams: bool = Field(
+        True,
+        description="Resume a stream on another decode engine when its engine dies mid-answer: the prompt "
+        "and the tokens already sent make the rest (loaded from the Mooncake store when it holds the prefix). "
+        "Streams with stop strings, echo, logprobs, tools or structured output are not resumable.",
+    )
+
+
+class KvProbeSpec(Model):
+    """KV hand-off verification: the router sends a one-token request through each
+    prefill -> decode pair before it takes traffic and then at intervals, and checks on
+    decode's counters that the prompt's KV arrived rather than being recomputed. A pair
+    that fails takes no traffic and is named in the KVTransfer condition."""
+
+    enabled: bool = Field(True)
+    interval_seconds: int = Field(
+        60, ge=5, le=3600, description="Failed pairs and a sample of the others are probed again this often."
+    )
+    prompt_tokens: int = Field(64, ge=1, le=8192, description="Prompt length of a probe, in tokens.")
+
+
+class RouterSpec(Model):
+    """The OpenAI-compatible, PD-aware router in front of the pools."""
+
+    replicas: int = Field(1, ge=0)
+    image: str = Field(C.DEFAULT_ROUTER_IMAGE, min_length=1)
+    image_pull_policy: str = Field(
+        "IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]}
+    )
+    port: Port = Field(C.ROUTER_PORT, description="OpenAI-compatible HTTP port; also serves /metrics.")
+    policy: RouterPolicy = Field(
+        RouterPolicy.prefix_aware,
+        description="How a prefill (or colocated) engine is picked: least-loaded; prefix-aware, on the "
+        "router's guess of each engine's prefix cache from its own dispatches; precise-prefix, on what the "
+        "engines' caches hold as their KV events say (vLLM --kv-events-config over ZMQ, rendered on those "
+        "engines), guessing where an engine's events are not flowing.",
+    )
+    admission: AdmissionSpec = section(AdmissionSpec)
+    store_hits: StoreHitsSpec = section(StoreHitsSpec)
+    retries: RetrySpec = section(RetrySpec)
+    kv_probe: KvProbeSpec = section(KvProbeSpec)
+    request_timeout_seconds: int = Field(
+        600,
+        ge=1,
+        description="Seconds per request, streams and retries included; prefill engines keep KV for a decode "
+        "that never pulls it for as long (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT).",
+    )
+    api_key_secret: SecretKeyRef | None = Field(
+        None, description="When set, clients must send this key as a Bearer token."
+    )
+    service_type: str = Field(
+        "ClusterIP", json_schema_extra={"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}
+    )
+    resources: Resources | None = None
