@@ -73,7 +73,7 @@ from pddemo.workload import ENGINES, TRACES, Engine, Phase, Request, parse_phase
 
 
 @dataclass(frozen=True)
-class Plan:
+class ReplayPlan:
     """What a run replays: the engine, its example PDCluster and the requests."""
 
     engine: Engine
@@ -86,7 +86,7 @@ class Plan:
         return self.doc["spec"]
 
 
-def plan(args: argparse.Namespace) -> Plan:
+def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     """Reads the example and builds the workload; raises TraceError, OSError or KeyError."""
     engine = ENGINES[args.engine]
     doc = yaml.safe_load(engine.example.read_text())
@@ -94,7 +94,7 @@ def plan(args: argparse.Namespace) -> Plan:
     requests = workload.build(
         engine, phases, args.trace, args.start_minute * 60, doc["spec"]["model"].get("maxModelLen")
     )
-    return Plan(engine, doc, phases, requests)
+    return ReplayPlan(engine, doc, phases, requests)
 
 
 @dataclass
@@ -113,8 +113,8 @@ async def _router_url(kube: Kube, target: Target) -> str:
     return f"http://{svc['spec']['clusterIP']}:{C.ROUTER_PORT}"
 
 
-async def _replay_while_watching(
-    url: str, model: str, run: Plan, observer: Observer, view: View, cooldown_s: float
+async def replay_while_watching(
+    url: str, model: str, run: ReplayPlan, observer: Observer, view: View, cooldown_s: float
 ) -> Outcomes:
     """Replays while the view follows the cluster; after the replay, watches until the
     cluster is back at its smallest or `cooldown_s` has passed."""
@@ -136,7 +136,7 @@ async def _replay_while_watching(
 async def run_and_watch(
     console: Console, target: Target, args: argparse.Namespace
 ) -> tuple[Outcomes, Observer, float]:
-    run = plan(args)
+    run = plan_replay(args)
     slo = {"quantile": "p90", "ttftMs": 2000, "itlMs": 25, **run.spec["autoscaling"].get("slo", {})}
     window_s = int(run.spec["autoscaling"].get("windowSeconds", 30))
     async with Kube(KubeConfig.from_file(target.kubeconfig)) as kube:
@@ -158,7 +158,7 @@ async def run_and_watch(
         started = time.monotonic()
         try:
             with View(console, title, slo, len(run.requests), args.plain) as view:
-                out = await _replay_while_watching(url, model, run, observer, view, args.cooldown)
+                out = await replay_while_watching(url, model, run, observer, view, args.cooldown)
         finally:
             await observer.close()
     return out, observer, time.monotonic() - started
@@ -179,7 +179,7 @@ def check(args: argparse.Namespace) -> int:
     requests: list[Request] = []
     if not problems:
         try:
-            requests = plan(args).requests
+            requests = plan_replay(args).requests
         except (TraceError, OSError, KeyError) as e:
             problems.append(str(e))
         if not problems and not requests:

@@ -78,7 +78,7 @@ async def test_the_replay_is_answered_and_the_view_shows_the_cluster() -> None:
         }
     )
     requests = [Request(k * 0.05, 600, 4, (k, k + 1), salt=k) for k in range(5)]
-    run = demo.Plan(engine, doc, [Phase(1, 1.0)], requests)
+    run = demo.ReplayPlan(engine, doc, [Phase(1, 1.0)], requests)
     console_out = io.StringIO()
     async with serving(router) as router_url, serving(prom) as prom_url:
         observer = Observer(kube, prom_url, "demo", "demo", 0.9, 30)
@@ -90,7 +90,7 @@ async def test_the_replay_is_answered_and_the_view_shows_the_cluster() -> None:
                 5,
                 True,
             ) as view:
-                out = await demo._replay_while_watching(router_url, "m", run, observer, view, cooldown_s=0)
+                out = await demo.replay_while_watching(router_url, "m", run, observer, view, cooldown_s=0)
         finally:
             await observer.close()
     assert (out.sent, out.ok, out.failed, out.rejected) == (5, 5, 0, 0), out.last_error
