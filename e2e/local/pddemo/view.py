@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pdcluster import constants as C
-from pdcluster import perf
+from pdcluster import perf, timestamps
 from pdcluster.api.v1alpha1 import Decision
 from pddemo.observe import Observer, Snapshot
 from pddemo.replay import Outcomes
@@ -47,8 +47,8 @@ def roles_line(s: Snapshot, separator: str = "  ") -> str:
 
 
 def clock(d: Decision) -> str:
-    """HH:MM:SS of the decision's RFC 3339 time."""
-    return d.time[11:19]
+    """The decision's time of day, UTC."""
+    return timestamps.parse(d.time).strftime("%H:%M:%S")
 
 
 def decision_line(d: Decision) -> str:
