@@ -9,7 +9,7 @@ the master (enginesim/store_connector.py: vLLM's block keys, loads of the leadin
 writes of every computed block) and their router sends prompts the store holds straight
 to decode. Each request of the slice goes to both routers at its trace time (divided by
 --speed), as a stream of at most --max-tokens tokens; the prompts are token ids whose
-512-token blocks repeat where the trace's hash_ids do (e2e/local/demo.py prompt_ids).
+512-token blocks repeat where the trace's hash_ids do (e2e/local/pddemo/workload.py prompt_ids).
 Engines run --speed times faster than real time (--sim-time-scale), so the load is the
 trace's; the TTFTs printed are wall-clock and therefore --speed times shorter than the
 modelled ones.
@@ -39,12 +39,12 @@ sys.path[:0] = [str(REPO / "e2e" / "local"), str(REPO / "tests" / "e2e")]
 import aiohttp  # noqa: E402
 from harness import counter, install_crd, make_sim_cluster, settled, start_operator, stop_on_sigterm  # noqa: E402
 
-import demo  # noqa: E402
 from localcluster import cluster, nodes  # noqa: E402
 from pdcluster import constants as C  # noqa: E402
 from pdcluster.io.kube import Kube, KubeConfig  # noqa: E402
 from pdcluster.sim.trace import load_trace  # noqa: E402
 from pdcluster.vllm.hashing import block_keys  # noqa: E402
+from pddemo.workload import Phase, Request, prompt_ids, workload  # noqa: E402
 
 NAMESPACE = "bench-store"
 TRACES = {"conversation": "mooncake_conversation_trace.jsonl", "synthetic": "mooncake_synthetic_trace.jsonl"}
@@ -120,14 +120,14 @@ async def stream(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int
         return 0, None
 
 
-async def replay(routers: dict[str, str], requests: list[demo.Request], max_tokens: int) -> dict[str, list]:
+async def replay(routers: dict[str, str], requests: list[Request], max_tokens: int) -> dict[str, list]:
     """Per router, (status, TTFT) of each request."""
     answers: dict[str, list] = {name: [] for name in routers}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
 
-        async def one(r: demo.Request) -> None:
+        async def one(r: Request) -> None:
             body = {
-                "prompt": demo.prompt_ids(r),
+                "prompt": prompt_ids(r),
                 "max_tokens": max(1, min(r.output_tokens, max_tokens)),
                 "ignore_eos": True,
                 "stream": True,
@@ -155,10 +155,10 @@ async def measure(state: cluster.State, args: argparse.Namespace) -> dict:
     start_s = trace.arrival_s[min(args.start, len(trace.arrival_s) - 1)] - trace.arrival_s[0]
     requests = [
         r
-        for r in demo.workload(trace, start_s, [demo.Phase(1e9, args.speed)])
+        for r in workload(trace, start_s, [Phase(1e9, args.speed)])
         if r.input_tokens < MAX_MODEL_LEN
     ][: args.requests]
-    prompts = [demo.prompt_ids(r) for r in requests]
+    prompts = [prompt_ids(r) for r in requests]
     total, reusable = sum(map(len, prompts)), reusable_tokens(prompts)
     names = {"nostore": False, "store": True}
     async with Kube(KubeConfig.from_file(state.kubeconfig)) as kube:

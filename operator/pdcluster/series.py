@@ -109,3 +109,11 @@ SERIES: Final[tuple[Series, ...]] = (
 BY_FIELD: Final = {s.field: s for s in SERIES}
 # Does Prometheus hold anything of this cluster at all (the router's or any engine's)?
 PRESENCE: Final = (obs.ROUTER_PROMPT_TOKENS + "_total", obs.VLLM_WAITING)
+# What a person watching a cluster reads (the demo's live view), beside the control law's
+# table: the router's latencies at the SLO quantile and the requests it receives, whatever
+# their outcome.
+WATCHED: Final[tuple[Series, ...]] = (
+    BY_FIELD["ttft_ms"],
+    BY_FIELD["itl_ms"],
+    Series("requests_rate", Kind.rate, obs.ROUTER_REQUESTS),
+)

@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-import demo
-from pdcluster.sim.trace import Trace
+from pdcluster.sim.trace import Trace, TraceError
+from pddemo import workload
 
 
 def trace(n: int = 100) -> Trace:
@@ -23,7 +23,7 @@ def trace(n: int = 100) -> Trace:
 
 
 def test_phases_scale_time_and_keep_order() -> None:
-    requests = demo.workload(trace(), 0.0, [(10, 1.0), (10, 2.0)])
+    requests = workload.workload(trace(), 0.0, [(10, 1.0), (10, 2.0)])
     assert len(requests) == 30  # 10 s of the trace, then 20 s of it in 10 s
     assert [r.at_s for r in requests[:3]] == [0.0, 1.0, 2.0]
     assert [r.at_s for r in requests[10:13]] == [10.0, 10.5, 11.0]
@@ -34,78 +34,65 @@ def test_phases_scale_time_and_keep_order() -> None:
 
 
 def test_start_skips_into_the_trace() -> None:
-    requests = demo.workload(trace(), 50.0, [(5, 1.0)])
+    requests = workload.workload(trace(), 50.0, [(5, 1.0)])
     assert [r.input_tokens for r in requests] == [1050, 1051, 1052, 1053, 1054]
     assert requests[0].at_s == 0.0
 
 
 def test_prompts_share_exactly_the_prefix_the_trace_shares() -> None:
-    a = demo.Request(0, 1300, 1, (7, 8, 9), salt=1)
-    b = demo.Request(0, 1300, 1, (7, 8, 10), salt=2)
-    ids_a, ids_b = demo.prompt_ids(a), demo.prompt_ids(b)
+    a = workload.Request(0, 1300, 1, (7, 8, 9), salt=1)
+    b = workload.Request(0, 1300, 1, (7, 8, 10), salt=2)
+    ids_a, ids_b = workload.prompt_ids(a), workload.prompt_ids(b)
     assert len(ids_a) == len(ids_b) == 1300
     assert ids_a[:1024] == ids_b[:1024]  # blocks 7 and 8: 2 x 512 tokens
     assert ids_a[1024:] != ids_b[1024:]  # the partial third block differs
-    assert all(0 < t < demo.VOCABULARY for t in ids_a)
+    assert all(0 < t < workload.VOCABULARY for t in ids_a)
 
 
 def test_prompts_longer_than_their_blocks_get_private_filler() -> None:
-    a = demo.Request(0, 700, 1, (7,), salt=1)
-    b = demo.Request(0, 700, 1, (7,), salt=2)
-    ids_a, ids_b = demo.prompt_ids(a), demo.prompt_ids(b)
+    a = workload.Request(0, 700, 1, (7,), salt=1)
+    b = workload.Request(0, 700, 1, (7,), salt=2)
+    ids_a, ids_b = workload.prompt_ids(a), workload.prompt_ids(b)
     assert len(ids_a) == 700 and ids_a[:512] == ids_b[:512] and ids_a[512:] != ids_b[512:]
-    assert len(demo.prompt_ids(demo.Request(0, 300, 1, (), salt=3))) == 300
+    assert len(workload.prompt_ids(workload.Request(0, 300, 1, (), salt=3))) == 300
 
 
 def test_parse_phases() -> None:
-    assert demo.parse_phases("60:1,150:3,150:0.7") == [
-        demo.Phase(60.0, 1.0),
-        demo.Phase(150.0, 3.0),
-        demo.Phase(150.0, 0.7),
+    assert workload.parse_phases("60:1,150:3,150:0.7") == [
+        workload.Phase(60.0, 1.0),
+        workload.Phase(150.0, 3.0),
+        workload.Phase(150.0, 0.7),
     ]
-    assert demo.parse_phases("180:6:azure*3") == [demo.Phase(180.0, 6.0, "azure", 3.0)]
+    assert workload.parse_phases("180:6:azure*3") == [workload.Phase(180.0, 6.0, "azure", 3.0)]
     for bad in ("60:0", "60:1:nowhere", "60:1:azure*0", "x:1", ""):
         with pytest.raises(argparse.ArgumentTypeError):
-            demo.parse_phases(bad)
+            workload.parse_phases(bad)
 
 
 def test_a_phase_switches_traces_and_each_resumes_where_it_stopped() -> None:
     other = Trace("b", [float(t) for t in range(100)], [5] * 100, [10] * 100, [() for _ in range(100)])
-    phases = [demo.Phase(10, 1.0), demo.Phase(10, 1.0, "b", 3.0), demo.Phase(10, 1.0)]
-    requests = demo.workload({None: trace(), "b": other}, 0.0, phases)
+    phases = [workload.Phase(10, 1.0), workload.Phase(10, 1.0, "b", 3.0), workload.Phase(10, 1.0)]
+    requests = workload.workload({None: trace(), "b": other}, 0.0, phases)
     assert [r.input_tokens for r in requests[:10]] == list(range(1000, 1010))
     assert {(r.input_tokens, r.output_tokens) for r in requests[10:20]} == {(5, 30)}  # answers x3
     assert [r.input_tokens for r in requests[20:30]] == list(range(1010, 1020))  # where it stopped
     assert len({r.salt for r in requests}) == 30  # no two requests share filler tokens
 
 
-def test_decision_events_are_split_for_the_table() -> None:
-    assert demo._split_decision("prefill 2 -> 3, decode 3 -> 2: TTFT p90 3955 ms over 2000 ms") == (
-        "3",
-        "2",
-        "TTFT p90 3955 ms over 2000 ms",
-    )
-    assert demo._split_decision("decode 1 -> 2: ITL p90 31 ms over 25 ms") == (
-        "=",
-        "2",
-        "ITL p90 31 ms over 25 ms",
-    )
-
-
 def test_without_a_trace_the_demo_replays_generated_stand_ins(monkeypatch) -> None:
     monkeypatch.delenv("PDCLUSTER_TRACES", raising=False)
-    phases = demo.parse_phases("30:1,30:2:azure*3")
-    traces = demo.load_traces(None, phases, 0.0)
+    phases = workload.parse_phases("30:1,30:2:azure*3")
+    traces = workload.load_traces(None, phases, 0.0)
     assert set(traces) == {None, "azure"}
     assert traces[None].name == "conversation" and traces["azure"].name == "azure-conversation"
     assert traces[None].span_s >= 90 - 5  # long enough for both phases at their speeds
-    requests = demo.workload(traces, 0.0, phases)
+    requests = workload.workload(traces, 0.0, phases)
     assert requests and max(r.at_s for r in requests) < 60
-    with pytest.raises(demo.TraceError, match="synthetic"):
-        demo.load_traces(None, demo.parse_phases("10:1:synthetic"), 0.0)
+    with pytest.raises(TraceError, match="synthetic"):
+        workload.load_traces(None, workload.parse_phases("10:1:synthetic"), 0.0)
 
 
 def test_a_real_trace_that_is_not_there_is_named(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PDCLUSTER_TRACES", str(tmp_path))
-    with pytest.raises(demo.TraceError, match=r"mooncake_conversation_trace\.jsonl"):
-        demo.load_traces(None, demo.parse_phases("10:1"), 0.0)
+    with pytest.raises(TraceError, match=r"mooncake_conversation_trace\.jsonl"):
+        workload.load_traces(None, workload.parse_phases("10:1"), 0.0)

@@ -1,4 +1,5 @@
-"""The autoscaler's Prometheus queries: every PromQL expression of the project lives here.
+"""The autoscaler's Prometheus queries, and the live view's (pdcluster.series.WATCHED):
+every PromQL expression of the project lives here.
 
 We call Prometheus's HTTP API (GET /api/v1/query, instant queries) with aiohttp, which
 the operator already ships. prometheus-api-client would block the event loop (it is
@@ -30,7 +31,7 @@ import aiohttp
 
 from pdcluster import observability as obs
 from pdcluster.control.types import MetricsSnapshot, assemble
-from pdcluster.series import BY_FIELD, PRESENCE, SERIES, Kind, Series
+from pdcluster.series import BY_FIELD, PRESENCE, SERIES, WATCHED, Kind, Series
 
 PRESENT = "present"  # the query that tells an unknown cluster from one without traffic
 
@@ -77,19 +78,36 @@ def _promql(s: Series, labels: str, window_s: int, quantile: float) -> str:
     return f"avg_over_time(count({_series(s.metric, labels)})[{window_s}s:{step}s])"
 
 
+def _cluster_labels(namespace: str, cluster: str) -> str:
+    return f'{obs.PROM_LABEL_CLUSTER}="{_label_value(cluster)}",namespace="{_label_value(namespace)}"'
+
+
+def _labels(s: Series, cluster_labels: str) -> str:
+    labels = cluster_labels
+    if s.role:
+        labels += f',{obs.PROM_LABEL_ROLE}="{s.role}"'
+    if s.outcome:
+        labels += f',outcome="{s.outcome}"'
+    return labels
+
+
 def queries(namespace: str, cluster: str, window_s: int, quantile: float) -> dict[str, str]:
     """Field of the snapshot (pdcluster.series) -> PromQL, for one cluster."""
-    base = f'{obs.PROM_LABEL_CLUSTER}="{_label_value(cluster)}",namespace="{_label_value(namespace)}"'
-    out = {}
-    for s in SERIES:
-        labels = base
-        if s.role:
-            labels += f',{obs.PROM_LABEL_ROLE}="{s.role}"'
-        if s.outcome:
-            labels += f',outcome="{s.outcome}"'
-        out[s.field] = _promql(s, labels, window_s, quantile)
+    base = _cluster_labels(namespace, cluster)
+    out = {s.field: _promql(s, _labels(s, base), window_s, quantile) for s in SERIES}
     out[PRESENT] = " or ".join(f"count({_series(m, base)})" for m in PRESENCE)
     return out
+
+
+def watched_queries(namespace: str, cluster: str, window_s: int, quantile: float) -> dict[str, str]:
+    """Field of pdcluster.series.WATCHED -> PromQL, for one cluster."""
+    base = _cluster_labels(namespace, cluster)
+    return {s.field: _promql(s, _labels(s, base), window_s, quantile) for s in WATCHED}
+
+
+def _in_unit(s: Series, value: float | None) -> float | None:
+    """Latency fields are in ms; their series in seconds."""
+    return value * 1000.0 if value is not None and s.in_ms else value
 
 
 def _buckets(result: list[dict]) -> tuple[tuple[float, float], ...]:
@@ -166,9 +184,18 @@ class Prometheus:
             if name in BY_FIELD and BY_FIELD[name].kind == Kind.buckets:
                 return await self.query_buckets(exprs[name], at)
             v = await self.query(exprs[name], at)
-            return v * 1000.0 if v is not None and name in BY_FIELD and BY_FIELD[name].in_ms else v
+            return _in_unit(BY_FIELD[name], v) if name in BY_FIELD else v
 
         values = dict(zip(exprs, await asyncio.gather(*(value(n) for n in exprs)), strict=True))
         if not values.pop(PRESENT):
             return None
         return assemble(window_s=window_s, **values)
+
+    async def watched(
+        self, namespace: str, cluster: str, window_s: int, quantile: float
+    ) -> dict[str, float | None]:
+        """The fields of pdcluster.series.WATCHED (latencies in ms), evaluated at one instant."""
+        exprs = watched_queries(namespace, cluster, window_s, quantile)
+        at = time.time()
+        values = await asyncio.gather(*(self.query(e, at) for e in exprs.values()))
+        return {s.field: _in_unit(s, v) for s, v in zip(WATCHED, values, strict=True)}
