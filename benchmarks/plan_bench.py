@@ -228,9 +228,9 @@ def learning() -> dict:
 
 
 def plan_snapshot(fleet, now_s: float):
-    from pdcluster.sim import metrics
+    from pdcluster.sim import scrapes
 
-    return metrics.snapshot(fleet.scrapes, now_s, 120, 0.9)
+    return scrapes.snapshot(fleet.scrapes, now_s, 120, 0.9)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ from pdcluster.sim import plan
 from pdcluster.sim.plan_config import PlanConfig
 from pdcluster.sim.plan_policies import PolicyChoice
 from pdcluster.sim.scoring import SLO
-from pdcluster.sim.store import reusable_fraction
+from pdcluster.sim.tiered_store import reusable_fraction
 
 ROUTERS = ("least-loaded", "prefix-aware", "precise-prefix")
 TRACE = "mooncake_conversation_trace.jsonl"

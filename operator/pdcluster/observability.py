@@ -81,7 +81,7 @@ ROUTER_INFLIGHT_TOKENS: Final = "pdcluster_router_inflight_tokens"  # gauge{role
 ROUTER_PROMPT_TOKENS: Final = "pdcluster_router_prompt_tokens"  # counter
 ROUTER_GENERATION_TOKENS: Final = "pdcluster_router_generation_tokens"  # counter
 ROUTER_BACKENDS: Final = "pdcluster_router_backends"  # gauge{role}: ready backends
-# Prompt hits in the Mooncake store (router/store.py): every lookup by outcome, what one
+# Prompt hits in the Mooncake store (router/store_hits.py): every lookup by outcome, what one
 # costs, and the requests that went straight to decode with the tokens decode loaded.
 ROUTER_STORE_LOOKUPS: Final = "pdcluster_router_store_lookups"  # counter{outcome}
 ROUTER_STORE_LOOKUP_SECONDS: Final = "pdcluster_router_store_lookup_seconds"

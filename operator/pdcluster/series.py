@@ -2,7 +2,7 @@
 
 Both readers of metrics derive from `SERIES`: the operator's PromQL
 (pdcluster.io.prometheus) and the fleet simulator's evaluator over its own scrapes
-(pdcluster.sim.metrics). A field is a keyword of control.types.assemble; its series is
+(pdcluster.sim.scrapes). A field is a keyword of control.types.assemble; its series is
 a metric of the router (no role) or of one engine role; its kind says how the window
 turns the series into one number:
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
+from pdcluster import constants as C
 from pdcluster import observability as obs
 
 
@@ -68,7 +69,6 @@ class Series:
         return ":".join(p for p in parts if p) if self.kind != Kind.engines else f"engines:{self.role}"
 
 
-P, D, C = "prefill", "decode", "colocated"
 SERIES: Final[tuple[Series, ...]] = (
     Series("ttft_ms", Kind.quantile, obs.ROUTER_TTFT),
     Series("ttft_mean_ms", Kind.mean, obs.ROUTER_TTFT),
@@ -79,32 +79,32 @@ SERIES: Final[tuple[Series, ...]] = (
     Series("prompt_tokens_rate_before", Kind.rate_before, obs.ROUTER_PROMPT_TOKENS),
     Series("finished_rate", Kind.rate, obs.ROUTER_REQUESTS, outcome="ok"),
     Series("generated_tokens_rate", Kind.rate, obs.ROUTER_GENERATION_TOKENS),
-    Series("prefill_ttft_ms", Kind.quantile, obs.VLLM_TTFT, P),
-    Series("queue_time_q_ms", Kind.quantile, obs.VLLM_QUEUE_TIME, P),
-    Series("queue_time_ms", Kind.mean, obs.VLLM_QUEUE_TIME, P),
-    Series("prefill_time_ms", Kind.mean, obs.VLLM_PREFILL_TIME, P),
-    Series("prefill_steps_rate", Kind.count_rate, obs.VLLM_ITERATION_TOKENS, P),
-    Series("prefilled_tokens_rate", Kind.rate, obs.VLLM_PROMPT_TOKENS, P),
-    Series("prefilled_rate", Kind.rate, obs.VLLM_REQUEST_SUCCESS, P),
-    Series("prefix_queries_rate", Kind.rate, obs.VLLM_PREFIX_QUERIES, P),
-    Series("prefix_hits_rate", Kind.rate, obs.VLLM_PREFIX_HITS, P),
-    Series("prompt_tokens", Kind.buckets, obs.VLLM_REQUEST_PROMPT_TOKENS, P),
-    Series("kv_handoff_ms", Kind.mean, obs.VLLM_MOONCAKE_XFER_TIME, P),
-    Series("prefill_queue", Kind.gauge_sum, obs.VLLM_WAITING, P),
-    Series("prefill_ready", Kind.engines, obs.VLLM_WAITING, P),
-    Series("decode_itl_ms", Kind.quantile, obs.VLLM_ITL, D),
-    Series("decode_tokens_rate", Kind.rate, obs.VLLM_GENERATION_TOKENS, D),
-    Series("decode_running", Kind.gauge_sum, obs.VLLM_RUNNING, D),
-    Series("decode_kv_usage", Kind.gauge_avg, obs.VLLM_KV_USAGE, D),
-    Series("decode_ready", Kind.engines, obs.VLLM_WAITING, D),
-    Series("colocated_prompt_tokens_rate", Kind.rate, obs.VLLM_PROMPT_TOKENS, C),
-    Series("colocated_finished_rate", Kind.rate, obs.VLLM_REQUEST_SUCCESS, C),
-    Series("colocated_ttft_ms", Kind.quantile, obs.VLLM_TTFT, C),
-    Series("colocated_queue_time_q_ms", Kind.quantile, obs.VLLM_QUEUE_TIME, C),
-    Series("colocated_itl_ms", Kind.quantile, obs.VLLM_ITL, C),
-    Series("colocated_kv_usage", Kind.gauge_avg, obs.VLLM_KV_USAGE, C),
-    Series("colocated_waiting", Kind.gauge_sum, obs.VLLM_WAITING, C),
-    Series("colocated_ready", Kind.engines, obs.VLLM_WAITING, C),
+    Series("prefill_ttft_ms", Kind.quantile, obs.VLLM_TTFT, C.ROLE_PREFILL),
+    Series("queue_time_q_ms", Kind.quantile, obs.VLLM_QUEUE_TIME, C.ROLE_PREFILL),
+    Series("queue_time_ms", Kind.mean, obs.VLLM_QUEUE_TIME, C.ROLE_PREFILL),
+    Series("prefill_time_ms", Kind.mean, obs.VLLM_PREFILL_TIME, C.ROLE_PREFILL),
+    Series("prefill_steps_rate", Kind.count_rate, obs.VLLM_ITERATION_TOKENS, C.ROLE_PREFILL),
+    Series("prefilled_tokens_rate", Kind.rate, obs.VLLM_PROMPT_TOKENS, C.ROLE_PREFILL),
+    Series("prefilled_rate", Kind.rate, obs.VLLM_REQUEST_SUCCESS, C.ROLE_PREFILL),
+    Series("prefix_queries_rate", Kind.rate, obs.VLLM_PREFIX_QUERIES, C.ROLE_PREFILL),
+    Series("prefix_hits_rate", Kind.rate, obs.VLLM_PREFIX_HITS, C.ROLE_PREFILL),
+    Series("prompt_tokens", Kind.buckets, obs.VLLM_REQUEST_PROMPT_TOKENS, C.ROLE_PREFILL),
+    Series("kv_handoff_ms", Kind.mean, obs.VLLM_MOONCAKE_XFER_TIME, C.ROLE_PREFILL),
+    Series("prefill_queue", Kind.gauge_sum, obs.VLLM_WAITING, C.ROLE_PREFILL),
+    Series("prefill_ready", Kind.engines, obs.VLLM_WAITING, C.ROLE_PREFILL),
+    Series("decode_itl_ms", Kind.quantile, obs.VLLM_ITL, C.ROLE_DECODE),
+    Series("decode_tokens_rate", Kind.rate, obs.VLLM_GENERATION_TOKENS, C.ROLE_DECODE),
+    Series("decode_running", Kind.gauge_sum, obs.VLLM_RUNNING, C.ROLE_DECODE),
+    Series("decode_kv_usage", Kind.gauge_avg, obs.VLLM_KV_USAGE, C.ROLE_DECODE),
+    Series("decode_ready", Kind.engines, obs.VLLM_WAITING, C.ROLE_DECODE),
+    Series("colocated_prompt_tokens_rate", Kind.rate, obs.VLLM_PROMPT_TOKENS, C.ROLE_COLOCATED),
+    Series("colocated_finished_rate", Kind.rate, obs.VLLM_REQUEST_SUCCESS, C.ROLE_COLOCATED),
+    Series("colocated_ttft_ms", Kind.quantile, obs.VLLM_TTFT, C.ROLE_COLOCATED),
+    Series("colocated_queue_time_q_ms", Kind.quantile, obs.VLLM_QUEUE_TIME, C.ROLE_COLOCATED),
+    Series("colocated_itl_ms", Kind.quantile, obs.VLLM_ITL, C.ROLE_COLOCATED),
+    Series("colocated_kv_usage", Kind.gauge_avg, obs.VLLM_KV_USAGE, C.ROLE_COLOCATED),
+    Series("colocated_waiting", Kind.gauge_sum, obs.VLLM_WAITING, C.ROLE_COLOCATED),
+    Series("colocated_ready", Kind.engines, obs.VLLM_WAITING, C.ROLE_COLOCATED),
 )
 BY_FIELD: Final = {s.field: s for s in SERIES}
 # Does Prometheus hold anything of this cluster at all (the router's or any engine's)?

@@ -7,7 +7,7 @@ queries must leave out: another cluster's engine, decode's own TTFT, the router'
 rejected requests. The samples go to Prometheus through `promtool tsdb
 create-blocks-from openmetrics` (with their timestamps, no scraping), and the same
 samples, summed per role as the simulator's scrapes hold them, to
-pdcluster.sim.metrics.snapshot. Both snapshots are compared field by field at
+pdcluster.sim.scrapes.snapshot. Both snapshots are compared field by field at
 instants between two samples (so that a window's ends are not a matter of inclusion),
 with full windows and with windows that begin before the first sample (where
 Prometheus extrapolates rates only by half a scrape interval).
@@ -32,7 +32,7 @@ from pdcluster import observability as obs
 from pdcluster.control.types import MetricsSnapshot
 from pdcluster.io.prometheus import Prometheus
 from pdcluster.series import SERIES, Kind
-from pdcluster.sim import metrics as M
+from pdcluster.sim import scrapes as M
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 pytestmark = [

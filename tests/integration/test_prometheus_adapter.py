@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from pdcluster import observability as obs
 from pdcluster.io.prometheus import Prometheus, PrometheusUnavailable
 from pdcluster.observability import VLLM_PREFIX_HITS, VLLM_PREFIX_QUERIES
-from pdcluster.sim.metrics import histogram_quantile
+from pdcluster.sim.scrapes import histogram_quantile
 
 pytestmark = [
     pytest.mark.slow,

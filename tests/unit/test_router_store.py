@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import orjson
 import pytest
 
-from pdcluster.router.store import QUERY_KEYS, StoreIndex
+from pdcluster.router.store_hits import QUERY_KEYS, StoreIndex
 from pdcluster.router.upstream import Origin, UpstreamError
 from pdcluster.vllm.hashing import block_keys, loadable_tokens
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pdcluster import perf
-from pdcluster.sim import metrics
+from pdcluster.sim import scrapes
 from pdcluster.sim.dynamo import (
     INDEPENDENT,
     UP_EITHER_DOWN_BOTH,
@@ -230,7 +230,7 @@ def test_llmd_scales_prefill_when_the_queue_passes_its_target() -> None:
     result, fleet = run(llmd, PREFILL_BURST)
     t, _, out = next(s for s in seen if s[2] is not None and s[2][0] > 1)
     assert 60.0 < t <= 120.0
-    snap = metrics.snapshot(fleet.scrapes, t, llmd.window_s, 0.5)
+    snap = scrapes.snapshot(fleet.scrapes, t, llmd.window_s, 0.5)
     assert snap.prefill_queue > 5.0
     assert out[1] == 1  # decode KV stays far below 0.8 of one pod
     assert not [s for s in seen if s[0] < 60.0 and s[2] is not None and s[2][0] > 1]
@@ -244,7 +244,7 @@ def test_llmd_scales_decode_when_kv_usage_passes_its_target() -> None:
     decided = [(t, out) for t, _, out in seen if out is not None]
     ups = [t for (_, before), (t, out) in itertools.pairwise(decided) if out[1] > before[1]]
     assert ups
-    snap = metrics.snapshot(fleet.scrapes, ups[0], llmd.window_s, 0.5)
+    snap = scrapes.snapshot(fleet.scrapes, ups[0], llmd.window_s, 0.5)
     assert snap.decode_kv_usage * snap.decode.ready > 0.8 * (1 + 0.1)
     assert all(b - a >= 180.0 for a, b in itertools.pairwise(ups))  # one pod per 180 s
     assert all(out[0] == 1 for _, _, out in seen if out)  # nothing waits for prefill

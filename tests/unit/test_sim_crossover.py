@@ -10,7 +10,7 @@ import pytest
 
 from pdcluster import perf
 from pdcluster.sim import crossover, plan_cli, scoring
-from pdcluster.sim.crossover import Setting
+from pdcluster.sim.crossover import SweepConditions
 
 SLO = scoring.SLO(1000.0, 50.0, plus_prefill=True)
 
@@ -49,7 +49,7 @@ def test_crossovers_name_the_lengths_around_each_change_and_skip_ties() -> None:
 
 
 def test_the_goodput_search_stops_where_the_best_configuration_still_holds_the_slo() -> None:
-    setting = Setting(perf.DEFAULT_PROFILE, 2, SLO)
+    setting = SweepConditions(perf.DEFAULT_PROFILE, 2, SLO)
     workload = crossover.Workload(output_tokens=64, requests=120, span_s=5.0, seed=3)
     caps = crossover.capacities(setting, [2048, 32768], workload, jobs=1, steps=5)
     profile = perf.load()
@@ -74,7 +74,7 @@ def test_the_goodput_search_stops_where_the_best_configuration_still_holds_the_s
 
 
 def test_a_point_compares_the_best_of_each_architecture() -> None:
-    setting = Setting(perf.DEFAULT_PROFILE, 3, SLO)
+    setting = SweepConditions(perf.DEFAULT_PROFILE, 3, SLO)
     cases = crossover.sweep_cases(setting, [16384], [0.7], crossover.Workload(64, 100, 5.0, 1))
     (point,) = crossover.compare(setting, cases, jobs=1)
     outcomes = [crossover.run_one(setting, cases[0][2], c) for c in crossover.configs(3, 1)]

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pdcluster import perf
-from pdcluster.sim import metrics
+from pdcluster.sim import scrapes
 from pdcluster.sim.dynamo import ArimaPredictor, ConstantPredictor, DecodeInterpolator, Dynamo
 from pdcluster.sim.fleet import Fleet, FleetConfig
 from pdcluster.sim.trace import Trace
@@ -92,7 +92,7 @@ def test_a_decision_follows_the_published_formulas() -> None:
     decide = dynamo.decide
 
     def spy(now_s, fl):
-        m = metrics.frontend_averages(fl.scrapes, now_s, 180.0)
+        m = scrapes.frontend_averages(fl.scrapes, now_s, 180.0)
         num_d = len(fl.ready["decode"])
         seen.append((now_s, m, num_d, decide(now_s, fl)))
         return seen[-1][-1]

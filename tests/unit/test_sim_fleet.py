@@ -12,8 +12,8 @@ import pytest
 from pdcluster import perf
 from pdcluster.observability import Histogram
 from pdcluster.sim.fleet import FleetConfig, simulate
-from pdcluster.sim.metrics import histogram_quantile, snapshot
 from pdcluster.sim.policies import Static
+from pdcluster.sim.scrapes import histogram_quantile, snapshot
 from pdcluster.sim.trace import Trace
 
 PROFILE = perf.load()

@@ -10,7 +10,7 @@ import pytest
 from pdcluster import perf
 from pdcluster.sim.fleet import FleetConfig, simulate
 from pdcluster.sim.policies import Static
-from pdcluster.sim.store import Found, StoreConfig, TieredStore, reusable_fraction
+from pdcluster.sim.tiered_store import Found, StoreConfig, TieredStore, reusable_fraction
 from pdcluster.sim.trace import Trace
 
 

@@ -2,7 +2,7 @@
 
 With `--enable-prefix-caching` (off by default here, unlike vLLM, so that a repeated
 prompt costs the same unless asked) an engine keeps the full blocks of the prompts it
-computed in an LRU of its KV capacity, under vLLM's block hashes (router/store.py:
+computed in an LRU of its KV capacity, under vLLM's block hashes (router/store_hits.py:
 engine_block_hashes), and a new prompt computes only what follows its leading cached
 run (at most all but its last token, as vLLM recomputes that one).
 

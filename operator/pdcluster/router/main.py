@@ -31,7 +31,7 @@ from pdcluster.router.prompt import BLOCK_TOKENS
 from pdcluster.router.protocol import MooncakeProtocol
 from pdcluster.router.server import MAX_BODY_BYTES, Router
 from pdcluster.router.state import StatePublisher
-from pdcluster.router.store import StoreIndex
+from pdcluster.router.store_hits import StoreIndex
 from pdcluster.router.upstream import UpstreamPool
 
 log = logging.getLogger("pdcluster.router")

@@ -1,4 +1,4 @@
-"""The prefill/decode handshake of vLLM's in-tree MooncakeConnector (vLLM 0.33).
+"""The prefill/decode handshake of vLLM's in-tree MooncakeConnector (vLLM 0.32 and 0.33).
 
 Everything the router must get exactly right about the connector lives here, so a
 NIXL-style protocol (prefill returns the parameters for decode) can be added next to it.

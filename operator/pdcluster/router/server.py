@@ -4,7 +4,7 @@ and pools of colocated engines.
 Per request: authorise and validate (here), route (routing.py: a prefill rank and its
 decode partner, or a colocated engine), look the prompt up in the Mooncake store when it
 is on (a prompt whose stored prefix leaves decode little to compute goes to decode
-alone, store.py), apply SLO admission, then run the request (attempt.py: the hand-off of
+alone, store_hits.py), apply SLO admission, then run the request (attempt.py: the hand-off of
 handoff.py, retries on engines not tried, streams resumed on another decode) and relay
 decode's answer (relay.py). Retries route with the same function.
 """
@@ -35,7 +35,7 @@ from pdcluster.router.policy import Admission, ExactBlocks, LeastLoaded, Policy
 from pdcluster.router.probe import KvProber
 from pdcluster.router.prompt import block_hashes, count_tokens, prompt_of
 from pdcluster.router.routing import Engines, Prompt, Route, route
-from pdcluster.router.store import EngineTokens, Lookup, LookupFailed, Outcome, StoreIndex
+from pdcluster.router.store_hits import EngineTokens, Lookup, LookupFailed, Outcome, StoreIndex
 from pdcluster.router.upstream import UpstreamError, UpstreamPool
 from pdcluster.vllm.hashing import engine_block_hashes
 

@@ -101,7 +101,7 @@ class Point:
 
 
 @dataclass(frozen=True)
-class Setting:
+class SweepConditions:
     profile: str
     gpus: int
     slo: SLO
@@ -143,7 +143,7 @@ def configs(gpus: int, engine_gpus: int) -> list[Config]:
     ]
 
 
-def run_one(setting: Setting, trace: Trace, config: Config) -> Outcome:
+def run_one(setting: SweepConditions, trace: Trace, config: Config) -> Outcome:
     profile = perf.load(setting.profile)
     engines = setting.gpus // profile.gpus
     fixed = profile.decode_coef[0] if setting.step_fixed == "decode" else None
@@ -169,11 +169,11 @@ def run_one(setting: Setting, trace: Trace, config: Config) -> Outcome:
     return Outcome(config, sc.goodput_rps, sc.attainment)
 
 
-def _run_job(job: tuple[Setting, Trace, Config]) -> Outcome:
+def _run_job(job: tuple[SweepConditions, Trace, Config]) -> Outcome:
     return run_one(*job)
 
 
-def _map(todo: list[tuple[Setting, Trace, Config]], jobs: int) -> list[Outcome]:
+def _map(todo: list[tuple[SweepConditions, Trace, Config]], jobs: int) -> list[Outcome]:
     if jobs <= 1 or len(todo) <= 1:
         return [_run_job(job) for job in todo]
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
@@ -186,7 +186,7 @@ def best(outcomes: Iterable[Outcome], kind: str) -> Outcome:
 
 
 def compare(
-    setting: Setting,
+    setting: SweepConditions,
     cases: list[tuple[int, float, Trace]],
     jobs: int,
     say: Callable[[str], None] = lambda _msg: None,
@@ -221,7 +221,7 @@ def rate_at(profile: perf.Profile, engines: int, prompt: int, load: float) -> fl
 
 
 def sweep_cases(
-    setting: Setting, lengths: Iterable[int], loads: Iterable[float], workload: Workload
+    setting: SweepConditions, lengths: Iterable[int], loads: Iterable[float], workload: Workload
 ) -> list[tuple[int, float, Trace]]:
     profile = perf.load(setting.profile)
     engines = setting.gpus // profile.gpus
@@ -233,7 +233,7 @@ def sweep_cases(
 
 
 def capacities(
-    setting: Setting,
+    setting: SweepConditions,
     lengths: Iterable[int],
     workload: Workload,
     jobs: int,

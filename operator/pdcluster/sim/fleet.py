@@ -20,7 +20,7 @@ What happens to a request, and the model behind each step:
   removed engine drains (takes no new work, leaves when empty). A new engine waits
   (Pending) while the cluster has no free GPU.
 
-- With a Mooncake store (`FleetConfig.store`, sim/store.py) prefill writes every block
+- With a Mooncake store (`FleetConfig.store`, sim/tiered_store.py) prefill writes every block
   it computes to a shared DRAM (and SSD) LRU; at arrival the router looks the prompt up:
   when at most `max_computed_tokens` are not stored, the request skips prefill, loads
   its prefix from the store and decode computes the rest (that compute delays only its
@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 from pdcluster.perf import Profile
-from pdcluster.sim import metrics as M
+from pdcluster.sim import scrapes as M
 from pdcluster.sim.engines import READY, STARTING, Engine
 from pdcluster.sim.fleet_decode import DecodeStage
 from pdcluster.sim.fleet_prefill import PrefillStage

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import heapq
 
-from pdcluster.sim import metrics as M
+from pdcluster.sim import scrapes as M
 from pdcluster.sim.engines import DecodeEngine
 from pdcluster.sim.fleet_state import DECODE_WAKE, FleetState
 

@@ -5,10 +5,10 @@ transfer to decode."""
 from __future__ import annotations
 
 from pdcluster.router.policy import ExactBlocks
-from pdcluster.sim import metrics as M
+from pdcluster.sim import scrapes as M
 from pdcluster.sim.engines import PrefillEngine
 from pdcluster.sim.fleet_state import PREFILL_DONE, STORE_LOADED, TRANSFER_DONE, FleetState
-from pdcluster.sim.store import Found
+from pdcluster.sim.tiered_store import Found
 from pdcluster.vllm.hashing import leading_cached_run
 
 

@@ -14,7 +14,7 @@ from pdcluster.control.models import MAX_BATCHED_TOKENS
 from pdcluster.observability import Histogram
 from pdcluster.perf import Profile
 from pdcluster.router.policy import LeastLoaded, PreciseCache, make_policy
-from pdcluster.sim import metrics as M
+from pdcluster.sim import scrapes as M
 from pdcluster.sim.engines import (
     DRAINING,
     GONE,
@@ -25,7 +25,7 @@ from pdcluster.sim.engines import (
     Engine,
     PrefillEngine,
 )
-from pdcluster.sim.store import StoreConfig, TieredStore
+from pdcluster.sim.tiered_store import StoreConfig, TieredStore
 from pdcluster.sim.trace import Trace
 
 if TYPE_CHECKING:

@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdcluster.perf import Profile
-from pdcluster.sim import metrics
+from pdcluster.sim import scrapes
 from pdcluster.sim.fleet import Fleet
 
 SYNC_PERIOD_S = 15.0
@@ -173,7 +173,7 @@ class LLMD:
         return self.start
 
     def decide(self, now_s: float, fleet: Fleet) -> tuple[int, int] | None:
-        snap = metrics.snapshot(fleet.scrapes, now_s, self.window_s, 0.5)
+        snap = scrapes.snapshot(fleet.scrapes, now_s, self.window_s, 0.5)
         if snap is None:
             return None
         waiting = snap.prefill_queue or 0.0

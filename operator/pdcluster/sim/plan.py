@@ -11,7 +11,7 @@ attainment is the share that does, goodput those per second of trace, GPU-hours 
 integral of GPUs held (starting and draining engines count).
 
 `--store-gib` replays the trace instead on one static split (`--policy static:P:D`, or
-static-best without a store) with a Mooncake store of each DRAM size (sim/store.py):
+static-best without a store) with a Mooncake store of each DRAM size (sim/tiered_store.py):
 how much of the prompts the store serves, the prefill GPU-seconds it saves against the
 trace's reusable share, and the TTFT it buys.
 

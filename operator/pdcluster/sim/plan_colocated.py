@@ -16,7 +16,7 @@ from pdcluster.sim.trace import TraceError, load_trace
 
 @dataclass(frozen=True)
 class ColocatedComparison:
-    setting: crossover.Setting
+    setting: crossover.SweepConditions
     points: list[crossover.Point]
     report: dict
     # The sweep's goodput at 90% attainment per prompt length, for each mean-ITL target;
@@ -28,7 +28,7 @@ def compare_colocated(config: PlanConfig, sweep: ColocatedSweep, say: Say = quie
     profile = perf.load(config.profile)
     if config.gpus // profile.gpus < 2:
         raise TraceError(f"--gpus {config.gpus} holds fewer than two engines of {profile.name}")
-    setting = crossover.Setting(
+    setting = crossover.SweepConditions(
         profile.name, config.gpus, config.slo, config.link_gbps, config.router, sweep.step_fixed
     )
     if config.trace:
@@ -37,7 +37,7 @@ def compare_colocated(config: PlanConfig, sweep: ColocatedSweep, say: Say = quie
 
 
 def _on_trace(
-    config: PlanConfig, setting: crossover.Setting, profile: perf.Profile, say: Say
+    config: PlanConfig, setting: crossover.SweepConditions, profile: perf.Profile, say: Say
 ) -> ColocatedComparison:
     """At the given rate scale, or where static-best attains about `static_attains`."""
     base = load_trace(config.trace, config.trace_format, seed=config.seed)
@@ -54,7 +54,7 @@ def _on_trace(
 
 
 def _on_sweep(
-    config: PlanConfig, sweep: ColocatedSweep, setting: crossover.Setting, say: Say
+    config: PlanConfig, sweep: ColocatedSweep, setting: crossover.SweepConditions, say: Say
 ) -> ColocatedComparison:
     workload = crossover.Workload(sweep.output_tokens, sweep.requests, sweep.span_s, config.seed)
     cases = crossover.sweep_cases(setting, sweep.lengths, sweep.loads, workload)

@@ -1,5 +1,5 @@
 """`pdctl plan --store-gib`: the trace on one static split without a store, then with a
-Mooncake store of each DRAM size (sim/store.py)."""
+Mooncake store of each DRAM size (sim/tiered_store.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pdcluster.sim.plan_config import PlanConfig, StoreSweep
 from pdcluster.sim.plan_policies import PolicyChoice, PolicyKind
 from pdcluster.sim.policies import Static
 from pdcluster.sim.scoring import score
-from pdcluster.sim.store import StoreConfig, reusable_fraction
+from pdcluster.sim.tiered_store import StoreConfig, reusable_fraction
 
 
 def store_sweep_curve(config: PlanConfig, say: Say = quiet) -> dict:

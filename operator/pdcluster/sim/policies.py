@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
 from pdcluster.control import Observed, RoleObserved, decide
 from pdcluster.perf import Profile
-from pdcluster.sim import metrics
+from pdcluster.sim import scrapes
 from pdcluster.sim.engines import PENDING
 from pdcluster.sim.fleet import Fleet
 from pdcluster.sim.plan_policies import PolicyChoice
@@ -60,7 +60,7 @@ class PDCluster:
 
     def decide(self, now_s: float, fleet: Fleet) -> tuple[int, int] | None:
         auto = self.spec.autoscaling
-        snap = metrics.snapshot(fleet.scrapes, now_s, auto.window_seconds, auto.slo.quantile.fraction)
+        snap = scrapes.snapshot(fleet.scrapes, now_s, auto.window_seconds, auto.slo.quantile.fraction)
         now = EPOCH + timedelta(seconds=now_s)
         self.state, decision = decide(self.spec, snap, self.state, observed(fleet), now, profile=self.profile)
         self.last_reason = decision.reason

@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from pdcluster.perf import Profile
-from pdcluster.sim import metrics
+from pdcluster.sim import scrapes
 from pdcluster.sim.dynamo.predictors import PREDICTORS
 from pdcluster.sim.fleet import Fleet
 
@@ -120,7 +120,7 @@ class Dynamo:
 
     def plan(self, now_s: float, fleet: Fleet) -> tuple[int, int] | None:
         """The replicas the formulas ask for, before the GPU budget (plan_adjustment)."""
-        m = metrics.frontend_averages(fleet.scrapes, now_s, self.interval_s)
+        m = scrapes.frontend_averages(fleet.scrapes, now_s, self.interval_s)
         if m is None:
             return None
         for key, value in (("num_req", m.num_req), ("isl", m.isl), ("osl", m.osl)):
