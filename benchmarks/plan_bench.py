@@ -15,6 +15,8 @@ at which the best full-budget static split attains the level (99% or 90%). Then:
 - dynamo: Dynamo's throughput planner; dynamo-load: throughput + load-based (Dynamo's
   recommendation for bursty traffic); llmd: per-role scaling on queue and KV usage, as
   llm-d's KEDA/HPA setup; all given the true profile where they need one;
+- pdcluster-flex: the same law on flexible engines: a split change at the same size moves
+  drained engines between the roles, with no start-up;
 - oracle: sized every 30 s by the capacity models on the load it will serve (known in
   advance, start-up delays honoured).
 
@@ -27,6 +29,8 @@ Targets, per scenario and level (pdcluster):
   B  GPU-hours within 15% of the oracle's, attaining at least as much
   C  SLO-meeting requests per GPU-hour >= 1.3 x dynamo-load's
   D  without a profile: attainment within 2 points of pdcluster-prior's
+  F  pdcluster-flex (the same law on flexible engines, spec.mode flexible): at least 10%
+     fewer GPU-hours than pdcluster at no lower attainment, and within 10% of the oracle's
 
 Scenarios: the three public traces (Mooncake conversation and synthetic: a request's
 TTFT target is 500 ms plus its own isolated prefill, their prompts' prefill alone takes
@@ -61,6 +65,7 @@ POLICIES = tuple(
         PolicyKind.STATIC_BEST,
         PolicyKind.PDCLUSTER,
         PolicyKind.PDCLUSTER_PRIOR,
+        PolicyKind.PDCLUSTER_FLEX,
         PolicyKind.DYNAMO,
         PolicyKind.DYNAMO_LOAD,
         PolicyKind.LLMD,
@@ -140,6 +145,15 @@ def targets(report: dict) -> dict:
     out["C"] = {"met": ratio >= 1.3, "vs_dynamo_load": round(ratio, 2)}
     gap = prior["attainment"] - ours["attainment"]
     out["D"] = {"met": gap <= 0.02, "attainment_below_prior": round(gap, 4)}
+    flex = p["pdcluster-flex"]
+    saved = 1 - flex["gpu_hours"] / ours["gpu_hours"]
+    flex_vs_oracle = flex["gpu_hours"] / oracle["gpu_hours"]
+    out["F"] = {
+        "met": saved >= 0.10 and flex["attainment"] >= ours["attainment"] and flex_vs_oracle <= 1.10,
+        "gpu_hours_saved_vs_pdcluster": round(saved, 3),
+        "attainment_vs_pdcluster": round(flex["attainment"] - ours["attainment"], 4),
+        "gpu_hours_vs_oracle": round(flex_vs_oracle, 3),
+    }
     return out
 
 

@@ -225,3 +225,25 @@ def test_the_engines_events_reuse_at_least_what_the_routers_guess_does() -> None
         for router in ("least-loaded", "prefix-aware", "precise-prefix")
     }
     assert reused["precise-prefix"] >= reused["prefix-aware"] > reused["least-loaded"], reused
+
+
+def test_a_flexible_fleet_moves_engines_between_roles_without_a_start_up() -> None:
+    """At 20 s the split goes from 1:3 to 3:1 at the same size: two decode engines drain
+    and then prefill, on the GPUs they hold; a fixed-role fleet starts two new engines."""
+    busy = trace(400, rate=6.0, osl=(200, 400))
+    flexible = simulate(busy, PROFILE, Scripted((1, 3), [(3, 1)]), FleetConfig(gpus=8, startup_s=60.0, flexible=True))
+    fixed = simulate(busy, PROFILE, Scripted((1, 3), [(3, 1)]), FleetConfig(gpus=8, startup_s=60.0))
+    assert all(flexible.finished) and all(fixed.finished)
+    # Never more than the four engines' GPUs, and three prefill engines well before a start-up.
+    assert max(row[5] for row in flexible.timeline) == 4
+    ready_at = next(t for t, p, *_ in flexible.timeline if p == 3)
+    assert 20.0 < ready_at < 20.0 + 60.0  # after their streams ended, before a start-up
+    assert max(row[5] for row in fixed.timeline) > 4  # new engines start beside the draining ones
+    assert all(t >= 20.0 + 60.0 for t, p, *_ in fixed.timeline if p == 3)
+    assert flexible.flips == 2 and fixed.flips == 0
+
+
+def test_a_flexible_fleet_still_starts_pods_to_grow() -> None:
+    quiet = Trace("quiet", [1.0, 400.0], [100, 100], [2, 2], [(), ()])
+    grown = simulate(quiet, PROFILE, Scripted((1, 1), [(3, 1)]), FleetConfig(gpus=8, startup_s=60.0, flexible=True))
+    assert grown.gpu_seconds == pytest.approx(2 * grown.end_s + 2 * (grown.end_s - 20.0))

@@ -23,6 +23,7 @@ class Engine(Backend):
         self.ordinal = ordinal
         self.gpus = gpus
         self.state = PENDING
+        self.becomes: str | None = None  # flexible fleets: the role it drains into
 
 
 class PrefillEngine(Engine):

@@ -78,6 +78,7 @@ class Result:
     bypassed: int = 0  # requests that skipped prefill (their prefix was stored)
     store_tokens: int = 0  # prompt tokens loaded from the store (by prefill or decode)
     reused_tokens: int = 0  # prompt tokens not computed: an engine's prefix cache or the store
+    flips: int = 0  # flexible fleets: engines moved between the roles
 
 
 class Fleet(PrefillStage, DecodeStage):
@@ -137,6 +138,7 @@ class Fleet(PrefillStage, DecodeStage):
             self.bypassed,
             self.store_tokens,
             self.reused_tokens,
+            self.flips,
         )
 
     def engine_ready(self, engine: Engine) -> None:

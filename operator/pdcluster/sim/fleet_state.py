@@ -49,6 +49,9 @@ class FleetConfig:
     # the rest of a is each request's own latency before it reaches an engine (HTTP,
     # tokenization: work that holds no GPU), so an isolated request's TTFT is unchanged.
     prefill_fixed_ms: float | None = None
+    # Flexible engines (spec.mode flexible): a split change at the same size moves ready
+    # engines between the roles, each once it has drained its work, with no start-up.
+    flexible: bool = False
 
 
 class Policy(Protocol):
@@ -79,6 +82,8 @@ class FleetState:
         self.engines: dict[str, list[Engine]] = {"prefill": [], "decode": []}
         self.ready: dict[str, list[Engine]] = {"prefill": [], "decode": []}
         self.pending: deque[Engine] = deque()
+        self.flipping: dict[str, list[Engine]] = {"prefill": [], "decode": []}  # by the role they become
+        self.flips = 0
         self.held = 0
         self.gpu_seconds = 0.0
         self.held_since = 0.0
@@ -140,20 +145,40 @@ class FleetState:
 
     def scale(self, prefill: int, decode: int, initial: bool = False) -> None:
         self.targets = (prefill, decode)
+        if self.cfg.flexible:
+            self.flip_toward(prefill, decode)
         for role, want in (("prefill", prefill), ("decode", decode)):
             active = self.active(role)
-            for _ in range(want - len(active)):
+            coming = len(self.flipping[role])
+            for _ in range(want - len(active) - coming):
                 self.add_engine(role, ready=initial)
-            if want < len(active):
+            excess = len(active) + coming - want
+            if excess > 0:
                 # A StatefulSet removes its highest ordinals first.
-                for engine in sorted(active, key=lambda e: e.ordinal, reverse=True)[: len(active) - want]:
+                for engine in sorted(active, key=lambda e: e.ordinal, reverse=True)[:excess]:
                     self.remove_engine(engine)
         for role in self.engines:
             self.engines[role] = [e for e in self.engines[role] if e.state != GONE]
         self.schedule_pending()
         self.mark()
 
-    def add_engine(self, role: str, ready: bool) -> None:
+    def flip_toward(self, prefill: int, decode: int) -> None:
+        """Move ready engines from a role with more than wanted to one with fewer: each
+        drains its work (no new requests) and then serves the other role at once."""
+        want = {"prefill": prefill, "decode": decode}
+        have = {role: len(self.active(role)) + len(self.flipping[role]) for role in want}
+        for role, other in (("prefill", "decode"), ("decode", "prefill")):
+            moves = min(want[role] - have[role], have[other] - want[other])
+            # The least loaded drain soonest.
+            for engine in sorted(self.ready[other], key=lambda e: e.inflight_tokens)[: max(moves, 0)]:
+                engine.state = DRAINING
+                engine.becomes = role
+                self.ready[other].remove(engine)
+                self.flipping[role].append(engine)
+                self.flips += 1
+                self.retire_if_empty(engine)
+
+    def new_engine(self, role: str) -> Engine:
         self.next_id += 1
         ordinals = {e.ordinal for e in self.engines[role] if e.state != GONE}
         ordinal = next(i for i in range(len(ordinals) + 1) if i not in ordinals)
@@ -164,9 +189,13 @@ class FleetState:
         else:
             engine = DecodeEngine(self.next_id, ordinal, gpus)
         self.engines[role].append(engine)
+        return engine
+
+    def add_engine(self, role: str, ready: bool) -> None:
+        engine = self.new_engine(role)
         if ready:
             engine.state = READY
-            self.set_held(gpus)
+            self.set_held(engine.gpus)
             self.ready[role].append(engine)
             self.events_from(engine)
         else:
@@ -185,13 +214,27 @@ class FleetState:
             self.retire_if_empty(engine)
 
     def retire_if_empty(self, engine: Engine) -> None:
-        if engine.state == DRAINING and engine.idle():  # type: ignore[attr-defined]
+        if engine.state == DRAINING and engine.idle() and engine.becomes is not None:  # type: ignore[attr-defined]
+            self.become(engine, engine.becomes)
+        elif engine.state == DRAINING and engine.idle():  # type: ignore[attr-defined]
             engine.state = GONE
             self.router.forget(engine.id)
             self.set_held(-engine.gpus)
             self.engines[engine.role] = [e for e in self.engines[engine.role] if e.state != GONE]
             self.schedule_pending()
             self.mark()
+
+    def become(self, engine: Engine, role: str) -> None:
+        """A drained flexible engine serves its new role: the same GPUs, no start-up."""
+        engine.state = GONE
+        self.router.forget(engine.id)
+        self.flipping[role].remove(engine)
+        self.engines[engine.role] = [e for e in self.engines[engine.role] if e.state != GONE]
+        now = self.new_engine(role)
+        now.state = READY
+        self.ready[role].append(now)
+        self.events_from(now)
+        self.mark()
 
     def schedule_pending(self) -> None:
         while self.pending and self.held + self.pending[0].gpus <= self.cfg.gpus:

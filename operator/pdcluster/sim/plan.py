@@ -142,6 +142,8 @@ def make_policy(choice: PolicyChoice, setup: Setup, start: tuple[int, int] | Non
     kind = choice.kind
     if kind is PolicyKind.PDCLUSTER:  # as deployed by default: no profile, capacity learned online
         return PDCluster(spec_for(setup, start), None)
+    if kind is PolicyKind.PDCLUSTER_FLEX:
+        return PDCluster(spec_for(setup, start), None, choice.name)
     if kind is PolicyKind.PDCLUSTER_PRIOR:  # given the simulated engines' own profile as the prior
         return PDCluster(spec_for(setup, start, prior=True), setup.profile, choice.name)
     if kind is PolicyKind.ORACLE:
@@ -174,7 +176,8 @@ def make_policy(choice: PolicyChoice, setup: Setup, start: tuple[int, int] | Non
 
 def _simulate(setup: Setup, start: tuple[int, int] | None, choice: PolicyChoice) -> tuple[Score, Result]:
     policy = make_policy(choice, setup, start)
-    result = simulate(setup.trace, setup.profile, policy, setup.fleet)
+    fleet = replace(setup.fleet, flexible=choice.kind is PolicyKind.PDCLUSTER_FLEX)
+    result = simulate(setup.trace, setup.profile, policy, fleet)
     scored = score(result, setup.trace, setup.targets_s, setup.slo.itl_ms)
     if isinstance(policy, Static):
         scored = replace(scored, split=policy.split)

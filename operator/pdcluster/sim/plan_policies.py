@@ -20,6 +20,9 @@ class PolicyKind(Enum):
     ORACLE = "oracle"
     PDCLUSTER = "pdcluster"
     PDCLUSTER_PRIOR = "pdcluster-prior"
+    # The same law on flexible engines (spec.mode flexible): a split change at the same
+    # size moves drained engines between the roles instead of restarting pods.
+    PDCLUSTER_FLEX = "pdcluster-flex"
 
 
 # Kinds whose fleet never changes size; every other kind is an autoscaler.
