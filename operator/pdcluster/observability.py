@@ -79,6 +79,7 @@ ROUTER_UPSTREAM_ERRORS: Final = "pdcluster_router_upstream_errors"  # counter{ro
 ROUTER_INFLIGHT: Final = "pdcluster_router_inflight_requests"  # gauge{role, backend}
 ROUTER_INFLIGHT_TOKENS: Final = "pdcluster_router_inflight_tokens"  # gauge{role, backend}
 ROUTER_PROMPT_TOKENS: Final = "pdcluster_router_prompt_tokens"  # counter
+ROUTER_LOCAL_PREFILLS: Final = "pdcluster_router_local_prefills"  # counter: short prompts prefilled on decode
 ROUTER_GENERATION_TOKENS: Final = "pdcluster_router_generation_tokens"  # counter
 ROUTER_BACKENDS: Final = "pdcluster_router_backends"  # gauge{role}: ready backends
 # Prompt hits in the Mooncake store (router/store_hits.py): every lookup by outcome, what one

@@ -127,3 +127,28 @@ async def test_a_flip_under_streaming_load_loses_nothing() -> None:
             assert legs(found[0], f"after{n}") | legs(found[1], f"after{n}") == {"prefill"}
         assert any(legs(found[1], f"after{n}") == {"prefill"} for n in range(12)), "the flipped engine prefills"
         assert any(legs(found[1], f"before{n}") == {"decode"} for n in range(12)), "it decoded before the flip"
+
+
+async def test_a_short_prompt_skips_the_hand_off_when_asked() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        sims = [
+            await stack.enter_async_context(
+                simulator("--kv-transfer-config", BOTH, "--sim-profile", "zero", "--sim-record", "50")
+            )
+            for _ in range(2)
+        ]
+        flags = [arg for sim in sims for arg in ("--flexible", prefill_url(sim))]
+        service = await stack.enter_async_context(router(*flags, "--prefill-on-decode-below", "64"))
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        url = f"http://127.0.0.1:{service.args.port}"
+        body = {"prompt": "short", "max_tokens": 4, "ignore_eos": True}
+        async with http.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "short"}) as r:
+            assert r.status == 200
+        body["prompt"] = "long " * 200  # about 250 tokens by the router's count
+        async with http.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "long"}) as r:
+            assert r.status == 200
+        found = [await records(http, s) for s in sims]
+        assert legs(found[0], "short") == set() and legs(found[1], "short") == {"whole"}
+        assert legs(found[0], "long") == {"prefill"} and legs(found[1], "long") == {"decode"}
+        async with http.get(f"{url}/metrics") as r:
+            assert "pdcluster_router_local_prefills_total 1.0" in await r.text()

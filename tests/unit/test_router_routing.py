@@ -82,3 +82,14 @@ def test_a_colocated_lease_counts_its_prompt_until_the_first_token() -> None:
     assert (colocated.inflight_requests, colocated.inflight_tokens) == (1, 0)
     lease.release()
     assert (colocated.inflight_requests, colocated.inflight_tokens) == (0, 0)
+
+
+def test_a_short_prompt_is_prefilled_by_its_decode_engine() -> None:
+    prefill, decode = engine("prefill", 1), engine("decode", 2)
+    engines = Engines([prefill], [decode], [])
+    short = route(engines, Prompt(100), LeastLoaded(), LeastLoaded(), prefill_on_decode_below=512)
+    assert short == Route(None, decode) and not short.colocated
+    long = route(engines, Prompt(512), LeastLoaded(), LeastLoaded(), prefill_on_decode_below=512)
+    assert long == Route(prefill, decode)
+    off = route(engines, Prompt(100), LeastLoaded(), LeastLoaded())
+    assert off == Route(prefill, decode)

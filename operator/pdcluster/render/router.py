@@ -60,6 +60,8 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
         ]
     else:
         args.append("--kv-probe-interval=0")
+    if r.prefill_on_decode_below_tokens and spec.hands_off_kv:
+        args.append(f"--prefill-on-decode-below={r.prefill_on_decode_below_tokens}")
     if spec.mode == ServingMode.flexible:
         args += [f"--roles-configmap={roles_configmap_name(owner)}", f"--prefill-engines={flexible.prefill_engines(spec)}"]
     if r.api_key_secret:

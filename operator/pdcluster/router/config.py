@@ -16,3 +16,4 @@ class RouterConfig:
     resume_streams: bool = True
     hash_seed: str | None = None  # the engines' PYTHONHASHSEED, which seeds vLLM's block hashes
     exact_timeout_s: float = 0.1  # what hashing a prompt as the engines do may add to a request
+    prefill_on_decode_below: int = 0  # shorter prompts are prefilled by their decode engine; 0: none

@@ -110,6 +110,13 @@ def _add_backends(p: argparse.ArgumentParser) -> None:
         "each role); with --kube the roles ConfigMap changes it",
     )
     members.add_argument(
+        "--prefill-on-decode-below",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="a prompt shorter than this is prefilled by its decode engine, with no KV hand-off; 0: never",
+    )
+    members.add_argument(
         "--roles-configmap", help="with --kube: the ConfigMap whose prefillEngines sets the flexible split"
     )
 
@@ -316,6 +323,7 @@ class RouterService:
             resume_streams=not args.no_resume_streams,
             hash_seed=args.hash_seed,
             exact_timeout_s=args.exact_timeout,
+            prefill_on_decode_below=args.prefill_on_decode_below,
         )
         admission = None
         if not args.no_admission:

@@ -120,6 +120,11 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             obs.ROUTER_PROMPT_TOKENS, "Prompt tokens routed (approximate).", registry=r
         )
+        self.local_prefills = Counter(
+            obs.ROUTER_LOCAL_PREFILLS,
+            "Requests whose prompt was short enough for its decode engine to prefill (no KV hand-off).",
+            registry=r,
+        )
         self.generation_tokens = Counter(
             obs.ROUTER_GENERATION_TOKENS, "Tokens generated for clients.", registry=r
         )

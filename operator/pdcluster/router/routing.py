@@ -67,8 +67,11 @@ def route(
     decode_policy: LeastLoaded,
     broken: Callable[[Upstream, Upstream], bool] = lambda prefill, decode: False,
     decode_alone: bool = False,
+    prefill_on_decode_below: int = 0,
 ) -> Route | None:
-    """The attempt's route, or None when no engine can take it."""
+    """The attempt's route, or None when no engine can take it. A prompt shorter than
+    `prefill_on_decode_below` tokens goes to its decode engine alone, which prefills it
+    (conditional disaggregation: a short prompt's hand-off costs more than it saves)."""
     revisions = {d.revision for d in engines.decode}
     candidates = [p for p in engines.prefill if p.revision in revisions] + engines.colocated
     first = policy.pick(candidates, prompt.tokens, prompt.hashes, prompt.exact)
@@ -81,4 +84,6 @@ def route(
     partners = [d for d in same if not broken(first, d)] or same
     decode = decode_policy.pick(partners, prompt.tokens)
     assert decode is not None, "a candidate prefill always has a partner of its revision"
+    if prompt.tokens < prefill_on_decode_below:
+        return Route(None, decode)
     return Route(first, decode)

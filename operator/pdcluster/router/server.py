@@ -277,10 +277,14 @@ class Router:
         engines = self._engines(now)
         exact, token_ids = await self._exact_blocks(body, chat, [*engines.prefill, *engines.colocated])
         prompt = Prompt(len(token_ids) if token_ids is not None else count_tokens(text), hashes, exact)
-        chosen = route(engines, prompt, self.policy, self.decode_policy, self._broken)
+        local = self.config.prefill_on_decode_below
+        chosen = route(engines, prompt, self.policy, self.decode_policy, self._broken, prefill_on_decode_below=local)
         if chosen is None:
             return self._reject("no_backend", 503, _NO_BACKEND)
-        self._count_cached(chosen.engine, prompt)
+        if chosen.prefill is None and not chosen.colocated:
+            self.metrics.local_prefills.inc()  # a short prompt: its decode engine prefills it
+        else:
+            self._count_cached(chosen.engine, prompt)
         chosen, prompt_tokens, lookup = await self._look_up(chosen, body, chat, prompt.tokens, token_ids)
         if chosen.prefill is not None or chosen.colocated:
             admitted = self._admit(chosen.engine, prompt_tokens)
@@ -305,7 +309,10 @@ class Router:
         text = prompt_of(body, chat)
         prompt = Prompt(count_tokens(text), block_hashes(text) if self.policy.needs_block_hashes else ())
         engines = self._engines(time.monotonic()).without(tried)
-        chosen = route(engines, prompt, self.policy, self.decode_policy, self._broken, decode_alone=True)
+        chosen = route(
+            engines, prompt, self.policy, self.decode_policy, self._broken, decode_alone=True,
+            prefill_on_decode_below=self.config.prefill_on_decode_below,
+        )  # fmt: skip
         if chosen is None:
             return None, prompt.tokens
         chosen, prompt_tokens, _ = await self._look_up(chosen, body, chat, prompt.tokens, None)

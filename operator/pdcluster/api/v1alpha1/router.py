@@ -109,6 +109,15 @@ class RouterSpec(Model):
     store_hits: StoreHitsSpec = section(StoreHitsSpec)
     retries: RetrySpec = section(RetrySpec)
     kv_probe: KvProbeSpec = section(KvProbeSpec)
+    prefill_on_decode_below_tokens: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="A prompt shorter than this many tokens is prefilled by the decode engine it goes to, with "
+        "no KV hand-off (Dynamo's conditional disaggregation): for short prompts the hand-off costs more than "
+        "the prefill it moves. 0: every prompt is handed off. The router counts these requests "
+        "(pdcluster_router_local_prefills_total).",
+    )
     request_timeout_seconds: int = Field(
         600,
         ge=1,
