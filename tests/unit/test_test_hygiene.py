@@ -1,0 +1,314 @@
+"""The suite's own rules on time (issue 27, item 7): a test waits for a condition with a
+deadline, never for a fixed time, and never asserts a bound on how long something took.
+A sleep makes a test slow where the machine is fast and flaky where it is loaded; so does
+a bound on a measured duration or rate.
+
+The scanner reads the test sources with `ast` (a comment or a string that mentions
+`sleep(` is no finding), and every finding must be in ALLOWED with its reason. Entries
+name the file, the enclosing function and the call or comparison as written, not a line
+number, so that they survive edits elsewhere in the file."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent
+
+# Where a sleep is searched for: the tests that run servers, and the shared helpers.
+SLEEP_SCOPE = ("integration", "e2e", "conftest.py")
+# Where a bound on a measured duration is searched for: everywhere.
+TIMING_SCOPE = (".",)
+
+SLEEP = "sleep"
+TIMING = "timing"
+
+
+@dataclass(frozen=True, order=True)
+class Finding:
+    path: str  # relative to tests/
+    function: str  # qualified name of the enclosing function, "<module>" outside one
+    kind: str  # SLEEP or TIMING
+    code: str  # the call or the comparison, as written (whitespace collapsed)
+    line: int = 0  # for the message only; not part of what the allow-list matches
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.path, self.function, self.kind, self.code)
+
+
+# (path, function, kind, code) -> why it is not a wait for a condition or a bound on time.
+ALLOWED: dict[tuple[str, str, str, str], str] = {}
+
+
+# ---------------------------------------------------------------------- the scanner
+def _dotted(node: ast.expr) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    if isinstance(node, ast.Call):
+        return f"{_dotted(node.func)}()"
+    return "?"
+
+
+def is_clock_call(node: ast.AST) -> bool:
+    """time.monotonic(), time.perf_counter(), time.time() (and the _ns forms), loop.time()."""
+    if not isinstance(node, ast.Call):
+        return False
+    name = _dotted(node.func)
+    last = name.rsplit(".", 1)[-1]
+    if last in {"monotonic", "perf_counter", "monotonic_ns", "perf_counter_ns", "time_ns"}:
+        return True
+    return name == "time.time" or (last == "time" and "loop" in name)
+
+
+def is_sleep_call(node: ast.AST) -> bool:
+    """time.sleep(x) or asyncio.sleep(x) with x not a literal 0: `sleep(0)` only lets the
+    other tasks run, it waits for no time."""
+    if not isinstance(node, ast.Call) or _dotted(node.func) not in {"time.sleep", "asyncio.sleep", "sleep"}:
+        return False
+    first = node.args[0] if node.args else None
+    return not (isinstance(first, ast.Constant) and first.value == 0)
+
+
+class _Scope(ast.NodeVisitor):
+    """Collects the findings of one function body (nested functions get their own scope,
+    but see the names of the enclosing ones, as closures do)."""
+
+    def __init__(self, source: str, path: str, qualname: str, durations: set[str], readings: set[str]):
+        self.source, self.path, self.qualname = source, path, qualname
+        self.durations, self.readings = set(durations), set(readings)
+        self.findings: list[Finding] = []
+
+    # -- names of clock readings and of measured durations, to a fixed point
+    def learn(self, body: list[ast.stmt]) -> None:
+        assigns = [
+            (target, value)
+            for stmt in body
+            for node in _walk_scope(stmt)
+            for target, value in _assignments(node)
+        ]
+        changed = True
+        while changed:
+            changed = False
+            for target, value in assigns:
+                if self.is_duration(value) and target not in self.durations:
+                    self.durations.add(target)
+                    changed = True
+                elif self.is_reading(value) and target not in self.readings | self.durations:
+                    self.readings.add(target)
+                    changed = True
+
+    def is_reading(self, node: ast.expr) -> bool:
+        """A point in time: a clock call, or a name or deadline made from one."""
+        if is_clock_call(node) or (isinstance(node, ast.Name) and node.id in self.readings):
+            return True
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            return self.is_reading(node.left) or self.is_reading(node.right)
+        return False
+
+    def is_duration(self, node: ast.expr) -> bool:
+        """An expression that holds a measured time: the difference of two readings, or
+        anything computed from one (a rate, milliseconds, a sum)."""
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name) and sub.id in self.durations:
+                return True
+            if (
+                isinstance(sub, ast.BinOp)
+                and isinstance(sub.op, ast.Sub)
+                and self.is_reading(sub.left)
+                and self.is_reading(sub.right)
+            ):
+                return True
+        return False
+
+    def add(self, kind: str, node: ast.AST) -> None:
+        code = " ".join((ast.get_source_segment(self.source, node) or "").split())
+        self.findings.append(Finding(self.path, self.qualname, kind, code, getattr(node, "lineno", 0)))
+
+    # -- the findings
+    def visit_Call(self, node: ast.Call) -> None:
+        if is_sleep_call(node):
+            self.add(SLEEP, node)
+        self.generic_visit(node)
+
+    def visit_Assert(self, node: ast.Assert) -> None:
+        for sub in ast.walk(node.test):
+            if (
+                isinstance(sub, ast.Compare)
+                and any(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in sub.ops)
+                and any(self.is_duration(operand) for operand in [sub.left, *sub.comparators])
+            ):
+                self.add(TIMING, sub)
+        self.generic_visit(node)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        qualname = node.name if self.qualname == "<module>" else f"{self.qualname}.{node.name}"
+        inner = _Scope(self.source, self.path, qualname, self.durations, self.readings)
+        inner.learn(node.body)
+        for stmt in node.body:
+            inner.visit(stmt)
+        self.findings.extend(inner.findings)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        inner = _Scope(self.source, self.path, node.name if self.qualname == "<module>" else f"{self.qualname}.{node.name}", set(), set())
+        inner.learn(node.body)
+        for stmt in node.body:
+            inner.visit(stmt)
+        self.findings.extend(inner.findings)
+
+
+def _walk_scope(node: ast.AST):  # type: ignore[no-untyped-def]
+    """ast.walk that does not enter nested functions or classes."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            yield from _walk_scope(child)
+
+
+def _assignments(node: ast.AST) -> list[tuple[str, ast.expr]]:
+    """(name, value) for `name = value`, `a, b = x, y` (pairwise), `name: T = value` and
+    `name += value` (the name keeps what it was and gains what the value is)."""
+    if isinstance(node, ast.Assign):
+        pairs: list[tuple[str, ast.expr]] = []
+        for target in node.targets:
+            if isinstance(target, ast.Name):
+                pairs.append((target.id, node.value))
+            elif isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                pairs += [
+                    (t.id, v) for t, v in zip(target.elts, node.value.elts, strict=False) if isinstance(t, ast.Name)
+                ]
+        return pairs
+    if isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and isinstance(node.target, ast.Name):
+        return [(node.target.id, node.value)] if node.value is not None else []
+    return []
+
+
+def scan_source(source: str, path: str = "snippet.py", kinds: tuple[str, ...] = (SLEEP, TIMING)) -> list[Finding]:
+    """The sleeps and the bounds on measured time in one file's source."""
+    scope = _Scope(source, path, "<module>", set(), set())
+    tree = ast.parse(source)
+    scope.learn(tree.body)
+    for stmt in tree.body:
+        scope.visit(stmt)
+    return sorted(f for f in scope.findings if f.kind in kinds)
+
+
+def _files(scopes: tuple[str, ...]) -> list[Path]:
+    files: set[Path] = set()
+    for entry in scopes:
+        target = TESTS / entry
+        files |= {target} if target.is_file() else set(target.rglob("*.py"))
+    return sorted(files)
+
+
+def scan_tests() -> list[Finding]:
+    findings = []
+    for kind, scopes in ((SLEEP, SLEEP_SCOPE), (TIMING, TIMING_SCOPE)):
+        for file in _files(scopes):
+            findings += scan_source(file.read_text(), file.relative_to(TESTS).as_posix(), (kind,))
+    return sorted(findings)
+
+
+# ---------------------------------------------------------------------- the rules
+def test_every_sleep_and_timing_assertion_in_the_tests_is_allowed_with_a_reason() -> None:
+    unlisted = [f for f in scan_tests() if f.key not in ALLOWED]
+    assert not unlisted, (
+        "wait for the condition instead (wait_until in tests/conftest.py), or check the value "
+        "or the order that a bound on time stood for; if a sleep is the behaviour under test, "
+        "add it to ALLOWED with its reason:\n"
+        + "\n".join(f"  {f.path}:{f.line} in {f.function}: {f.kind} {f.code}" for f in unlisted)
+    )
+
+
+def test_every_allowed_entry_still_matches_a_finding() -> None:
+    found = {f.key for f in scan_tests()}
+    stale = [key for key in ALLOWED if key not in found]
+    assert not stale, f"no longer in the tests, remove from ALLOWED: {stale}"
+
+
+def test_every_allowed_entry_has_a_reason() -> None:
+    assert all(len(reason.split()) >= 4 for reason in ALLOWED.values())
+
+
+# ---------------------------------------------------------------------- the scanner can fail
+def snippet(code: str) -> list[tuple[str, str, str]]:
+    return [(f.function, f.kind, f.code) for f in scan_source(textwrap.dedent(code))]
+
+
+def test_the_scanner_finds_sleeps_but_not_a_yield_to_the_loop() -> None:
+    found = snippet(
+        """
+        import asyncio, time
+
+        async def test_x():
+            await asyncio.sleep(0.5)
+            time.sleep(1)
+            await asyncio.sleep(0)  # only lets other tasks run
+            text = "time.sleep(3)"  # a string is no call
+
+            def inner():
+                time.sleep(delay)
+        """
+    )
+    assert found == [
+        ("test_x", SLEEP, "asyncio.sleep(0.5)"),
+        ("test_x", SLEEP, "time.sleep(1)"),
+        ("test_x.inner", SLEEP, "time.sleep(delay)"),
+    ]
+
+
+def test_the_scanner_finds_bounds_on_measured_durations_and_rates() -> None:
+    found = snippet(
+        """
+        import time
+
+        async def test_x():
+            started = time.monotonic()
+            await work()
+            elapsed = time.monotonic() - started
+            assert elapsed < 2
+            assert time.perf_counter() - started >= 0.5
+            rate = 100 / elapsed
+            assert rate > 10
+            t0, t1 = time.time(), time.time()
+            assert 0 <= t1 - t0 <= 1.0
+        """
+    )
+    assert [code for _, kind, code in found if kind == TIMING] == [
+        "0 <= t1 - t0 <= 1.0",
+        "elapsed < 2",
+        "rate > 10",
+        "time.perf_counter() - started >= 0.5",
+    ]
+
+
+def test_the_scanner_leaves_deadlines_and_values_alone() -> None:
+    found = snippet(
+        """
+        import time
+
+        async def test_x():
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # a deadline, not an assertion
+                pass
+            assert time.monotonic() < deadline  # a point in time, not a duration
+            started = time.monotonic()
+            elapsed = time.monotonic() - started
+            print(f"{elapsed:.3f} s")  # reported, not bounded
+            assert count < 2
+            assert elapsed  # no bound
+        """
+    )
+    assert found == []
+
+
+def test_an_unlisted_finding_fails_the_rule() -> None:
+    [finding] = scan_source("import time\ndef test_x():\n    time.sleep(1)\n", "integration/test_new.py")
+    assert finding.key not in ALLOWED
+    assert finding.key == ("integration/test_new.py", "test_x", SLEEP, "time.sleep(1)")
