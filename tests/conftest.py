@@ -37,6 +37,7 @@ from harness import OperatorProcess, install_crd, make_sim_cluster, start_operat
 
 from localcluster import State, load_state  # noqa: E402
 from localcluster.kubeconfig import for_service_account  # noqa: E402
+from localcluster.ports import free_port  # noqa: E402
 from pdcluster import constants as C  # noqa: E402
 from pdcluster.io.kube import Kube, KubeConfig  # noqa: E402
 
@@ -189,13 +190,17 @@ async def crd(local_cluster: State) -> None:
 
 @pytest.fixture
 def operator(local_cluster: State, crd: None, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    """The operator as a real process, scoped to this test's namespace."""
+    """The operator as a real process, scoped to this test's namespace, with its /metrics
+    on a port of its own (`op.reconciles()`)."""
+    metrics_port = free_port()
     op = start_operator(
         local_cluster.kubeconfig,
         namespace,
         tmp_path / "operator.log",
         f"--prometheus-url={local_cluster.prometheus_url}",
+        f"--metrics-port={metrics_port}",
     )
+    op.metrics_port = metrics_port
     yield op
     op.kill(signal.SIGTERM)
     if "Traceback" in op.log():

@@ -23,6 +23,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import constants as C
+from pdcluster import observability as obs
 from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus
 from pdcluster.drift import differences
 from pdcluster.io.kube import ApiError, Kube
@@ -83,6 +84,15 @@ class OperatorProcess:
     log_path: Path
     args: list[str]
     _seen: int = field(default=0, repr=False)
+    metrics_port: int = 0  # its /metrics, when started with --metrics-port
+
+    async def reconciles(self) -> float:
+        """How many reconciles the operator has finished, whatever their result: a count
+        of its work, so that a test can wait for some to pass instead of for some time."""
+        assert self.metrics_port, "started without --metrics-port"
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(url) as r:
+            return counter(await r.text(), obs.OPERATOR_RECONCILES + "_total")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
