@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import types
 
 import pytest
 
+from pdcluster.enginesim import engine as engine_module
 from pdcluster.enginesim.engine import EngineCore, KvLoadError, RemotePrefill, Seq, State
 from pdcluster.enginesim.metrics import EngineMetrics, MetricFamilies
 from pdcluster.perf import Profile
@@ -34,17 +35,40 @@ async def finish(seq: Seq, timeout: float = 5.0) -> None:
             await seq.wait()
 
 
-async def test_a_request_prefills_then_decodes_to_its_length() -> None:
+class ModelClock:
+    """The engine's clock and sleeps, in model time: a sleep moves the clock on at once,
+    so a test sees how long the engine means to wait, whatever the machine's load
+    (benchmarks/enginesim_calibration.py measures how close real time gets)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.0)
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+def model_clock(monkeypatch: pytest.MonkeyPatch) -> ModelClock:
+    clock = ModelClock()
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    public = {name: getattr(asyncio, name) for name in dir(asyncio) if not name.startswith("_")}
+    monkeypatch.setattr(engine_module, "asyncio", types.SimpleNamespace(**{**public, "sleep": clock.sleep}))
+    return clock
+
+
+async def test_a_request_prefills_then_decodes_to_its_length(model_clock: ModelClock) -> None:
     core, families = make_core()
     seq = Seq(1000, 4)
-    started = time.monotonic()
     core.submit(seq)
     await finish(seq)
-    elapsed = time.monotonic() - started
-    # 1 prefill step (20 ms) + 3 decode steps (15 ms) at 10x: never faster than the model
-    # (benchmarks/enginesim_calibration.py measures how close it gets; a loaded machine
-    # may take any longer)
-    assert elapsed >= 0.0033
+    # 1 prefill step (10 ms + 1000 x 0.01 ms) + 3 decode steps (5 ms each), at 10x.
+    assert model_clock.now == pytest.approx((20 + 3 * 5) / 1000 / SCALE)
+    assert sample(families, "vllm:time_to_first_token_seconds_sum") == pytest.approx(0.020 / SCALE)
+    assert sample(families, "vllm:iteration_tokens_total_count") == 4
     assert (seq.generated, seq.finish_reason) == (4, "length")
     assert core.kv_used == 0
     assert sample(families, "vllm:request_success_total", finished_reason="length") == 1
