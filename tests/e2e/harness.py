@@ -86,13 +86,21 @@ class OperatorProcess:
     _seen: int = field(default=0, repr=False)
     metrics_port: int = 0  # its /metrics, when started with --metrics-port
 
-    async def reconciles(self) -> float:
-        """How many reconciles the operator has finished, whatever their result: a count
-        of its work, so that a test can wait for some to pass instead of for some time."""
+    async def metric(self, name: str, **labels: str) -> float:
+        """The sum of the operator's samples of `name` with `labels`, from its /metrics."""
         assert self.metrics_port, "started without --metrics-port"
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         async with aiohttp.ClientSession() as http, http.get(url) as r:
-            return counter(await r.text(), obs.OPERATOR_RECONCILES + "_total")
+            return counter(await r.text(), name, **labels)
+
+    async def reconciles(self) -> float:
+        """How many reconciles the operator has finished, whatever their result: a count
+        of its work, so that a test can wait for some to pass instead of for some time."""
+        return await self.metric(obs.OPERATOR_RECONCILES + "_total")
+
+    async def decisions(self, pdcluster: str, action: str) -> float:
+        """How many runs of the control law for `pdcluster` ended in `action`."""
+        return await self.metric(obs.OPERATOR_DECISIONS + "_total", pdcluster=pdcluster, action=action)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
