@@ -363,6 +363,18 @@ class StreamLoad:
     def failures(self) -> list[Outcome]:
         return [o for o in self.outcomes if not o.ok]
 
+    @property
+    def sent(self) -> int:
+        """The number of the last request started: any request numbered above the value
+        read at some point was started after that point."""
+        return self._seq
+
+    @staticmethod
+    def number(request_id: str) -> int:
+        """The sequence number in a request id of this load; 0 for another id."""
+        prefix, _, n = request_id.partition("-")
+        return int(n) if prefix == "load" and n.isdigit() else 0
+
 
 def counter(text: str, name: str, **labels: str) -> float:
     """The sum of a Prometheus exposition's samples of `name` that carry `labels`."""

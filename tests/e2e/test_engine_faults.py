@@ -82,20 +82,28 @@ async def test_deleted_decode_pod_is_replaced_and_routed_around(
         await wait_until(lambda: served(http, old_ip), timeout=30, message=f"{victim} serves")
         url = await router_url(kube, namespace, "heal")
         await kube.delete("v1", "Pod", victim, namespace)
-        deleted_at = time.monotonic()
+        sent_before_delete = load.sent
 
-        async def deregistered() -> float:
+        async def deregistered() -> bool:
             async with http.get(f"{url}/backends") as r:
                 decodes = [b["url"] for b in (await r.json())["decode"]]
-            return time.monotonic() - deleted_at if f"http://{old_ip}:8000" not in decodes else 0.0
+            return f"http://{old_ip}:8000" not in decodes
 
-        left_after = await wait_until(deregistered, timeout=10, interval=0.02, message="router drops the pod")
-        # The engine keeps running through its 5 s preStop sleep: ask it what reached it.
-        await asyncio.sleep(max(0.0, 2.0 - (time.monotonic() - deleted_at)))
+        await wait_until(deregistered, timeout=10, interval=0.02, message="router drops the pod")
+        # Requests numbered above this one were sent once the router had dropped the pod.
+        sent_before_drop = load.sent
+
+        def finished_after_drop() -> bool:
+            after = [o for o in load.outcomes if load.number(o.request_id) > sent_before_drop]
+            return len(after) >= load.concurrency
+
+        # The engine keeps running through its 5 s preStop sleep: once a round of requests
+        # sent after the drop has finished, ask it what reached it.
+        await wait_until(finished_after_drop, timeout=30, interval=0.05, message="a round after the drop")
         reached = await served(http, old_ip)
-        late = [r for r in reached if load.sent_at.get(r, 0) > deleted_at + 1.0]
-        assert not late, f"{len(late)} requests sent over 1 s after the deletion reached {victim}"
-        before = [r for r in reached if load.sent_at.get(r, 0) <= deleted_at]
+        late = [r for r in reached if load.number(r) > sent_before_drop]
+        assert not late, f"{len(late)} requests sent after the router dropped {victim} reached it"
+        before = [r for r in reached if 0 < load.number(r) <= sent_before_delete]
         assert before, f"{victim} served nothing before its deletion: the check above proves nothing"
 
         async def replaced() -> dict[str, Any] | None:
@@ -114,7 +122,7 @@ async def test_deleted_decode_pod_is_replaced_and_routed_around(
     assert not failures, failures[:5]
     print(
         f"{len(outcomes)} streams, 0 failed; {len(before)} reached {victim} before its deletion; "
-        f"the router dropped it {left_after * 1000:.0f} ms after the delete"
+        f"{sent_before_drop - sent_before_delete} sent between the delete and the router dropping it"
     )
     await wait_until(lambda: converged(kube, pdc, "heal"), timeout=60, message="converged")
     assert operator.failures() == []
@@ -146,8 +154,13 @@ async def test_decode_scale_down_drops_no_stream(
         await wait_until(all_busy, timeout=60, message="streams in flight on the decode pods to remove")
         await pdc.apply(spec_with(sim_cluster, "drain", decode=1))
         scaled_at = time.monotonic()
+
+        async def terminating() -> bool:
+            pods = await decode_pods(kube, namespace, "drain")
+            return all(pods.get(name, {}).get("metadata", {}).get("deletionTimestamp") for name in leaving)
+
         # During their preStop sleep the leaving engines still answer: which streams do they hold?
-        await asyncio.sleep(1.0)
+        await wait_until(terminating, timeout=60, interval=0.1, message="the leaving pods terminating")
         held = {r for name in leaving for r in await served(http, ips[name])}
 
         async def gone() -> bool:
@@ -303,7 +316,12 @@ async def test_an_engine_change_rolls_both_roles_and_never_pairs_revisions(
     url = await router_url(kube, namespace, "roll")
     async with aiohttp.ClientSession() as http, StreamLoad(url, 4, 40) as load:
         sampler = asyncio.create_task(sample(http))
-        await asyncio.sleep(3)
+
+        def revisions_served() -> set[str]:
+            return {revision for revision, named in decode_seen.values() if named}
+
+        # The old revision has served hand-offs before the change.
+        await wait_until(revisions_served, timeout=60, interval=0.3, message="the old revision serving")
         doc["spec"]["engine"]["args"] = [
             a.replace("--sim-kv-gbps=100", "--sim-kv-gbps=200") for a in doc["spec"]["engine"]["args"]
         ]
@@ -325,7 +343,10 @@ async def test_an_engine_change_rolls_both_roles_and_never_pairs_revisions(
             )
 
         await wait_until(rolled, timeout=240, message="both roles on the new revision")
-        await asyncio.sleep(2)
+        # ... and the new one has too, as the sampler has seen.
+        await wait_until(
+            lambda: len(revisions_served()) == 2, timeout=60, interval=0.3, message="the new revision serving"
+        )
         done.set()
         await sampler
         outcomes = await load.stop()
@@ -335,7 +356,7 @@ async def test_an_engine_change_rolls_both_roles_and_never_pairs_revisions(
         for uid, (revision, named) in decode_seen.items()
     }
     assert not any(mixed.values()), mixed
-    revisions = {revision for revision, named in decode_seen.values() if named}
+    revisions = revisions_served()
     assert len(revisions) == 2, (
         f"both revisions must have served for the check to mean anything: {decode_seen}"
     )

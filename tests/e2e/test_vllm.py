@@ -626,7 +626,14 @@ async def test_decode_scales_up_and_down_under_traffic(env: Env) -> None:
         async with StreamLoad(env.router, 2, 16, pause_s=0.2) as down:
             await set_decode_replicas(env, 1)
             await poll(scaled_down, 180, "decode back to one pod")
-            await asyncio.sleep(2)  # streams sent just before the deletion finish on the survivor
+            # Streams go on through the scale-down: a round of them sent after it finishes
+            # on the survivor.
+            sent_before = down.sent
+
+            async def a_round_after() -> bool:
+                return sum(down.number(o.request_id) > sent_before for o in down.outcomes) >= down.concurrency
+
+            await poll(a_round_after, 120, "streams sent after the scale-down finished", interval=0.2)
     assert len(heavy.outcomes) + len(down.outcomes) > 10, "too little traffic to prove anything"
     failures = light.failures() + heavy.failures() + down.failures()
     assert not failures, failures[:5]
