@@ -81,8 +81,9 @@ def json_error(status: int, raw: bytes) -> dict[str, Any]:
     return error
 
 
-async def settled(stack: Stack, timeout: float = 10.0) -> None:
-    """Nothing left in flight a moment later: no leaked engine or router request."""
+async def settled(stack: Stack, timeout: float = 30.0) -> None:
+    """Nothing left in flight once the ends have reached every part: no leaked engine or
+    router request. The deadline only ends a leak's wait; it bounds no measured time."""
     async with asyncio.timeout(timeout):
         while stack.busy():
             await asyncio.sleep(0.05)
@@ -225,7 +226,7 @@ async def test_clients_leaving_at_any_point_leak_nothing(
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             await asyncio.wait_for(reader.readexactly(read), 10)
     writer.transport.abort()  # a reset, not a polite close
-    await settled(stack, timeout=3.0)
+    await settled(stack)
 
 
 async def test_still_serving_after_all_that(stack: Stack) -> None:
