@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import inspect
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,30 @@ CRD = REPO / "crds" / "pdcluster.io_pdclusters.yaml"
 # What the operator must never log: a traceback (an unhandled exception somewhere) or an
 # ERROR line (kopf reports failed handlers that way).
 _FAILURE = re.compile(r"Traceback \(most recent call last\)|\sERROR\s")
+
+
+async def wait_until(
+    predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2, message: str = ""
+) -> Any:
+    """Polls `predicate` (sync or async) until it returns something truthy, and returns it.
+    A predicate may also raise AssertionError to mean "not yet". The one wait with a
+    deadline the tests use (the fixture `wait_until` is this function), so that no test
+    sleeps for a fixed time in the hope that something has happened by then."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            value = predicate()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value
+            last = value
+        except AssertionError as e:
+            last = e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true after {timeout}s: {message or predicate}; last: {last!r}")
+        await asyncio.sleep(interval)
 
 
 def make_sim_cluster(name: str, **overrides: Any) -> dict[str, Any]:
@@ -66,16 +92,15 @@ async def install_crd(kube: Kube) -> None:
             return False
         return True
 
-    for _ in range(300):
-        if (
+    async def all_served() -> bool:
+        return (
             await established(C.CRD_NAME)
             and await established(C.SCALER_CRD_NAME)
             and await served(C.KIND)
             and await served(C.SCALER_KIND)
-        ):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("CRDs not served")
+        )
+
+    await wait_until(all_served, timeout=30, interval=0.1, message="CRDs served")
 
 
 @dataclass

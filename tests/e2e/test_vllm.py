@@ -11,7 +11,6 @@ the same engines."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -27,7 +26,7 @@ import aiohttp
 import pytest
 import yaml
 import yarl
-from harness import OperatorProcess, StreamLoad, install_crd, is_ready, settled, start_operator
+from harness import OperatorProcess, StreamLoad, install_crd, is_ready, settled, start_operator, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from localcluster.otelcol import Collector
@@ -119,13 +118,7 @@ class Env:
 
 async def poll(predicate: Any, timeout: float, message: str, interval: float = 1.0) -> Any:
     """`predicate()`'s first truthy value; an AssertionError naming `message` after `timeout` s."""
-    try:
-        async with asyncio.timeout(timeout):
-            while not (value := await predicate()):
-                await asyncio.sleep(interval)
-            return value
-    except TimeoutError:
-        raise AssertionError(f"not true after {timeout:g} s: {message}") from None
+    return await wait_until(predicate, timeout=timeout, interval=interval, message=message)
 
 
 @pytest.fixture(scope="module")

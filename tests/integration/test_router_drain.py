@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from loopback import CONSUMER, PRODUCER, engine_url, free_port, prefill_url, simulator
+from loopback import CONSUMER, PRODUCER, engine_url, free_port, prefill_url, simulator, wait_until
 
 ROUTER = str(Path(sys.executable).parent / "pdcluster-router")
 WaitUntil = Callable[..., Awaitable[Any]]
@@ -39,13 +39,14 @@ async def router(
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as http, asyncio.timeout(15):
-            while True:
+        async with aiohttp.ClientSession() as http:
+
+            async def ready() -> bool:
                 with contextlib.suppress(aiohttp.ClientError):
-                    async with http.get(f"{url}/ready") as resp:
-                        if resp.status == 200:
-                            break
-                await asyncio.sleep(0.05)
+                    return await ready_status(http, url) == 200
+                return False
+
+            await wait_until(ready, interval=0.05, message="router ready")
         yield proc, url
     finally:
         if proc.returncode is None:

@@ -16,7 +16,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loopback import CONSUMER, PRODUCER, engine_url, prefill_url, router, simulator
+from loopback import CONSUMER, PRODUCER, engine_url, prefill_url, router, simulator, wait_until
 
 from pdcluster.enginesim.main import Simulator
 from pdcluster.router.main import RouterService
@@ -84,9 +84,9 @@ def json_error(status: int, raw: bytes) -> dict[str, Any]:
 async def settled(stack: Stack, timeout: float = 30.0) -> None:
     """Nothing left in flight once the ends have reached every part: no leaked engine or
     router request. The deadline only ends a leak's wait; it bounds no measured time."""
-    async with asyncio.timeout(timeout):
-        while stack.busy():
-            await asyncio.sleep(0.05)
+    await wait_until(
+        lambda: not stack.busy(), timeout=timeout, interval=0.05, message="nothing left in flight"
+    )
 
 
 # ---------------------------------------------------------------------- fields

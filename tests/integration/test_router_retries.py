@@ -19,20 +19,19 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from loopback import CONSUMER, PRODUCER, counter, free_port, router
+from loopback import CONSUMER, PRODUCER, counter, free_port, router, wait_until
 
 from pdcluster import observability as obs
 
 SIM = str(Path(sys.executable).parent / "pdcluster-engine-sim")
 MODEL = "sim-model"
-WaitUntil = Callable[..., Awaitable[Any]]
 # Ten times slower than the H200 profile: tens of ms per token, so a stream can be
 # killed in its middle; recompute, as the operator renders it.
 SLOW = ("--sim-time-scale", "0.1", "--sim-record", "400")
@@ -70,13 +69,15 @@ class Engine:
         self.proc.wait(timeout=30)
 
     async def healthy(self) -> None:
-        async with aiohttp.ClientSession() as http, asyncio.timeout(60):
-            while True:
+        async with aiohttp.ClientSession() as http:
+
+            async def answers() -> bool:
                 with contextlib.suppress(aiohttp.ClientError):
                     async with http.get(f"{self.url}/health") as resp:
-                        if resp.status == 200:
-                            return
-                await asyncio.sleep(0.05)
+                        return resp.status == 200
+                return False
+
+            await wait_until(answers, timeout=60, interval=0.05, message=f"{self.role} engine healthy")
 
 
 @contextlib.contextmanager
@@ -197,7 +198,7 @@ async def recorded(http: aiohttp.ClientSession, engine: Engine) -> list[dict[str
 
 
 @pytest.mark.parametrize("seed", [0])
-async def test_prefills_killed_at_random_points_lose_no_request(seed: int, wait_until: WaitUntil) -> None:
+async def test_prefills_killed_at_random_points_lose_no_request(seed: int) -> None:
     """Twenty rounds: six requests in flight, one prefill SIGKILLed after a random delay
     and started again (a new random engine id, as vLLM's). Every request completes with
     all its tokens; after the router has the new id, decode is never told the old one."""
@@ -255,7 +256,7 @@ async def test_prefills_killed_at_random_points_lose_no_request(seed: int, wait_
     print(f"prefill retries: {counter(metrics, obs.ROUTER_RETRIES + '_total', role='prefill'):.0f}")
 
 
-async def test_a_broken_hand_off_is_found_and_routed_around(wait_until: WaitUntil) -> None:
+async def test_a_broken_hand_off_is_found_and_routed_around() -> None:
     body = {"model": MODEL, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
     with engines("prefill", "prefill+faults", "decode") as (good, bad, decode):
         async with (

@@ -40,7 +40,37 @@ class Finding:
 
 
 # (path, function, kind, code) -> why it is not a wait for a condition or a bound on time.
-ALLOWED: dict[tuple[str, str, str, str], str] = {}
+ALLOWED: dict[tuple[str, str, str, str], str] = {
+    # The one wait helper: it polls its condition until a deadline.
+    ("e2e/harness.py", "wait_until", SLEEP, "asyncio.sleep(interval)"):
+        "the polling interval of the shared wait for a condition, which has a deadline",
+    # Helpers that start a server as a plain (not async) context manager or call, where
+    # the async wait_until cannot run.
+    ("integration/loopback.py", "MasterProcess.start", SLEEP, "time.sleep(0.1)"):
+        "a synchronous start-up helper polling the master's /health until its deadline",
+    ("integration/loopback.py", "prometheus", SLEEP, "time.sleep(0.1)"):
+        "a synchronous start-up helper polling Prometheus' /-/ready until its deadline",
+    # Load generation and faults, where when things happen is what is under test.
+    ("integration/test_autoscaling.py", "load", SLEEP, "asyncio.sleep(max(0.0, started + i / RATE - time.monotonic()))"):
+        "paces the load generator at RATE requests a second",
+    ("integration/test_router_fuzz_edges.py", "test_clients_leaving_at_any_point_leak_nothing", SLEEP, "asyncio.sleep(wait)"):
+        "a client that waits a generated time before it reads and leaves is the case under test",
+    ("integration/test_router_retries.py", "test_prefills_killed_at_random_points_lose_no_request", SLEEP, "asyncio.sleep(rng.uniform(0.0, 0.3))"):
+        "kills the prefill at a random point of the requests in flight, which is the fault under test",
+    ("e2e/test_operator_faults.py", "_kill_at_random_point", SLEEP, "asyncio.sleep(rng.uniform(0, 0.05))"):
+        "kills the operator at a random point just after its k-th write, the fault under test",
+    ("e2e/test_operator_faults.py", "_kill_at_random_point", SLEEP, "asyncio.sleep(delay)"):
+        "kills the operator after a random delay, the fault under test",
+    ("e2e/test_operator_faults.py", "_kill_at_random_point", SLEEP, "asyncio.sleep(0.05)"):
+        "follows the operator's log to the k-th write at which to kill it, within a deadline",
+    ("e2e/test_operator_faults.py", "test_foreign_edits_are_reverted_without_a_write_storm", SLEEP, "asyncio.sleep(1.0)"):
+        "paces the foreign writer (an HPA or a person) at one edit a second, the load under test",
+    # Samplers: they watch an invariant for the whole scenario; nothing waits on them.
+    ("e2e/test_autoscaling_faults.py", "test_unschedulable_scale_up_times_out_within_budget.watch_budget", SLEEP, "asyncio.sleep(0.5)"):
+        "samples the replica counts throughout, to check the GPU budget is never exceeded",
+    ("e2e/test_engine_faults.py", "test_an_engine_change_rolls_both_roles_and_never_pairs_revisions.sample", SLEEP, "asyncio.sleep(0.3)"):
+        "samples the engines' request records throughout the rollout, to check no pair mixes revisions",
+}  # fmt: skip
 
 
 # ---------------------------------------------------------------------- the scanner
