@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import types
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ from pdcluster.perf import Profile
 # 10 ms + 0.01 ms/token prefill, 5 ms decode steps; run 10x faster than real time.
 PROFILE = Profile("test", (10.0, 0.01, 0.0), (5.0, 0.0, 0.0), max_kv_tokens=10_000, kv_bytes_per_token=100)
 SCALE = 10.0
+WaitUntil = Callable[..., Awaitable[Any]]
 
 
 def make_core(profile: Profile = PROFILE, **kwargs: object) -> tuple[EngineCore, MetricFamilies]:
@@ -115,14 +118,14 @@ async def test_continuous_batching_shares_decode_steps() -> None:
     await core.stop()
 
 
-async def test_kv_capacity_queues_requests() -> None:
+async def test_kv_capacity_queues_requests(wait_until: WaitUntil) -> None:
     profile = Profile("small", (1.0, 0.0, 0.0), (1.0, 0.0, 0.0), max_kv_tokens=1000, kv_bytes_per_token=1)
     core, families = make_core(profile)
     first, second = Seq(700, 250), Seq(400, 5)
     core.submit(first)
     core.submit(second)
-    await asyncio.sleep(0.01)
-    assert first.state is State.RUNNING and second.state is State.WAITING
+    await wait_until(lambda: first.state is State.RUNNING, interval=0.001, message="the first running")
+    assert second.state is State.WAITING
     assert sample(families, "vllm:num_requests_waiting") == 1
     await finish(second)
     assert first.finished and first.finish_reason == "length"
@@ -171,12 +174,12 @@ async def test_prefill_hold_keeps_kv_until_released() -> None:
     await core.stop()
 
 
-async def test_abort_frees_everything() -> None:
+async def test_abort_frees_everything(wait_until: WaitUntil) -> None:
     core, families = make_core()
     seqs = [Seq(100, 10_000), Seq(100, 10_000)]
     for seq in seqs:
         core.submit(seq)
-    await asyncio.sleep(0.02)
+    await wait_until(lambda: all(s.state is State.RUNNING for s in seqs), interval=0.001, message="both running")
     for seq in seqs:
         core.abort(seq)
     assert all(s.finish_reason == "abort" for s in seqs)
@@ -200,7 +203,7 @@ async def test_failed_kv_load(recompute: bool, reason: str) -> None:
     await core.stop()
 
 
-async def test_remote_prefill_waits_for_the_pull_then_decodes() -> None:
+async def test_remote_prefill_waits_for_the_pull_then_decodes(wait_until: WaitUntil) -> None:
     release = asyncio.Event()
 
     async def pull(seq: Seq) -> None:
@@ -209,8 +212,8 @@ async def test_remote_prefill_waits_for_the_pull_then_decodes() -> None:
     core, families = make_core(pull_kv=pull)
     seq = Seq(2000, 3, remote=RemotePrefill("e", "http://p:8998", "x"))
     core.submit(seq)
-    await asyncio.sleep(0.02)
-    assert seq.state is State.FETCHING and seq.generated == 0 and core.kv_used == 2000
+    await wait_until(lambda: seq.state is State.FETCHING, interval=0.001, message="fetching")
+    assert seq.generated == 0 and core.kv_used == 2000
     release.set()
     await finish(seq)
     assert seq.generated == 3
