@@ -191,7 +191,9 @@ async def test_decode_scale_down_drops_no_stream(
     drained = [by_id[r] for name in leaving for r in held[name] - finished[name] if r in by_id]
     # Streams that were still running when the preStop sleep ended, i.e. at SIGTERM.
     assert drained, "no stream outlived the preStop sleep: SIGTERM's drain was not exercised"
-    print(f"{len(outcomes)} streams, 0 dropped; {sum(map(len, held.values()))} on the removed pods, {len(drained)} past SIGTERM")
+    print(
+        f"{len(outcomes)} streams, 0 dropped; {sum(map(len, held.values()))} on the removed pods, {len(drained)} past SIGTERM"
+    )
     await wait_until(lambda: converged(kube, pdc, "drain"), timeout=60, message="converged at 1 decode")
     assert operator.failures() == []
 
@@ -230,8 +232,8 @@ async def test_a_broken_kv_hand_off_is_named_in_the_status_and_routed_around(
     pods = await kube.list(
         "v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}=kvcheck,{C.LABEL_ROLE}={C.ROLE_PREFILL}"
     )
-    bad = next(p for p in pods if p["metadata"]["name"] == "kvcheck-prefill-1")
-    bad_url = f"http://{bad['status']['podIP']}:8000"
+    by_name = {p["metadata"]["name"]: f"http://{p['status']['podIP']}:8000" for p in pods}
+    bad_url, good_url = by_name["kvcheck-prefill-1"], by_name["kvcheck-prefill-0"]
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{bad_url}/sim/faults", json={"kv_send": "fail"}) as r:
             assert r.status == 200
@@ -242,17 +244,27 @@ async def test_a_broken_kv_hand_off_is_named_in_the_status_and_routed_around(
         assert "kvcheck-prefill-1 -> kvcheck-decode-0" in failed["message"], failed
         assert "kvcheck-prefill-0" not in failed["message"], failed
         url = await router_url(kube, namespace, "kvcheck")
-        checked = time.time()
+        # Requests sent once the status names the pair, told apart by their ids (the router
+        # passes a client's id on to the engines), not by the clock.
         body = {"model": "llama-3.1-8b", "prompt": "x" * 2000, "max_tokens": 4}
-        for _ in range(10):
-            async with http.post(f"{url}/v1/completions", json=body) as r:
+        for i in range(10):
+            async with http.post(
+                f"{url}/v1/completions", json=body, headers={"X-Request-Id": f"after-break-{i}"}
+            ) as r:
                 assert r.status == 200, await r.text()
-        async with http.get(f"{bad_url}/sim/requests") as r:
-            routed = [
-                rec for rec in await r.json()
-                if rec["received_at"] > checked and not rec["headers"].get("X-Request-Id", "").startswith("kv-probe-")
-            ]  # fmt: skip
+
+        async def sent_after_the_break(engine_url: str) -> list[dict[str, Any]]:
+            async with http.get(f"{engine_url}/sim/requests") as r:
+                records = await r.json()
+            return [
+                rec for rec in records if rec["headers"].get("X-Request-Id", "").startswith("after-break-")
+            ]
+
+        routed = await sent_after_the_break(bad_url)
         assert not routed, routed[:2]
+        assert await sent_after_the_break(good_url), (
+            "the ids did not reach the engines: the check proves nothing"
+        )
         async with http.post(f"{bad_url}/sim/faults", json={"kv_send": "ok"}) as r:
             assert r.status == 200
         await wait_until(lambda: handoff("True"), timeout=60, message="KVTransfer verified again")
