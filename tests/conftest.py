@@ -13,8 +13,6 @@ keeps vLLM pods Pending, as the tests of GPU-only examples expect.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import os
 import re
 import signal
@@ -33,37 +31,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "e2e" / "local"))
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
-from harness import OperatorProcess, install_crd, make_sim_cluster, start_operator  # noqa: E402
+from harness import OperatorProcess, install_crd, make_sim_cluster, start_operator, wait_until  # noqa: E402
 
 from localcluster import State, load_state  # noqa: E402
 from localcluster.kubeconfig import for_service_account  # noqa: E402
+from localcluster.ports import free_port  # noqa: E402
 from pdcluster import constants as C  # noqa: E402
 from pdcluster.io.kube import Kube, KubeConfig  # noqa: E402
 
 CLUSTER_NAME = os.environ.get("PDCLUSTER_TEST_CLUSTER", "pdtest")
 _timings: list[tuple[str, str, float]] = []
-
-
-async def wait_until(
-    predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2, message: str = ""
-) -> Any:
-    """Polls `predicate` (sync or async) until it returns something truthy, and returns it.
-    A predicate may also raise AssertionError to mean "not yet"."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            value = predicate()
-            if inspect.isawaitable(value):
-                value = await value
-            if value:
-                return value
-            last = value
-        except AssertionError as e:
-            last = e
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true after {timeout}s: {message or predicate}; last: {last!r}")
-        await asyncio.sleep(interval)
 
 
 def _cluster(*args: str, name: str = CLUSTER_NAME) -> None:
@@ -189,13 +166,17 @@ async def crd(local_cluster: State) -> None:
 
 @pytest.fixture
 def operator(local_cluster: State, crd: None, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    """The operator as a real process, scoped to this test's namespace."""
+    """The operator as a real process, scoped to this test's namespace, with its /metrics
+    on a port of its own (`op.reconciles()`)."""
+    metrics_port = free_port()
     op = start_operator(
         local_cluster.kubeconfig,
         namespace,
         tmp_path / "operator.log",
         f"--prometheus-url={local_cluster.prometheus_url}",
+        f"--metrics-port={metrics_port}",
     )
+    op.metrics_port = metrics_port
     yield op
     op.kill(signal.SIGTERM)
     if "Traceback" in op.log():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import inspect
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster import constants as C
+from pdcluster import observability as obs
 from pdcluster.api.v1alpha1 import PDClusterSpec, PDClusterStatus
 from pdcluster.drift import differences
 from pdcluster.io.kube import ApiError, Kube
@@ -33,6 +36,30 @@ CRD = REPO / "crds" / "pdcluster.io_pdclusters.yaml"
 # What the operator must never log: a traceback (an unhandled exception somewhere) or an
 # ERROR line (kopf reports failed handlers that way).
 _FAILURE = re.compile(r"Traceback \(most recent call last\)|\sERROR\s")
+
+
+async def wait_until(
+    predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2, message: str = ""
+) -> Any:
+    """Polls `predicate` (sync or async) until it returns something truthy, and returns it.
+    A predicate may also raise AssertionError to mean "not yet". The one wait with a
+    deadline the tests use (the fixture `wait_until` is this function), so that no test
+    sleeps for a fixed time in the hope that something has happened by then."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            value = predicate()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value
+            last = value
+        except AssertionError as e:
+            last = e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true after {timeout}s: {message or predicate}; last: {last!r}")
+        await asyncio.sleep(interval)
 
 
 def make_sim_cluster(name: str, **overrides: Any) -> dict[str, Any]:
@@ -65,16 +92,15 @@ async def install_crd(kube: Kube) -> None:
             return False
         return True
 
-    for _ in range(300):
-        if (
+    async def all_served() -> bool:
+        return (
             await established(C.CRD_NAME)
             and await established(C.SCALER_CRD_NAME)
             and await served(C.KIND)
             and await served(C.SCALER_KIND)
-        ):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("CRDs not served")
+        )
+
+    await wait_until(all_served, timeout=30, interval=0.1, message="CRDs served")
 
 
 @dataclass
@@ -83,6 +109,23 @@ class OperatorProcess:
     log_path: Path
     args: list[str]
     _seen: int = field(default=0, repr=False)
+    metrics_port: int = 0  # its /metrics, when started with --metrics-port
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The sum of the operator's samples of `name` with `labels`, from its /metrics."""
+        assert self.metrics_port, "started without --metrics-port"
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(url) as r:
+            return counter(await r.text(), name, **labels)
+
+    async def reconciles(self) -> float:
+        """How many reconciles the operator has finished, whatever their result: a count
+        of its work, so that a test can wait for some to pass instead of for some time."""
+        return await self.metric(obs.OPERATOR_RECONCILES + "_total")
+
+    async def decisions(self, pdcluster: str, action: str) -> float:
+        """How many runs of the control law for `pdcluster` ended in `action`."""
+        return await self.metric(obs.OPERATOR_DECISIONS + "_total", pdcluster=pdcluster, action=action)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -344,6 +387,18 @@ class StreamLoad:
 
     def failures(self) -> list[Outcome]:
         return [o for o in self.outcomes if not o.ok]
+
+    @property
+    def sent(self) -> int:
+        """The number of the last request started: any request numbered above the value
+        read at some point was started after that point."""
+        return self._seq
+
+    @staticmethod
+    def number(request_id: str) -> int:
+        """The sequence number in a request id of this load; 0 for another id."""
+        prefix, _, n = request_id.partition("-")
+        return int(n) if prefix == "load" and n.isdigit() else 0
 
 
 def counter(text: str, name: str, **labels: str) -> float:

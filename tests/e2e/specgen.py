@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness import CHILD_KINDS, condition
+from harness import CHILD_KINDS, condition, wait_until
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -372,12 +372,17 @@ async def _check(kube: Kube, namespace: str, doc: dict[str, Any], timeout: float
     except ValidationError as e:
         problems.append(f"the CRD accepted what the models reject: {e.errors()[:2]}")
     body = created
+
+    async def reconciled() -> bool:
+        nonlocal body
+        if (body.get("status") or {}).get("observedGeneration") == created["metadata"]["generation"]:
+            return True
+        body = await kube.get(C.API_VERSION, C.KIND, name, namespace) or {}
+        return False
+
     try:
-        async with asyncio.timeout(timeout):
-            while (body.get("status") or {}).get("observedGeneration") != created["metadata"]["generation"]:
-                await asyncio.sleep(0.25)
-                body = await kube.get(C.API_VERSION, C.KIND, name, namespace) or {}
-    except TimeoutError:
+        await wait_until(reconciled, timeout=timeout, interval=0.25, message="its generation reconciled")
+    except AssertionError:
         problems.append(f"no status for generation {created['metadata']['generation']} after {timeout:.0f} s")
     degraded = condition(body, "Degraded")
     reason = degraded["reason"] if degraded else "no Degraded condition"

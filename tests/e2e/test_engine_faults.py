@@ -82,20 +82,28 @@ async def test_deleted_decode_pod_is_replaced_and_routed_around(
         await wait_until(lambda: served(http, old_ip), timeout=30, message=f"{victim} serves")
         url = await router_url(kube, namespace, "heal")
         await kube.delete("v1", "Pod", victim, namespace)
-        deleted_at = time.monotonic()
+        sent_before_delete = load.sent
 
-        async def deregistered() -> float:
+        async def deregistered() -> bool:
             async with http.get(f"{url}/backends") as r:
                 decodes = [b["url"] for b in (await r.json())["decode"]]
-            return time.monotonic() - deleted_at if f"http://{old_ip}:8000" not in decodes else 0.0
+            return f"http://{old_ip}:8000" not in decodes
 
-        left_after = await wait_until(deregistered, timeout=10, interval=0.02, message="router drops the pod")
-        # The engine keeps running through its 5 s preStop sleep: ask it what reached it.
-        await asyncio.sleep(max(0.0, 2.0 - (time.monotonic() - deleted_at)))
+        await wait_until(deregistered, timeout=10, interval=0.02, message="router drops the pod")
+        # Requests numbered above this one were sent once the router had dropped the pod.
+        sent_before_drop = load.sent
+
+        def finished_after_drop() -> bool:
+            after = [o for o in load.outcomes if load.number(o.request_id) > sent_before_drop]
+            return len(after) >= load.concurrency
+
+        # The engine keeps running through its 5 s preStop sleep: once a round of requests
+        # sent after the drop has finished, ask it what reached it.
+        await wait_until(finished_after_drop, timeout=30, interval=0.05, message="a round after the drop")
         reached = await served(http, old_ip)
-        late = [r for r in reached if load.sent_at.get(r, 0) > deleted_at + 1.0]
-        assert not late, f"{len(late)} requests sent over 1 s after the deletion reached {victim}"
-        before = [r for r in reached if load.sent_at.get(r, 0) <= deleted_at]
+        late = [r for r in reached if load.number(r) > sent_before_drop]
+        assert not late, f"{len(late)} requests sent after the router dropped {victim} reached it"
+        before = [r for r in reached if 0 < load.number(r) <= sent_before_delete]
         assert before, f"{victim} served nothing before its deletion: the check above proves nothing"
 
         async def replaced() -> dict[str, Any] | None:
@@ -114,7 +122,7 @@ async def test_deleted_decode_pod_is_replaced_and_routed_around(
     assert not failures, failures[:5]
     print(
         f"{len(outcomes)} streams, 0 failed; {len(before)} reached {victim} before its deletion; "
-        f"the router dropped it {left_after * 1000:.0f} ms after the delete"
+        f"{sent_before_drop - sent_before_delete} sent between the delete and the router dropping it"
     )
     await wait_until(lambda: converged(kube, pdc, "heal"), timeout=60, message="converged")
     assert operator.failures() == []
@@ -145,10 +153,31 @@ async def test_decode_scale_down_drops_no_stream(
 
         await wait_until(all_busy, timeout=60, message="streams in flight on the decode pods to remove")
         await pdc.apply(spec_with(sim_cluster, "drain", decode=1))
-        scaled_at = time.monotonic()
-        # During their preStop sleep the leaving engines still answer: which streams do they hold?
-        await asyncio.sleep(1.0)
-        held = {r for name in leaving for r in await served(http, ips[name])}
+
+        async def terminating() -> bool:
+            pods = await decode_pods(kube, namespace, "drain")
+            return any(pods.get(name, {}).get("metadata", {}).get("deletionTimestamp") for name in leaving)
+
+        # The StatefulSet removes them one at a time; during its preStop sleep a leaving
+        # engine still answers: which streams do they hold?
+        await wait_until(terminating, timeout=60, interval=0.1, message="the scale-down under way")
+        held = {name: set(await served(http, ips[name])) for name in leaving}
+
+        async def finished_at_sigterm(name: str) -> set[str]:
+            """The requests finished when the engine stopped taking connections, as it does
+            at SIGTERM, after its preStop sleep: the others of its streams were in flight."""
+
+            async def refuses() -> bool:
+                try:
+                    await running(http, ips[name])
+                except (aiohttp.ClientError, TimeoutError):
+                    return True
+                return False
+
+            await wait_until(refuses, timeout=120, interval=0.1, message=f"{name} stops listening")
+            return {o.request_id for o in load.outcomes}
+
+        finished = dict(zip(leaving, await asyncio.gather(*map(finished_at_sigterm, leaving)), strict=True))
 
         async def gone() -> bool:
             return set(await decode_pods(kube, namespace, "drain")) == {"drain-decode-0"}
@@ -159,10 +188,12 @@ async def test_decode_scale_down_drops_no_stream(
     failures = load.failures()
     assert not failures, failures[:5]
     by_id = {o.request_id: o for o in outcomes}
-    drained = [by_id[r] for r in held if r in by_id and by_id[r].ended > scaled_at + 5.0]
+    drained = [by_id[r] for name in leaving for r in held[name] - finished[name] if r in by_id]
     # Streams that were still running when the preStop sleep ended, i.e. at SIGTERM.
     assert drained, "no stream outlived the preStop sleep: SIGTERM's drain was not exercised"
-    print(f"{len(outcomes)} streams, 0 dropped; {len(held)} on the removed pods, {len(drained)} past SIGTERM")
+    print(
+        f"{len(outcomes)} streams, 0 dropped; {sum(map(len, held.values()))} on the removed pods, {len(drained)} past SIGTERM"
+    )
     await wait_until(lambda: converged(kube, pdc, "drain"), timeout=60, message="converged at 1 decode")
     assert operator.failures() == []
 
@@ -201,8 +232,8 @@ async def test_a_broken_kv_hand_off_is_named_in_the_status_and_routed_around(
     pods = await kube.list(
         "v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}=kvcheck,{C.LABEL_ROLE}={C.ROLE_PREFILL}"
     )
-    bad = next(p for p in pods if p["metadata"]["name"] == "kvcheck-prefill-1")
-    bad_url = f"http://{bad['status']['podIP']}:8000"
+    by_name = {p["metadata"]["name"]: f"http://{p['status']['podIP']}:8000" for p in pods}
+    bad_url, good_url = by_name["kvcheck-prefill-1"], by_name["kvcheck-prefill-0"]
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{bad_url}/sim/faults", json={"kv_send": "fail"}) as r:
             assert r.status == 200
@@ -213,17 +244,27 @@ async def test_a_broken_kv_hand_off_is_named_in_the_status_and_routed_around(
         assert "kvcheck-prefill-1 -> kvcheck-decode-0" in failed["message"], failed
         assert "kvcheck-prefill-0" not in failed["message"], failed
         url = await router_url(kube, namespace, "kvcheck")
-        checked = time.time()
+        # Requests sent once the status names the pair, told apart by their ids (the router
+        # passes a client's id on to the engines), not by the clock.
         body = {"model": "llama-3.1-8b", "prompt": "x" * 2000, "max_tokens": 4}
-        for _ in range(10):
-            async with http.post(f"{url}/v1/completions", json=body) as r:
+        for i in range(10):
+            async with http.post(
+                f"{url}/v1/completions", json=body, headers={"X-Request-Id": f"after-break-{i}"}
+            ) as r:
                 assert r.status == 200, await r.text()
-        async with http.get(f"{bad_url}/sim/requests") as r:
-            routed = [
-                rec for rec in await r.json()
-                if rec["received_at"] > checked and not rec["headers"].get("X-Request-Id", "").startswith("kv-probe-")
-            ]  # fmt: skip
+
+        async def sent_after_the_break(engine_url: str) -> list[dict[str, Any]]:
+            async with http.get(f"{engine_url}/sim/requests") as r:
+                records = await r.json()
+            return [
+                rec for rec in records if rec["headers"].get("X-Request-Id", "").startswith("after-break-")
+            ]
+
+        routed = await sent_after_the_break(bad_url)
         assert not routed, routed[:2]
+        assert await sent_after_the_break(good_url), (
+            "the ids did not reach the engines: the check proves nothing"
+        )
         async with http.post(f"{bad_url}/sim/faults", json={"kv_send": "ok"}) as r:
             assert r.status == 200
         await wait_until(lambda: handoff("True"), timeout=60, message="KVTransfer verified again")
@@ -303,7 +344,12 @@ async def test_an_engine_change_rolls_both_roles_and_never_pairs_revisions(
     url = await router_url(kube, namespace, "roll")
     async with aiohttp.ClientSession() as http, StreamLoad(url, 4, 40) as load:
         sampler = asyncio.create_task(sample(http))
-        await asyncio.sleep(3)
+
+        def revisions_served() -> set[str]:
+            return {revision for revision, named in decode_seen.values() if named}
+
+        # The old revision has served hand-offs before the change.
+        await wait_until(revisions_served, timeout=60, interval=0.3, message="the old revision serving")
         doc["spec"]["engine"]["args"] = [
             a.replace("--sim-kv-gbps=100", "--sim-kv-gbps=200") for a in doc["spec"]["engine"]["args"]
         ]
@@ -325,7 +371,10 @@ async def test_an_engine_change_rolls_both_roles_and_never_pairs_revisions(
             )
 
         await wait_until(rolled, timeout=240, message="both roles on the new revision")
-        await asyncio.sleep(2)
+        # ... and the new one has too, as the sampler has seen.
+        await wait_until(
+            lambda: len(revisions_served()) == 2, timeout=60, interval=0.3, message="the new revision serving"
+        )
         done.set()
         await sampler
         outcomes = await load.stop()
@@ -335,7 +384,7 @@ async def test_an_engine_change_rolls_both_roles_and_never_pairs_revisions(
         for uid, (revision, named) in decode_seen.items()
     }
     assert not any(mixed.values()), mixed
-    revisions = {revision for revision, named in decode_seen.values() if named}
+    revisions = revisions_served()
     assert len(revisions) == 2, (
         f"both revisions must have served for the check to mean anything: {decode_seen}"
     )

@@ -194,11 +194,17 @@ async def test_foreign_edits_are_reverted_without_a_write_storm(
         (await kube.get("apps/v1", "StatefulSet", sts, namespace))["metadata"]["resourceVersion"],
         (await pdc.get("drift"))["metadata"]["resourceVersion"],
     ]
-    await asyncio.sleep(15)  # three resync periods of the test operator
+    # Three of the operator's reconciles (its resyncs come every 5 s), counted, not timed.
+    start = await operator.reconciles()
+
+    async def three_reconciles() -> bool:
+        return await operator.reconciles() >= start + 3
+
+    await wait_until(three_reconciles, timeout=60, interval=0.5, message="three reconciles at rest")
     assert [
         (await kube.get("apps/v1", "StatefulSet", sts, namespace))["metadata"]["resourceVersion"],
         (await pdc.get("drift"))["metadata"]["resourceVersion"],
     ] == versions
     assert operator_writes() - before == fixes
     assert operator.failures() == []
-    print(f"{intruder_writes} foreign writes, {fixes} written back, none in 15 s at rest")
+    print(f"{intruder_writes} foreign writes, {fixes} written back, none over three reconciles at rest")

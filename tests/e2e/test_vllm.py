@@ -11,7 +11,6 @@ the same engines."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -27,7 +26,7 @@ import aiohttp
 import pytest
 import yaml
 import yarl
-from harness import OperatorProcess, StreamLoad, install_crd, is_ready, settled, start_operator
+from harness import OperatorProcess, StreamLoad, install_crd, is_ready, settled, start_operator, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from localcluster.otelcol import Collector
@@ -119,13 +118,7 @@ class Env:
 
 async def poll(predicate: Any, timeout: float, message: str, interval: float = 1.0) -> Any:
     """`predicate()`'s first truthy value; an AssertionError naming `message` after `timeout` s."""
-    try:
-        async with asyncio.timeout(timeout):
-            while not (value := await predicate()):
-                await asyncio.sleep(interval)
-            return value
-    except TimeoutError:
-        raise AssertionError(f"not true after {timeout:g} s: {message}") from None
+    return await wait_until(predicate, timeout=timeout, interval=interval, message=message)
 
 
 @pytest.fixture(scope="module")
@@ -626,7 +619,14 @@ async def test_decode_scales_up_and_down_under_traffic(env: Env) -> None:
         async with StreamLoad(env.router, 2, 16, pause_s=0.2) as down:
             await set_decode_replicas(env, 1)
             await poll(scaled_down, 180, "decode back to one pod")
-            await asyncio.sleep(2)  # streams sent just before the deletion finish on the survivor
+            # Streams go on through the scale-down: a round of them sent after it finishes
+            # on the survivor.
+            sent_before = down.sent
+
+            async def a_round_after() -> bool:
+                return sum(down.number(o.request_id) > sent_before for o in down.outcomes) >= down.concurrency
+
+            await poll(a_round_after, 120, "streams sent after the scale-down finished", interval=0.2)
     assert len(heavy.outcomes) + len(down.outcomes) > 10, "too little traffic to prove anything"
     failures = light.failures() + heavy.failures() + down.failures()
     assert not failures, failures[:5]

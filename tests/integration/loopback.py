@@ -3,7 +3,6 @@ integration tests. Plain helpers, no pytest."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
 import socket
@@ -15,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import counter  # noqa: F401 (the loopback tests' too)
+from harness import counter, wait_until  # noqa: F401 (the loopback tests' too)
 
 from pdcluster.enginesim.cli import parse
 from pdcluster.enginesim.main import Simulator
@@ -65,7 +64,7 @@ async def router(
     *argv: str, ready: Callable[[Pool], bool] = lambda pool: pool.ready
 ) -> AsyncIterator[RouterService]:
     """A RouterService with the command-line flags argv (--prefill, --decode, --engine, ...), once
-    `ready` holds for its pool and its hand-off probes have run (within 10 s). Its port is
+    `ready` holds for its pool and its hand-off probes have run. Its port is
     service.args.port."""
     args = parser().parse_args(["--host", "127.0.0.1", "--port", str(free_port()), *argv])
     service = RouterService(args, parse_static(args.prefill, args.decode, args.colocated, args.flexible))
@@ -74,10 +73,12 @@ async def router(
         pool = service.pool
         assert pool is not None
         prober = service.router.prober if service.router is not None else None
-        async with asyncio.timeout(10):
+
+        def settled() -> bool:
             # Ready, and the KV hand-off probes done (their requests are not the test's).
-            while not ready(pool) or (prober is not None and pool.ready and not prober.settled()):
-                await asyncio.sleep(0.02)
+            return ready(pool) and not (prober is not None and pool.ready and not prober.settled())
+
+        await wait_until(settled, interval=0.02, message="router ready, its probes done")
         yield service
     finally:
         await service.stop()

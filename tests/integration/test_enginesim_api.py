@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdcluster import observability as obs
 from pdcluster.enginesim.main import Simulator
 from pdcluster.router.protocol import MooncakeProtocol, PrefillEngine
+
+WaitUntil = Callable[..., Awaitable[Any]]
 
 
 def url(sim: Simulator, path: str) -> str:
@@ -262,19 +264,20 @@ def pd_bodies(sim_p: Simulator, prompt: str, max_tokens: int, transfer_id: str) 
     )
 
 
-async def test_decode_waits_for_the_prefill_even_when_it_arrives_first(http: aiohttp.ClientSession) -> None:
+async def test_decode_waits_for_the_prefill_even_when_it_arrives_first(
+    http: aiohttp.ClientSession, wait_until: WaitUntil
+) -> None:
     async with (
         simulator("--kv-transfer-config", PRODUCER, "--sim-time-scale", "2") as p,
         simulator("--kv-transfer-config", CONSUMER, "--sim-time-scale", "2") as d,
     ):
         prefill_body, decode_body = pd_bodies(p, "word " * 8000, 8, "xfer-1")  # 10000 tokens
-        started = time.monotonic()
         decode = asyncio.ensure_future(post(http, url(d, "/v1/completions"), decode_body))
-        await asyncio.sleep(0.2)
+        # Decode holds the prompt's KV blocks while it waits for them to arrive.
+        await wait_until(lambda: d.cores[0].kv_used == 10000, interval=0.02, message="decode fetching")
         assert not decode.done(), "decode must wait for the prefill's KV"
         p_status, p_body = await post(http, url(p, "/v1/completions"), prefill_body)
         d_status, d_body = await decode
-        elapsed = time.monotonic() - started
         p_metrics, d_metrics = await scrape(http, url(p, "/metrics")), await scrape(http, url(d, "/metrics"))
     assert (
         p_status == 200 and p_body["kv_transfer_params"] is None and p_body["usage"]["completion_tokens"] == 1
@@ -282,27 +285,30 @@ async def test_decode_waits_for_the_prefill_even_when_it_arrives_first(http: aio
     assert d_status == 200 and d_body["usage"] == {
         "prompt_tokens": 10000, "completion_tokens": 8, "total_tokens": 10008, "prompt_tokens_details": None
     }  # fmt: skip
-    profile = p.profile
-    expected = (
-        profile.prefill_one_ms(8192) + profile.prefill_one_ms(1808) + profile.kv_transfer_ms(10000, 400)
-    ) / 2000
-    assert elapsed > 0.2 + expected * 0.9
+    # One transfer, of the whole prompt's KV (how long it took is the calibration
+    # benchmark's business, not a test's).
     assert metric(p_metrics, "vllm:mooncake_xfer_time_seconds_count") == 1
+    assert metric(p_metrics, "vllm:mooncake_bytes_transferred_sum") == 10000 * p.profile.kv_bytes_per_token > 0
     assert metric(d_metrics, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 10000
     assert metric(d_metrics, "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
 
 
-async def test_unknown_transfer_fails_decode_after_the_abort_timeout(http: aiohttp.ClientSession) -> None:
+async def test_unknown_transfer_fails_decode_after_the_abort_timeout(
+    http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="pdcluster.enginesim")
     async with (
         simulator("--sim-profile", "zero", "--kv-transfer-config", PRODUCER, abort_timeout=0.5) as p,
         simulator("--sim-profile", "zero", "--kv-transfer-config", CONSUMER) as d,
     ):
         _, decode_body = pd_bodies(p, "x", 4, "xfer-never-prefilled")
-        started = time.monotonic()
         status, body = await post(http, url(d, "/v1/completions"), decode_body)
         stream_status, raw = await post(http, url(d, "/v1/completions"), {**decode_body, "stream": True})
+        failed_recvs = metric(await scrape(http, url(d, "/metrics")), "vllm:mooncake_num_failed_recvs_total")
     assert status == 500 and body["error"]["message"] == "Internal server error"
-    assert time.monotonic() - started >= 0.5
+    # Both pulls failed because the prefill side waited out its abort timeout, not at once.
+    timeouts = [r for r in caplog.records if "Timeout waiting for P side ready" in r.getMessage()]
+    assert failed_recvs == 2 and len(timeouts) == 2, caplog.text
     assert stream_status == 200  # a stream has begun; the error comes as an event
     error, done = raw.split(b"\n\n")[:2]
     assert orjson.loads(error.removeprefix(b"data: "))["error"]["code"] == 500 and done == b"data: [DONE]"
@@ -350,28 +356,31 @@ async def test_decode_without_kv_params_recomputes_like_vllm(http: aiohttp.Clien
     assert metric(text, "vllm:prompt_tokens_by_source_total", source="local_compute") == 100
 
 
-async def test_unpulled_kv_expires_on_the_prefill_side(http: aiohttp.ClientSession) -> None:
+async def test_unpulled_kv_expires_on_the_prefill_side(
+    http: aiohttp.ClientSession, wait_until: WaitUntil
+) -> None:
     async with simulator("--sim-profile", "zero", "--kv-transfer-config", PRODUCER, abort_timeout=0.3) as p:
         prefill_body, _ = pd_bodies(p, "x" * 4000, 4, "xfer-orphan")
         await post(http, url(p, "/v1/completions"), prefill_body)
         held = p.cores[0].kv_used
-        await asyncio.sleep(0.5)
+        await wait_until(lambda: p.cores[0].kv_used == 0, interval=0.05, message="the held KV freed")
         text = await scrape(http, url(p, "/metrics"))
-    assert held == 1001 and p.cores[0].kv_used == 0
+    assert held == 1001
     assert metric(text, "vllm:mooncake_num_kv_expired_reqs_total", engine="0", model_name="sim-model") == 1
 
 
-async def test_disconnect_aborts_the_request(http: aiohttp.ClientSession) -> None:
+async def test_disconnect_aborts_the_request(http: aiohttp.ClientSession, wait_until: WaitUntil) -> None:
     async with simulator("--sim-time-scale", "1") as sim:
         task = asyncio.ensure_future(
             post(http, url(sim, "/v1/completions"), {"prompt": "x", "max_tokens": 10_000})
         )
-        await asyncio.sleep(0.2)
+        await wait_until(lambda: sim.cores[0].load, interval=0.02, message="the request running")
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.1)
-        assert sim.cores[0].load == 0 and sim.cores[0].kv_used == 0
+        await wait_until(
+            lambda: sim.cores[0].load == 0 and sim.cores[0].kv_used == 0, interval=0.02, message="aborted"
+        )
         text = await scrape(http, url(sim, "/metrics"))
     assert metric(text, "vllm:request_success_total", finished_reason="abort") == 1
 

@@ -4,9 +4,16 @@ serves only once every node joined, and a node leaving breaks the group on both 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
 
 from pdcluster.enginesim.nodes import Group
+
+WaitUntil = Callable[..., Awaitable[Any]]
 
 
 def free_port() -> int:
@@ -15,15 +22,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def test_the_leader_waits_for_every_node_and_a_node_leaving_breaks_the_group() -> None:
+def logged(caplog: pytest.LogCaptureFixture, text: str) -> Callable[[], bool]:
+    return lambda: any(text in record.getMessage() for record in caplog.records)
+
+
+async def test_the_leader_waits_for_every_node_and_a_node_leaving_breaks_the_group(
+    caplog: pytest.LogCaptureFixture, wait_until: WaitUntil
+) -> None:
+    caplog.set_level(logging.INFO, logger="pdcluster.enginesim.nodes")
     port = free_port()
     leader = Group(3, 0, "127.0.0.1", port)
     workers = [Group(3, rank, "127.0.0.1", port) for rank in (1, 2)]
     # A worker started before its leader retries until the leader listens.
     first = asyncio.create_task(workers[0].follow())
-    await asyncio.sleep(0.2)
+    await wait_until(logged(caplog, "not reachable yet"), interval=0.02, message="node 1 refused")
     leading = asyncio.create_task(leader.lead())
-    await asyncio.sleep(0.8)
+    # The leader has answered node 1 and node 1 has read the answer: a leader that
+    # served on one node of two would be done by now.
+    await wait_until(logged(caplog, "as node 1"), interval=0.02, message="node 1 joined")
     assert not leading.done(), "the leader served with a node missing"
     second = asyncio.create_task(workers[1].follow())
     await asyncio.wait_for(leading, timeout=5)
@@ -39,11 +55,14 @@ async def test_the_leader_waits_for_every_node_and_a_node_leaving_breaks_the_gro
     await asyncio.gather(first, return_exceptions=True)
 
 
-async def test_a_rank_outside_the_group_or_twice_is_refused() -> None:
+async def test_a_rank_outside_the_group_or_twice_is_refused(
+    caplog: pytest.LogCaptureFixture, wait_until: WaitUntil
+) -> None:
+    caplog.set_level(logging.INFO, logger="pdcluster.enginesim.nodes")
     port = free_port()
     leader = Group(2, 0, "127.0.0.1", port)
     leading = asyncio.create_task(leader.lead())
-    await asyncio.sleep(0.2)
+    await wait_until(logged(caplog, "waiting for 1 nodes"), interval=0.02, message="the leader listens")
     for line in (b"5\n", b"nonsense\n"):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(line)

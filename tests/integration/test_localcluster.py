@@ -4,7 +4,6 @@ inside pods, garbage collection, crash loops, graceful deletion, and Prometheus 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import textwrap
 import uuid
@@ -425,8 +424,19 @@ async def test_graceful_deletion_runs_prestop_and_waits_for_the_process(
     await wait_until(lambda: ready_pods(kube, namespace, "", 1), timeout=60)
     await kube.delete("v1", "Pod", "drain", namespace)
     with stopwatch("graceful deletion (2s drain)"):
-        await asyncio.sleep(1.0)
-        terminating = await kube.get("v1", "Pod", "drain", namespace)
+
+        async def seen_mid_drain() -> tuple[dict[str, Any] | None] | None:
+            # The log read before the get says the drain had begun, the one after it that
+            # the process had not exited yet: the pod as got is one whose process drains.
+            begun = "draining" in pod_log(namespace, "drain", "main").split()
+            pod = await kube.get("v1", "Pod", "drain", namespace)
+            if not begun or "bye" in pod_log(namespace, "drain", "main").split():
+                return None
+            return (pod,)
+
+        (terminating,) = await wait_until(
+            seen_mid_drain, timeout=30, interval=0.1, message="the pod seen while its process drains"
+        )
         assert terminating is not None and terminating["metadata"].get("deletionTimestamp")
         await wait_until(lambda: _gone(kube, namespace, "drain"), timeout=30)
     assert pod_log(namespace, "drain", "main").split() == ["up", "prestop", "draining", "bye"]

@@ -3,7 +3,6 @@ bad input, and the status people and GitOps tools read."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 from typing import Any
@@ -51,6 +50,17 @@ async def ready(pdc: Any, name: str) -> bool:
     if not obj or not await pdc.is_true(name, "Ready"):
         return False
     return not await pdc.is_true(name, "Progressing")
+
+
+async def reconciles_pass(operator: Any, wait_until: Any, count: int, what: str) -> None:
+    """Waits until the operator has finished `count` more reconciles (its resyncs come
+    every 5 s): what the operator does at rest is seen over its own work, not over time."""
+    start = await operator.reconciles()
+
+    async def done() -> bool:
+        return await operator.reconciles() >= start + count
+
+    await wait_until(done, timeout=60, interval=0.5, message=f"{count} reconciles {what}")
 
 
 async def completion(
@@ -126,7 +136,7 @@ async def test_create_update_drift_delete(
         k: v["metadata"]["resourceVersion"] for k, v in (await children(kube, namespace, "demo")).items()
     }
     pdc_version = (await pdc.get("demo"))["metadata"]["resourceVersion"]
-    await asyncio.sleep(12)
+    await reconciles_pass(operator, wait_until, 3, "at rest")
     assert {
         k: v["metadata"]["resourceVersion"] for k, v in (await children(kube, namespace, "demo")).items()
     } == versions
@@ -150,7 +160,7 @@ async def test_create_update_drift_delete(
     await wait_until(lambda: ready(pdc, "demo"), timeout=120, message="settled after drift")
     # ... and then it rests again (no write storm between two managers).
     settled = (await kube.get("apps/v1", "StatefulSet", sts, namespace))["metadata"]["resourceVersion"]
-    await asyncio.sleep(8)
+    await reconciles_pass(operator, wait_until, 2, "after the repair")
     assert (await kube.get("apps/v1", "StatefulSet", sts, namespace))["metadata"][
         "resourceVersion"
     ] == settled
@@ -322,7 +332,9 @@ async def test_recreated_under_the_same_name_gets_children_of_its_own(
 
     await wait_until(own_set, timeout=60, message="a child set of its own")
     await wait_until(lambda: _suspended(pdc, "again"), timeout=60, message="second one reconciled")
-    await asyncio.sleep(5)  # the collector has long finished with the old set by now
+    # Nothing of the old set is left for the collector (own_set: every name holds a new
+    # object); the set stays the new one's over the operator's next reconciles.
+    await reconciles_pass(operator, wait_until, 2, "after the re-creation")
     assert await own_set()
 
 
@@ -484,6 +496,10 @@ async def test_external_mode_scales_a_role_through_its_scaler(
     subprocess.run(
         [*kubectl, "scale", "pdrs", "ext-prefill", "--replicas=9"], check=True, capture_output=True
     )
-    await asyncio.sleep(3)
-    assert (await kube.get("apps/v1", "StatefulSet", "ext-prefill", namespace))["spec"]["replicas"] == 3
+
+    async def clamped() -> bool:
+        sts = await kube.get("apps/v1", "StatefulSet", "ext-prefill", namespace)
+        return sts["spec"]["replicas"] == 3
+
+    await wait_until(clamped, timeout=30, message="StatefulSet at the role's maxReplicas")
     assert (await pdc.get("ext"))["spec"]["prefill"]["replicas"] == 1

@@ -13,10 +13,9 @@ the simulator evaluates PromQL the way Prometheus does.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ pytestmark = [
 ]
 
 WINDOW_S = 15
+WaitUntil = Callable[..., Awaitable[Any]]
 
 
 class Locked:
@@ -113,18 +113,28 @@ def prometheus(exporters: Exporters, tmp_path_factory: pytest.TempPathFactory) -
         yield url
 
 
-async def wait_for(url: str, promql: str, want: float, deadline_s: float = 30.0) -> None:
+UP = 'up{pdcluster="demo"}'
+
+
+async def value(url: str, promql: str) -> float | None:
+    """What Prometheus answers now; None while it is starting or has no answer."""
     async with aiohttp.ClientSession() as session:
-        client = Prometheus(url, session, timeout_s=1.0)
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            try:
-                if (await client.query(promql)) == want:
-                    return
-            except PrometheusUnavailable:
-                pass
-            await asyncio.sleep(0.25)
-    raise AssertionError(f"{promql} never became {want}")
+        try:
+            return await Prometheus(url, session, timeout_s=1.0).query(promql)
+        except PrometheusUnavailable:
+            return None
+
+
+def at_least(url: str, promql: str, want: float) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        answer = await value(url, promql)
+        return answer is not None and answer >= want
+
+    return check
+
+
+async def every_target_up(url: str, wait_until: WaitUntil) -> None:
+    await wait_until(at_least(url, f"count({UP} == 1)", 3), interval=0.25, message="every target up")
 
 
 def bucket_counts(bounds: tuple[float, ...], values: list[float]) -> list[int]:
@@ -161,19 +171,31 @@ def traffic(
     exporters.generated.inc(200 * 150)
 
 
-async def test_snapshot_matches_what_was_exported(exporters: Exporters, prometheus: str) -> None:
-    await wait_for(prometheus, 'count(up{pdcluster="demo"} == 1)', 3)
-    await asyncio.sleep(1.5)  # a zero sample of every series before the traffic
+async def test_snapshot_matches_what_was_exported(
+    exporters: Exporters, prometheus: str, wait_until: WaitUntil
+) -> None:
+    await every_target_up(prometheus, wait_until)
+    # Two scrapes of every target before the traffic: every series has a zero to start from.
+    await wait_until(
+        at_least(prometheus, f"min(count_over_time({UP}[1h]))", 2), interval=0.25, message="two scrapes"
+    )
     ttfts = [0.05 * (i % 20) + 0.01 for i in range(200)]
     itls = [0.004 + 0.0003 * (i % 50) for i in range(2000)]
     prefill_ttfts = [0.03 * (i % 10) + 0.02 for i in range(200)]
     queue = [0.001 * i for i in range(200)]
     with exporters.lock:
         traffic(exporters, ttfts, itls, prefill_ttfts, queue)
-    await asyncio.sleep(3.0)  # two or more scrapes after it
+        # The snapshot is of a window that ends a few scrapes after the traffic, whenever
+        # it is asked for: its rates do not depend on how long this test takes.
+        at = time.time() + 2.5
+    await wait_until(
+        at_least(prometheus, f"min(timestamp({UP}))", at),
+        interval=0.25,
+        message="every target scraped after the window's end",
+    )
 
     async with aiohttp.ClientSession() as session:
-        snap = await Prometheus(prometheus, session).snapshot("team-a", "demo", WINDOW_S, 0.9)
+        snap = await Prometheus(prometheus, session).snapshot("team-a", "demo", WINDOW_S, 0.9, at=at)
 
     assert snap is not None
     expected_ttft = histogram_quantile(
@@ -200,13 +222,15 @@ async def test_snapshot_matches_what_was_exported(exporters: Exporters, promethe
     assert snap.prefill.ready == pytest.approx(1.0)
     assert snap.decode.ready == pytest.approx(1.0)
     # A rate: rate() spreads the 200 requests over at most the window and at least one
-    # scrape interval (1 s), however long the test took.
+    # scrape interval (1 s).
     assert 200 / WINDOW_S <= snap.request_rate <= 200 / 1.0
     assert snap.prefill.tokens_per_s == pytest.approx(snap.request_rate * 3000, rel=0.35)
 
 
-async def test_a_cluster_prometheus_has_never_seen_is_none(prometheus: str, exporters: Exporters) -> None:
-    await wait_for(prometheus, 'count(up{pdcluster="demo"} == 1)', 3)
+async def test_a_cluster_prometheus_has_never_seen_is_none(
+    prometheus: str, exporters: Exporters, wait_until: WaitUntil
+) -> None:
+    await every_target_up(prometheus, wait_until)
     async with aiohttp.ClientSession() as session:
         assert await Prometheus(prometheus, session).snapshot("team-a", "other", WINDOW_S, 0.9) is None
         assert await Prometheus(prometheus, session).snapshot("team-b", "demo", WINDOW_S, 0.9) is None
@@ -219,8 +243,8 @@ async def test_an_unreachable_prometheus_is_unavailable() -> None:
             await client.snapshot("team-a", "demo", WINDOW_S, 0.9)
 
 
-async def test_an_error_answer_is_unavailable(prometheus: str) -> None:
-    await wait_for(prometheus, "vector(1)", 1)
+async def test_an_error_answer_is_unavailable(prometheus: str, wait_until: WaitUntil) -> None:
+    await wait_until(at_least(prometheus, "vector(1)", 1), interval=0.25, message="Prometheus answers")
     async with aiohttp.ClientSession() as session:
         with pytest.raises(PrometheusUnavailable, match="query failed"):
             await Prometheus(prometheus, session).query("sum(rate(")

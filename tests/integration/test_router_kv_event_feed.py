@@ -5,7 +5,6 @@ its prefix-cache hits."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -15,7 +14,7 @@ import aiohttp
 import msgpack
 import zmq
 from loopback import CONSUMER, PRODUCER, counter, free_port, router, simulator
-from test_router_pd import post, scrape
+from test_router_pd import WaitUntil, post, scrape
 
 from pdcluster import observability as obs
 from pdcluster.enginesim.main import Simulator
@@ -79,13 +78,7 @@ async def kv_view(
     return {b[key]: b["kv_events"] for b in view[role]}
 
 
-async def until(check: Any, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not await check():
-            await asyncio.sleep(0.05)
-
-
-async def test_the_router_knows_what_each_engine_holds() -> None:
+async def test_the_router_knows_what_each_engine_holds(wait_until: WaitUntil) -> None:
     port = free_port()
     async with (
         aiohttp.ClientSession() as http,
@@ -105,7 +98,7 @@ async def test_the_router_knows_what_each_engine_holds() -> None:
         async def indexed() -> bool:
             return (await kv_view(http, service, "colocated"))[holder]["blocks"] >= 40
 
-        await until(indexed)
+        await wait_until(indexed, interval=0.05)
         # The same document with other questions goes where it is cached, every time,
         # though the other engine is idle and the router's tie-break would rotate.
         for i in range(4):
@@ -124,7 +117,7 @@ async def test_the_router_knows_what_each_engine_holds() -> None:
     assert predicted == counter(engine, obs.VLLM_PREFIX_HITS + "_total") == 4 * 40 * BLOCK
 
 
-async def test_evictions_reach_the_router_where_a_guess_would_not() -> None:
+async def test_evictions_reach_the_router_where_a_guess_would_not(wait_until: WaitUntil) -> None:
     port = free_port()
     async with (
         aiohttp.ClientSession() as http,
@@ -145,11 +138,11 @@ async def test_evictions_reach_the_router_where_a_guess_would_not() -> None:
 
             return check
 
-        await until(await holds(40))
+        await wait_until(await holds(40), interval=0.05)
         # Another prompt sent to the engine directly: its 48-block cache evicts most of
         # the first, which the router only hears of from the engine.
         assert (await post(http, f"{holder}/v1/completions", completion(other)))[0] == 200
-        await until(await holds(48))
+        await wait_until(await holds(48), interval=0.05)
         assert (await post(http, url, completion(first)))[0] == 200
         metrics = await scrape(http, f"http://127.0.0.1:{service.args.port}/metrics")
         engine = await scrape(http, f"{holder}/metrics")
@@ -159,7 +152,9 @@ async def test_evictions_reach_the_router_where_a_guess_would_not() -> None:
     assert counter(engine, obs.VLLM_PREFIX_HITS + "_total") == 0
 
 
-async def test_prefill_ranks_replay_what_the_router_missed_and_a_restart_resets_the_index() -> None:
+async def test_prefill_ranks_replay_what_the_router_missed_and_a_restart_resets_the_index(
+    wait_until: WaitUntil,
+) -> None:
     port, replay = free_port(), free_port()
     async with (
         aiohttp.ClientSession() as http,
@@ -183,7 +178,7 @@ async def test_prefill_ranks_replay_what_the_router_missed_and_a_restart_resets_
             view = await kv_view(http, service, "prefill", key="dp_rank")
             return [view.get(r, {}).get("blocks") for r in range(2)] == held
 
-        await until(ranks_indexed)
+        await wait_until(ranks_indexed, interval=0.05)
         # Rank 0's publisher goes, and one that numbers from 0 again takes its port: a
         # restarted engine, whose cache is empty.
         await prefill.cores[0].prefix.publisher.close()  # type: ignore[union-attr]
@@ -195,7 +190,7 @@ async def test_prefill_ranks_replay_what_the_router_missed_and_a_restart_resets_
                 return True
             return False
 
-        await until(bound)
+        await wait_until(bound, interval=0.05)
         seq = 0
         try:
 
@@ -204,7 +199,7 @@ async def test_prefill_ranks_replay_what_the_router_missed_and_a_restart_resets_
                 view = await kv_view(http, service, "prefill", key="dp_rank")
                 return view[0] == {"live": True, "blocks": 0}
 
-            await until(rank0_restarted)
+            await wait_until(rank0_restarted, interval=0.05)
             # A batch skipped, which no replay socket can fill: the index forgets rank 0.
             stored = {"type": "BlockStored", "block_hashes": [b"x" * 32], "medium": "GPU"}
             restarted.send_multipart((b"", (1).to_bytes(8, "big"), msgpack.packb([0.0, [stored], 0])))
@@ -214,7 +209,7 @@ async def test_prefill_ranks_replay_what_the_router_missed_and_a_restart_resets_
                 metrics = await scrape(http, f"http://127.0.0.1:{service.args.port}/metrics")
                 return counter(metrics, obs.ROUTER_KV_EVENT_LOSSES + "_total", reason="gap") == 1
 
-            await until(gap_seen)
+            await wait_until(gap_seen, interval=0.05)
             view = await kv_view(http, service, "prefill", key="dp_rank")
         finally:
             restarted.close(linger=0)

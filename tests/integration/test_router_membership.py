@@ -1,6 +1,6 @@
-"""The router follows the cluster's engines on a real apiserver: its backend set changes
-within a second of an EndpointSlice (or, with --discovery pods, a Pod) changing, and
-only ready endpoints of its own cluster count.
+"""The router follows the cluster's engines on a real apiserver: its backend set follows
+each change of an EndpointSlice (or, with --discovery pods, a Pod), and only ready
+endpoints of its own cluster count.
 
 EndpointSlice validation rejects loopback addresses, so for that test the engines run
 in a network namespace of the test's own, reached over a veth pair with addresses from
@@ -9,13 +9,11 @@ in a network namespace of the test's own, reached over a veth pair with addresse
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import random
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -52,10 +50,10 @@ async def router(namespace: str, kubeconfig: str, *args: str) -> AsyncIterator[t
         await service.stop()
 
 
-async def within_a_second(wait_until: WaitUntil, predicate: Callable[[], Any], what: str) -> None:
-    started = time.monotonic()
-    await wait_until(predicate, timeout=1.0, interval=0.02, message=what)
-    print(f"{what}: {time.monotonic() - started:.3f} s")
+async def follows(wait_until: WaitUntil, predicate: Callable[[], Any], what: str) -> None:
+    """Waits for the router's view to change. The deadline only ends a broken test: how
+    soon the change shows depends on the machine, and is no part of what is checked."""
+    await wait_until(predicate, interval=0.02, message=what)
 
 
 async def ready_status(http: aiohttp.ClientSession, url: str) -> int:
@@ -115,14 +113,11 @@ def sim_in(netns: str, ip: str, kv_config: str) -> Iterator[tuple[int, int]]:
         proc.wait(timeout=10)
 
 
-async def wait_healthy(http: aiohttp.ClientSession, url: str) -> None:
-    async with asyncio.timeout(30):
-        while True:
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{url}/health") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.1)
+async def healthy(http: aiohttp.ClientSession, url: str) -> bool:
+    with contextlib.suppress(aiohttp.ClientError):
+        async with http.get(f"{url}/health") as resp:
+            return resp.status == 200
+    return False
 
 
 def endpoint_slice(
@@ -175,7 +170,7 @@ async def test_router_follows_endpoint_slices(
             router(namespace, local_cluster.kubeconfig) as (service, url),
         ):
             for engine in (prefill_url, decode_url, decode2_url):
-                await wait_healthy(http, engine)
+                await wait_until(lambda engine=engine: healthy(http, engine), message=f"{engine} healthy")
             pool = service.pool
             assert pool is not None and await ready_status(http, url) == 503
 
@@ -196,10 +191,8 @@ async def test_router_follows_endpoint_slices(
                     namespace, "x-1", "decode", [(decode2_ip, True)], {"http": d2_port}, cluster="other"
                 )
             )
-            await within_a_second(
-                wait_until, lambda: [u.url for u in pool.prefill] == [prefill_url], "prefill added"
-            )
-            await within_a_second(wait_until, lambda: decodes() == {decode_url}, "ready decode added")
+            await follows(wait_until, lambda: [u.url for u in pool.prefill] == [prefill_url], "prefill added")
+            await follows(wait_until, lambda: decodes() == {decode_url}, "ready decode added")
             assert await ready_status(http, url) == 200
             assert await complete(http, url) == 3
 
@@ -207,18 +200,16 @@ async def test_router_follows_endpoint_slices(
             await kube.create(
                 endpoint_slice(namespace, "d-2", "decode", [(decode2_ip, True)], {"http": d2_port})
             )
-            await within_a_second(
-                wait_until, lambda: decodes() == {decode_url, decode2_url}, "second decode added"
-            )
+            await follows(wait_until, lambda: decodes() == {decode_url, decode2_url}, "second decode added")
             # The first turns not ready, then the prefill's slice goes away.
             await kube.merge_patch(
                 "discovery.k8s.io/v1", "EndpointSlice", "d-1", namespace,
                 {"endpoints": [{"addresses": [decode_ip], "conditions": {"ready": False}}]},
             )  # fmt: skip
-            await within_a_second(wait_until, lambda: decodes() == {decode2_url}, "not-ready decode removed")
+            await follows(wait_until, lambda: decodes() == {decode2_url}, "not-ready decode removed")
             assert await complete(http, url) == 3
             await kube.delete("discovery.k8s.io/v1", "EndpointSlice", "p-1", namespace)
-            await within_a_second(wait_until, lambda: not pool.prefill, "prefill removed")
+            await follows(wait_until, lambda: not pool.prefill, "prefill removed")
             assert await ready_status(http, url) == 503
 
 
@@ -272,12 +263,15 @@ async def test_router_follows_pods(
             )
         )
         await kube.create(unmanaged_pod(namespace, "d-0", "decode", {"http": d.config.port}))
-        await asyncio.sleep(0.3)
+        # The watch delivers events in order: once the router has seen a pod created after
+        # the engines, it has seen the engines too.
+        await kube.create(unmanaged_pod(namespace, "r-0", "router", {}))
+        await follows(wait_until, lambda: "r-0" in pool.routers, "a later pod seen")
         assert not pool.prefill and not pool.decode, "pods that are not Ready do not count"
         await set_ready(kube, namespace, "p-0", "127.1.254.1", True)
         await set_ready(kube, namespace, "d-0", "127.1.254.2", True)
-        await within_a_second(wait_until, lambda: pool.ready, "ready pods added")
+        await follows(wait_until, lambda: pool.ready, "ready pods added")
         assert await complete(http, url) == 3
         await set_ready(kube, namespace, "d-0", "127.1.254.2", False)
-        await within_a_second(wait_until, lambda: not pool.decode, "unready pod removed")
+        await follows(wait_until, lambda: not pool.decode, "unready pod removed")
         assert await ready_status(http, url) == 503

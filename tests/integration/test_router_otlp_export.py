@@ -4,12 +4,11 @@ and each engine told its parent span in the traceparent it gets."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import aiohttp
 from loopback import CONSUMER, PRODUCER, engine_url, prefill_url, router, simulator
-from test_router_pd import post, recorded
+from test_router_pd import WaitUntil, post, recorded
 
 from localcluster.otelcol import Collector, Span
 
@@ -17,16 +16,19 @@ CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"
 
 
-async def spans_of(collector: Collector, trace_id: str, names: set[str]) -> dict[str, Span]:
-    async with asyncio.timeout(15):
-        while True:
-            got = {s.name: s for s in collector.spans() if s.trace_id == trace_id}
-            if names <= got.keys():
-                return got
-            await asyncio.sleep(0.1)
+async def spans_of(
+    collector: Collector, trace_id: str, names: set[str], wait_until: WaitUntil
+) -> dict[str, Span]:
+    """The trace's spans by name, once the collector has all of `names`."""
+
+    def complete() -> dict[str, Span] | None:
+        got = {s.name: s for s in collector.spans() if s.trace_id == trace_id}
+        return got if names <= got.keys() else None
+
+    return await wait_until(complete, interval=0.1, message=f"spans {sorted(names)} exported")
 
 
-async def test_a_pd_stream_is_one_trace_with_a_span_per_stage(tmp_path: Path) -> None:
+async def test_a_pd_stream_is_one_trace_with_a_span_per_stage(tmp_path: Path, wait_until: WaitUntil) -> None:
     with Collector(tmp_path) as collector:
         async with (
             aiohttp.ClientSession() as http,
@@ -42,7 +44,7 @@ async def test_a_pd_stream_is_one_trace_with_a_span_per_stage(tmp_path: Path) ->
             status, _, _ = await post(http, url, body, traceparent=CLIENT)
             assert status == 200
             stages = {"router /v1/completions", "admission", "prefill", "kv_handoff", "decode", "stream"}
-            spans = await spans_of(collector, CLIENT_TRACE, stages)
+            spans = await spans_of(collector, CLIENT_TRACE, stages, wait_until)
             sent = {"prefill": await recorded(http, prefill), "decode": await recorded(http, decode)}
     root = spans["router /v1/completions"]
     assert root.parent_span_id == "00f067aa0ba902b7"  # the client's span
@@ -55,7 +57,9 @@ async def test_a_pd_stream_is_one_trace_with_a_span_per_stage(tmp_path: Path) ->
         assert request["headers"]["traceparent"] == f"00-{CLIENT_TRACE}-{spans[role].span_id}-01"
 
 
-async def test_requests_are_traced_at_the_sample_ratio_and_rejections_too(tmp_path: Path) -> None:
+async def test_requests_are_traced_at_the_sample_ratio_and_rejections_too(
+    tmp_path: Path, wait_until: WaitUntil
+) -> None:
     with Collector(tmp_path) as collector:
         async with (
             aiohttp.ClientSession() as http,
@@ -69,7 +73,7 @@ async def test_requests_are_traced_at_the_sample_ratio_and_rejections_too(tmp_pa
             body = {"model": "sim-model", "prompt": "hi", "max_tokens": 2}
             assert (await post(http, url, body))[0] == 200  # not sampled: no spans
             assert (await post(http, url, {"model": "other", "prompt": "hi"}, traceparent=CLIENT))[0] == 404
-            spans = await spans_of(collector, CLIENT_TRACE, {"router /v1/completions"})
+            spans = await spans_of(collector, CLIENT_TRACE, {"router /v1/completions"}, wait_until)
             [untraced] = await recorded(http, engine)
     # A refused request is traced (the client sampled it); a request the ratio left out is not.
     assert spans["router /v1/completions"].attributes["http.response.status_code"] == 404

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from pdcluster.enginesim.main import Simulator
 from pdcluster.router.main import RouterService
 
 RECORD = ("--sim-record", "50")
+WaitUntil = Callable[..., Awaitable[Any]]
 
 
 class Cluster:
@@ -208,19 +209,25 @@ async def test_health_and_ready(http: aiohttp.ClientSession) -> None:
 
 
 # ------------------------------------------------------------------------ failures
-async def test_prefill_refusal_is_relayed_and_decode_cancelled(http: aiohttp.ClientSession) -> None:
+async def test_prefill_refusal_is_relayed_and_decode_cancelled(
+    http: aiohttp.ClientSession, wait_until: WaitUntil
+) -> None:
     # Prefill accepts 100 tokens of context, decode 10000: prefill refuses with 400.
     async with cluster(
         prefill_args=("--sim-profile", "zero", "--max-model-len", "100"),
         decode_args=("--sim-time-scale", "1"),
     ) as c:
         status, body, _ = await post(http, f"{c.url}/v1/completions", {"prompt": "x" * 2000, "max_tokens": 5})
-        await asyncio.sleep(0.1)
-        decode_metrics = await scrape(http, f"http://127.0.0.1:{c.decode.config.port}/metrics")
+
+        async def decode_aborted() -> bool:
+            text = await scrape(http, f"http://127.0.0.1:{c.decode.config.port}/metrics")
+            return metric(text, "vllm:request_success_total", finished_reason="abort") == 1
+
+        # The cancellation reaches decode after the client has its answer.
+        await wait_until(decode_aborted, message="decode's request aborted")
         router_metrics = await scrape(http, f"{c.url}/metrics")
     assert status == 400 and "maximum context length" in body["error"]["message"]
     assert c.decode.cores[0].load == 0, "decode's request must be cancelled"
-    assert metric(decode_metrics, "vllm:request_success_total", finished_reason="abort") == 1
     assert metric(router_metrics, obs.ROUTER_REQUESTS + "_total", outcome="client_error") == 1
 
 
@@ -261,20 +268,24 @@ async def test_when_every_attempt_fails_the_client_learns_each_reason(http: aioh
     assert metric(text, obs.ROUTER_REQUESTS + "_total", outcome="upstream_error") == 1
 
 
-async def test_client_disconnect_cancels_prefill_and_decode(http: aiohttp.ClientSession) -> None:
+async def test_client_disconnect_cancels_prefill_and_decode(
+    http: aiohttp.ClientSession, wait_until: WaitUntil
+) -> None:
     # A 30000-token prompt takes ~0.9 s to prefill at real time: leave during it.
     async with cluster(prefill_args=("--sim-time-scale", "1"), decode_args=("--sim-time-scale", "1")) as c:
         body = {"prompt": "word " * 24000, "max_tokens": 50, "stream": True}
         task = asyncio.ensure_future(post(http, f"{c.url}/v1/completions", body))
-        async with asyncio.timeout(5):
-            while c.prefill.cores[0].load == 0 or c.decode.cores[0].load == 0:
-                await asyncio.sleep(0.01)
+        await wait_until(
+            lambda: c.prefill.cores[0].load and c.decode.cores[0].load,
+            interval=0.01,
+            message="both engines busy",
+        )
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        async with asyncio.timeout(5):
-            while c.prefill.cores[0].load or c.decode.cores[0].load:
-                await asyncio.sleep(0.01)
+        await wait_until(
+            lambda: not c.prefill.cores[0].load and not c.decode.cores[0].load, message="both engines idle"
+        )
         p_text = await scrape(http, f"http://127.0.0.1:{c.prefill.config.port}/metrics")
         d_text = await scrape(http, f"http://127.0.0.1:{c.decode.config.port}/metrics")
         r_text = await scrape(http, f"{c.url}/metrics")
@@ -284,34 +295,34 @@ async def test_client_disconnect_cancels_prefill_and_decode(http: aiohttp.Client
     assert metric(r_text, obs.ROUTER_REQUESTS + "_total", outcome="cancelled") == 1
 
 
-async def test_client_disconnect_mid_stream_stops_decode(http: aiohttp.ClientSession) -> None:
+async def test_client_disconnect_mid_stream_stops_decode(
+    http: aiohttp.ClientSession, wait_until: WaitUntil
+) -> None:
     async with cluster(decode_args=("--sim-time-scale", "1")) as c:
         body = {"prompt": "x", "max_tokens": 5000, "ignore_eos": True, "stream": True}
         async with http.post(f"{c.url}/v1/completions", json=body) as resp:
             assert resp.status == 200
             await resp.content.readuntil(b"\n\n")
             await resp.content.readuntil(b"\n\n")
-        async with asyncio.timeout(5):
-            while c.decode.cores[0].load:
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: not c.decode.cores[0].load, message="decode idle")
         d_text = await scrape(http, f"http://127.0.0.1:{c.decode.config.port}/metrics")
     assert metric(d_text, "vllm:request_success_total", finished_reason="abort") == 1
 
 
-async def test_request_timeout(http: aiohttp.ClientSession) -> None:
+async def test_request_timeout(http: aiohttp.ClientSession, wait_until: WaitUntil) -> None:
     async with cluster("--request-timeout", "0.3", decode_args=("--sim-time-scale", "1")) as c:
         status, body, _ = await post(http, f"{c.url}/v1/completions", {"prompt": "x", "max_tokens": 5000})
         stream_status, raw, _ = await post(
             http, f"{c.url}/v1/completions", {"prompt": "x", "max_tokens": 5000, "stream": True}
         )
-        await asyncio.sleep(0.1)
-        assert c.decode.cores[0].load == 0
+        # Both requests were answered at the timeout; the aborts reach decode after that.
+        await wait_until(lambda: c.decode.cores[0].load == 0, message="decode's requests aborted")
     assert status == 504 and body["error"]["code"] == 504
     assert stream_status == 200 and raw.endswith(b"data: [DONE]\n\n") and b'"code":504' in raw
 
 
 # ------------------------------------------------------------------------ admission, auth
-async def test_slo_admission_rejects_early(http: aiohttp.ClientSession) -> None:
+async def test_slo_admission_rejects_early(http: aiohttp.ClientSession, wait_until: WaitUntil) -> None:
     # Until it has measured anything the router assumes 1000 prefill tokens/s: a
     # 2000-token prompt is predicted at 2 s, admitted alone (limit = 2 s own time x 1)
     # and rejected while another one is queued on the same prefill.
@@ -321,7 +332,11 @@ async def test_slo_admission_rejects_early(http: aiohttp.ClientSession) -> None:
     ) as c:  # fmt: skip
         body = {"prompt": "x" * 8000, "max_tokens": 2}
         first = asyncio.ensure_future(post(http, f"{c.url}/v1/completions", body))
-        await asyncio.sleep(0.02)
+        assert c.service.pool is not None
+        prefill = c.service.pool.prefill[0]
+        await wait_until(
+            lambda: prefill.inflight_requests, interval=0.002, message="the first on the prefill"
+        )
         status, error, headers = await post(http, f"{c.url}/v1/completions", body)
         assert (await first)[0] == 200
         text = await scrape(http, f"{c.url}/metrics")

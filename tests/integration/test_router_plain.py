@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 from loopback import CONSUMER, PRODUCER, counter, engine_url, prefill_url, router, simulator
-from test_router_pd import post, recorded, scrape, sse
+from test_router_pd import WaitUntil, post, recorded, scrape, sse
 
 from pdcluster import observability as obs
 
@@ -84,7 +84,9 @@ async def test_a_failed_colocated_engine_is_retried_on_another(http: aiohttp.Cli
     assert counter(metrics, obs.ROUTER_UPSTREAM_ERRORS + "_total", role="colocated", backend=dead) >= 1
 
 
-async def test_admission_weighs_a_colocated_engine_like_a_prefill(http: aiohttp.ClientSession) -> None:
+async def test_admission_weighs_a_colocated_engine_like_a_prefill(
+    http: aiohttp.ClientSession, wait_until: WaitUntil
+) -> None:
     """An engine assumed to prefill 10 tokens/s: a 100-token prompt alone takes 10 s, so
     with another queued (20 s) it misses 1.5x that and is rejected with Retry-After, as
     on PD. The first, a hundred times slower than the H200 profile, is still in flight."""
@@ -99,8 +101,8 @@ async def test_admission_weighs_a_colocated_engine_like_a_prefill(http: aiohttp.
         assert service.pool is not None
         url = f"http://127.0.0.1:{service.args.port}"
         first = asyncio.ensure_future(post(http, f"{url}/v1/completions", body))
-        while not service.pool.colocated[0].inflight_requests:
-            await asyncio.sleep(0.01)
+        engine = service.pool.colocated[0]
+        await wait_until(lambda: engine.inflight_requests, interval=0.01, message="the first in flight")
         status, _, headers = await post(http, f"{url}/v1/completions", body)
         assert not first.done()
         first.cancel()

@@ -19,7 +19,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from loopback import CONSUMER, PRODUCER, counter, free_port, router
+from loopback import CONSUMER, PRODUCER, counter, free_port, router, wait_until
 
 from pdcluster import observability as obs
 
@@ -70,13 +69,15 @@ class Engine:
         self.proc.wait(timeout=30)
 
     async def healthy(self) -> None:
-        async with aiohttp.ClientSession() as http, asyncio.timeout(60):
-            while True:
+        async with aiohttp.ClientSession() as http:
+
+            async def answers() -> bool:
                 with contextlib.suppress(aiohttp.ClientError):
                     async with http.get(f"{self.url}/health") as resp:
-                        if resp.status == 200:
-                            return
-                await asyncio.sleep(0.05)
+                        return resp.status == 200
+                return False
+
+            await wait_until(answers, timeout=60, interval=0.05, message=f"{self.role} engine healthy")
 
 
 @contextlib.contextmanager
@@ -184,6 +185,13 @@ async def backends(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return await resp.json()
 
 
+def request_number(record: dict[str, Any]) -> int:
+    """The test's own number of a recorded request ("request <n>: ..."); -1 for another."""
+    prompt = record["body"].get("prompt")
+    head = prompt.partition(":")[0] if isinstance(prompt, str) else ""
+    return int(head.removeprefix("request ")) if head.startswith("request ") else -1
+
+
 async def recorded(http: aiohttp.ClientSession, engine: Engine) -> list[dict[str, Any]]:
     async with http.get(f"{engine.url}/sim/requests") as resp:
         return await resp.json()
@@ -205,7 +213,8 @@ async def test_prefills_killed_at_random_points_lose_no_request(seed: int) -> No
                     assert resp.status == 200, await resp.text()
                     return await resp.json()
 
-            dead: dict[str, float] = {}  # engine id -> when the router had its successor
+            # engine id -> the number of the first request sent once the router had its successor
+            dead: dict[str, int] = {}
             answers = 0
             for round_ in range(20):
                 victim = prefills[round_ % 2]
@@ -220,25 +229,28 @@ async def test_prefills_killed_at_random_points_lose_no_request(seed: int) -> No
                     answers += 1
                 victim.start()
                 await victim.healthy()
-                async with asyncio.timeout(30):
-                    while True:
-                        now = {b["engine_id"] for b in (await backends(http, url))["prefill"]}
-                        if now and not now & old and len(now) == 2:
-                            break
-                        await asyncio.sleep(0.05)
+
+                async def successor_known(old: set[str] = old) -> bool:
+                    now = {b["engine_id"] for b in (await backends(http, url))["prefill"]}
+                    return bool(now) and not now & old and len(now) == 2
+
+                await wait_until(successor_known, interval=0.05, message="the router has the new engine id")
                 for engine_id in old:
-                    dead[engine_id] = time.time()
+                    dead[engine_id] = round_ * 10 + 9
                 await one(round_ * 10 + 9)  # one through the new engine
                 answers += 1
             sent = await recorded(http, decode)
             async with http.get(f"{url}/metrics") as resp:
                 metrics = await resp.text()
     assert answers == 20 * 7
+    # Ordered by what was sent, not by the clock: requests numbered from dead[id] on left
+    # after the router knew the successor of engine `id`.
     stale = [
         r for r in sent
         if (r["body"].get("kv_transfer_params") or {}).get("remote_engine_id") in dead
-        and r["received_at"] > dead[r["body"]["kv_transfer_params"]["remote_engine_id"]]
+        and request_number(r) >= dead[r["body"]["kv_transfer_params"]["remote_engine_id"]]
     ]  # fmt: skip
+    assert any(request_number(r) >= 0 for r in sent)  # the numbers are read at all
     assert not stale, stale[:3]
     assert counter(metrics, obs.ROUTER_REQUESTS + "_total", outcome="upstream_error") == 0
     print(f"prefill retries: {counter(metrics, obs.ROUTER_RETRIES + '_total', role='prefill'):.0f}")
@@ -257,23 +269,24 @@ async def test_a_broken_hand_off_is_found_and_routed_around() -> None:
                     return counter(await resp.text(), obs.ROUTER_KV_PAIRS, verdict=verdict)
 
             async def until(verdict: str, count: int) -> None:
-                async with asyncio.timeout(30):
-                    while await pairs(verdict) != count:
-                        await asyncio.sleep(0.1)
+                async def reached() -> bool:
+                    return await pairs(verdict) == count
+
+                await wait_until(reached, interval=0.1, message=f"{count} pairs {verdict}")
 
             await until("passed", 2)
             async with http.post(f"{bad.url}/sim/faults", json={"kv_send": "fail"}) as resp:
                 assert resp.status == 200
             await until("failed", 1)
-            found = time.time()
-
+            # From here on the router knows the pair is broken: every request below is sent
+            # after that (and none was sent before).
             for i in range(20):
                 prompt = f"request {i}: " + "routed around a broken pair " * 20
                 async with http.post(f"{url}/v1/completions", json={**body, "prompt": prompt}) as resp:
                     assert resp.status == 200, await resp.text()
             sent_to_bad = [
                 r for r in await recorded(http, bad)
-                if r["received_at"] > found and not r["headers"].get("X-Request-Id", "").startswith("kv-probe-")
+                if not r["headers"].get("X-Request-Id", "").startswith("kv-probe-")
             ]  # fmt: skip
             assert not sent_to_bad, sent_to_bad[:2]  # only probes went through the broken pair
             async with http.post(f"{bad.url}/sim/faults", json={"kv_send": "ok"}) as resp:

@@ -6,7 +6,6 @@ path; every request completes."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -18,7 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from loopback import MasterProcess, counter, free_port, mooncake_master, router
+from loopback import MasterProcess, counter, free_port, mooncake_master, router, wait_until
 
 from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import PDClusterSpec
@@ -63,13 +62,15 @@ def engine(kv_config: str, env: dict[str, str]) -> Iterator[tuple[str, int]]:
 
 
 async def healthy(url: str) -> None:
-    async with aiohttp.ClientSession() as http, asyncio.timeout(60):
-        while True:
+    async with aiohttp.ClientSession() as http:
+
+        async def answers() -> bool:
             with contextlib.suppress(aiohttp.ClientError):
                 async with http.get(f"{url}/health") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.1)
+                    return resp.status == 200
+            return False
+
+        await wait_until(answers, timeout=60, interval=0.1, message=f"{url} healthy")
 
 
 @pytest.fixture
@@ -116,12 +117,13 @@ async def stored(master: MasterProcess, prompt: str) -> None:
     """Until the master holds the prompt's last full block: the prefill writes its
     blocks after answering."""
     keys = block_keys(token_ids(prompt), BLOCK, MODEL, "0")
-    async with aiohttp.ClientSession() as http, asyncio.timeout(10):
-        while True:
+    async with aiohttp.ClientSession() as http:
+
+        async def held() -> bool:
             async with http.get(f"{master.http}/batch_query_keys?keys={keys[-1]}") as resp:
-                if (await resp.json(content_type=None))["data"][keys[-1]]["ok"]:
-                    return
-            await asyncio.sleep(0.05)
+                return bool((await resp.json(content_type=None))["data"][keys[-1]]["ok"])
+
+        await wait_until(held, interval=0.05, message="the prompt's last block in the store")
 
 
 async def test_stored_prefixes_skip_prefill_and_nothing_else_fails(pool: Any) -> None:

@@ -4,7 +4,9 @@ as a transient failure (a warning and a retry, no traceback)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import aiohttp
 from fakekube import FakeKube
@@ -104,15 +106,16 @@ class _Apiserver:
         await asyncio.Event().wait()  # a watch that stays open
 
 
-async def test_the_watches_fill_the_cache_wake_owners_and_sync_without_a_forbidden_kind() -> None:
+async def test_the_watches_fill_the_cache_wake_owners_and_sync_without_a_forbidden_kind(
+    wait_until: Callable[..., Awaitable[Any]],
+) -> None:
     sts = owned("StatefulSet", "c-prefill")
     apiserver = _Apiserver("NetworkPolicy", [("ADDED", sts), ("MODIFIED", sts), ("DELETED", sts)])
     woken: list[tuple[str, str]] = []
     children = Children()
     task = asyncio.create_task(children.run(apiserver, ["ns"], lambda *owner: woken.append(owner)))  # type: ignore[arg-type]
     await asyncio.wait_for(children.synced.wait(), 5)  # a forbidden kind does not hold the rest back
-    while len(woken) < 3:
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: len(woken) >= 3, interval=0.01, message="three wake-ups")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert woken == [("ns", "c")] * 3 and children.get("StatefulSet", "ns", "c", "c-prefill") is None

@@ -6,6 +6,8 @@ name now."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -42,7 +44,7 @@ def body(uid: str, deleting: bool = False) -> dict:
 
 
 async def test_a_recreated_pdcluster_keeps_its_worker_when_the_old_ones_events_come_late(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, wait_until: Callable[..., Awaitable[Any]]
 ) -> None:
     """kopf handles objects (uids) concurrently, so the deleted object's last events can
     follow its successor's first: they must not stop the successor's reconciles."""
@@ -60,7 +62,7 @@ async def test_a_recreated_pdcluster_keeps_its_worker_when_the_old_ones_events_c
     controller.forget("ns", "pd", "old")  # and its late DELETED
     worker = controller.workers[("ns", "pd")]
     assert worker.uid == "new" and not worker.task.done()
-    await asyncio.sleep(controller_module.DEBOUNCE_SECONDS + 0.1)
+    await wait_until(lambda: reconciled, interval=0.02, message="the first reconcile")
     assert reconciled == ["new"]
 
     controller.forget("ns", "pd", "new")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import types
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
+from pdcluster.enginesim import engine as engine_module
 from pdcluster.enginesim.engine import EngineCore, KvLoadError, RemotePrefill, Seq, State
 from pdcluster.enginesim.vllm_metrics import EngineMetrics, MetricFamilies
 from pdcluster.perf import Profile
@@ -14,6 +17,7 @@ from pdcluster.perf import Profile
 # 10 ms + 0.01 ms/token prefill, 5 ms decode steps; run 10x faster than real time.
 PROFILE = Profile("test", (10.0, 0.01, 0.0), (5.0, 0.0, 0.0), max_kv_tokens=10_000, kv_bytes_per_token=100)
 SCALE = 10.0
+WaitUntil = Callable[..., Awaitable[Any]]
 
 
 def make_core(profile: Profile = PROFILE, **kwargs: object) -> tuple[EngineCore, MetricFamilies]:
@@ -34,17 +38,40 @@ async def finish(seq: Seq, timeout: float = 5.0) -> None:
             await seq.wait()
 
 
-async def test_a_request_prefills_then_decodes_to_its_length() -> None:
+class ModelClock:
+    """The engine's clock and sleeps, in model time: a sleep moves the clock on at once,
+    so a test sees how long the engine means to wait, whatever the machine's load
+    (benchmarks/enginesim_calibration.py measures how close real time gets)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.0)
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+def model_clock(monkeypatch: pytest.MonkeyPatch) -> ModelClock:
+    clock = ModelClock()
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    public = {name: getattr(asyncio, name) for name in dir(asyncio) if not name.startswith("_")}
+    monkeypatch.setattr(engine_module, "asyncio", types.SimpleNamespace(**{**public, "sleep": clock.sleep}))
+    return clock
+
+
+async def test_a_request_prefills_then_decodes_to_its_length(model_clock: ModelClock) -> None:
     core, families = make_core()
     seq = Seq(1000, 4)
-    started = time.monotonic()
     core.submit(seq)
     await finish(seq)
-    elapsed = time.monotonic() - started
-    # 1 prefill step (20 ms) + 3 decode steps (15 ms) at 10x: never faster than the model
-    # (benchmarks/enginesim_calibration.py measures how close it gets; a loaded machine
-    # may take any longer)
-    assert elapsed >= 0.0033
+    # 1 prefill step (10 ms + 1000 x 0.01 ms) + 3 decode steps (5 ms each), at 10x.
+    assert model_clock.now == pytest.approx((20 + 3 * 5) / 1000 / SCALE)
+    assert sample(families, "vllm:time_to_first_token_seconds_sum") == pytest.approx(0.020 / SCALE)
+    assert sample(families, "vllm:iteration_tokens_total_count") == 4
     assert (seq.generated, seq.finish_reason) == (4, "length")
     assert core.kv_used == 0
     assert sample(families, "vllm:request_success_total", finished_reason="length") == 1
@@ -91,14 +118,14 @@ async def test_continuous_batching_shares_decode_steps() -> None:
     await core.stop()
 
 
-async def test_kv_capacity_queues_requests() -> None:
+async def test_kv_capacity_queues_requests(wait_until: WaitUntil) -> None:
     profile = Profile("small", (1.0, 0.0, 0.0), (1.0, 0.0, 0.0), max_kv_tokens=1000, kv_bytes_per_token=1)
     core, families = make_core(profile)
     first, second = Seq(700, 250), Seq(400, 5)
     core.submit(first)
     core.submit(second)
-    await asyncio.sleep(0.01)
-    assert first.state is State.RUNNING and second.state is State.WAITING
+    await wait_until(lambda: first.state is State.RUNNING, interval=0.001, message="the first running")
+    assert second.state is State.WAITING
     assert sample(families, "vllm:num_requests_waiting") == 1
     await finish(second)
     assert first.finished and first.finish_reason == "length"
@@ -147,12 +174,12 @@ async def test_prefill_hold_keeps_kv_until_released() -> None:
     await core.stop()
 
 
-async def test_abort_frees_everything() -> None:
+async def test_abort_frees_everything(wait_until: WaitUntil) -> None:
     core, families = make_core()
     seqs = [Seq(100, 10_000), Seq(100, 10_000)]
     for seq in seqs:
         core.submit(seq)
-    await asyncio.sleep(0.02)
+    await wait_until(lambda: all(s.state is State.RUNNING for s in seqs), interval=0.001, message="both running")
     for seq in seqs:
         core.abort(seq)
     assert all(s.finish_reason == "abort" for s in seqs)
@@ -176,7 +203,7 @@ async def test_failed_kv_load(recompute: bool, reason: str) -> None:
     await core.stop()
 
 
-async def test_remote_prefill_waits_for_the_pull_then_decodes() -> None:
+async def test_remote_prefill_waits_for_the_pull_then_decodes(wait_until: WaitUntil) -> None:
     release = asyncio.Event()
 
     async def pull(seq: Seq) -> None:
@@ -185,8 +212,8 @@ async def test_remote_prefill_waits_for_the_pull_then_decodes() -> None:
     core, families = make_core(pull_kv=pull)
     seq = Seq(2000, 3, remote=RemotePrefill("e", "http://p:8998", "x"))
     core.submit(seq)
-    await asyncio.sleep(0.02)
-    assert seq.state is State.FETCHING and seq.generated == 0 and core.kv_used == 2000
+    await wait_until(lambda: seq.state is State.FETCHING, interval=0.001, message="fetching")
+    assert seq.generated == 0 and core.kv_used == 2000
     release.set()
     await finish(seq)
     assert seq.generated == 3

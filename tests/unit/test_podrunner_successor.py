@@ -77,14 +77,15 @@ async def test_the_successor_starts_after_its_predecessor_has_finished(monkeypat
     await asyncio.sleep(0)
     assert not waiting.done()  # still waiting: the old processes hold the port
     old.finished.set()
-    await asyncio.wait_for(waiting, 1)
+    # The deadline only ends a broken test: a wait that ran out the slack kills the old pod.
+    await asyncio.wait_for(waiting, 30)
     assert not old.killed and new.predecessor is None
 
 
 async def test_a_predecessor_that_outlives_its_grace_is_killed(monkeypatch):
     monkeypatch.setattr(podmod, "PREDECESSOR_SLACK", 0.0)
     old = _predecessor()
-    await asyncio.wait_for(podmod.PodWorker._await_predecessor(_successor(old), until_stopped=True), 1)
+    await asyncio.wait_for(podmod.PodWorker._await_predecessor(_successor(old), until_stopped=True), 30)
     assert old.killed
 
 
@@ -93,13 +94,13 @@ async def test_a_successor_stopped_while_waiting_is_finished_only_after_its_pred
     old = _predecessor()
     middle = _successor(old)
     middle.stopping.set()  # deleted again while it waited
-    await asyncio.wait_for(podmod.PodWorker._await_predecessor(middle, until_stopped=True), 1)
+    await asyncio.wait_for(podmod.PodWorker._await_predecessor(middle, until_stopped=True), 30)
     assert middle.predecessor is old  # it stopped waiting to start, not waiting for the old pod
     finishing = asyncio.create_task(podmod.PodWorker._await_predecessor(middle, until_stopped=False))
     await asyncio.sleep(0)
     assert not finishing.done()
     old.finished.set()
-    await asyncio.wait_for(finishing, 1)
+    await asyncio.wait_for(finishing, 30)
     assert middle.predecessor is None and not old.killed
 
 
@@ -118,7 +119,9 @@ async def test_status_writes_stop_once_the_name_is_a_newer_pods(status, message,
         raise podmod.ApiError(status, "Reason", message)
 
     worker = SimpleNamespace(
-        _dirty=asyncio.Event(), namespace="demo", name="demo-prefill-0",
+        _dirty=asyncio.Event(),
+        namespace="demo",
+        name="demo-prefill-0",
         runner=SimpleNamespace(kube=SimpleNamespace(request=request), log=lambda message: None),
         _status_patch=lambda: {},
     )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 import pytest
@@ -204,15 +205,16 @@ async def test_head_has_no_body(server: tuple[HttpServer, App, int]) -> None:
     writer.close()
 
 
-async def test_a_client_that_leaves_cancels_its_handler(server: tuple[HttpServer, App, int]) -> None:
+async def test_a_client_that_leaves_cancels_its_handler(
+    server: tuple[HttpServer, App, int], wait_until: Callable[..., Awaitable[Any]]
+) -> None:
     srv, app, port = server
     _, writer = await connect(port)
     writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
     await asyncio.wait_for(app.started.wait(), 5)
     writer.close()
     await asyncio.wait_for(app.cancelled.wait(), 5)
-    await asyncio.sleep(0.05)
-    assert not srv.connections
+    await wait_until(lambda: not srv.connections, interval=0.01, message="the connection forgotten")
 
 
 async def test_idle_keep_alive_connections_are_closed_busy_ones_are_not(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -103,7 +103,7 @@ def test_a_full_queue_drops_and_counts_instead_of_growing() -> None:
     assert t.queued_spans == 4 and t.dropped_spans == 4  # two traces of two spans each fit
 
 
-async def test_batches_leave_when_full_and_on_close() -> None:
+async def test_batches_leave_when_full_and_on_close(wait_until: Callable[..., Awaitable[Any]]) -> None:
     bodies: list[bytes] = []
     t = tracing(batch_spans=4, interval_s=60, sink=bodies.append)
     t.start()
@@ -112,9 +112,7 @@ async def test_batches_leave_when_full_and_on_close() -> None:
             request = t.request("/v1/completions", None)
             request.stage("admission", time.time_ns())
             request.end(200)
-        async with asyncio.timeout(5):
-            while not bodies:
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: bodies, interval=0.01, message="the full batch sent")
         request = t.request("/v1/completions", None)
         request.end(200)
     finally:
