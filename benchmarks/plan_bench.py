@@ -15,8 +15,9 @@ at which the best full-budget static split attains the level (99% or 90%). Then:
 - dynamo: Dynamo's throughput planner; dynamo-load: throughput + load-based (Dynamo's
   recommendation for bursty traffic); llmd: per-role scaling on queue and KV usage, as
   llm-d's KEDA/HPA setup; all given the true profile where they need one;
-- pdcluster-flex: the same law on flexible engines: a split change at the same size moves
-  drained engines between the roles, with no start-up;
+- pdcluster-flex: the law on flexible engines, on two time scales: the fleet's size as the
+  law decides it, the split every interval by the engines needed per role, moved by
+  draining an engine and flipping it, with no start-up (sim/policies.py FlexiblePDCluster);
 - oracle: sized every 30 s by the capacity models on the load it will serve (known in
   advance, start-up delays honoured).
 
@@ -29,7 +30,7 @@ Targets, per scenario and level (pdcluster):
   B  GPU-hours within 15% of the oracle's, attaining at least as much
   C  SLO-meeting requests per GPU-hour >= 1.3 x dynamo-load's
   D  without a profile: attainment within 2 points of pdcluster-prior's
-  F  pdcluster-flex (the same law on flexible engines, spec.mode flexible): at least 10%
+  F  pdcluster-flex (the law on flexible engines, spec.mode flexible): at least 10%
      fewer GPU-hours than pdcluster at no lower attainment, and within 10% of the oracle's
 
 Scenarios: the three public traces (Mooncake conversation and synthetic: a request's

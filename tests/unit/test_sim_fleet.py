@@ -247,3 +247,42 @@ def test_a_flexible_fleet_still_starts_pods_to_grow() -> None:
     quiet = Trace("quiet", [1.0, 400.0], [100, 100], [2, 2], [(), ()])
     grown = simulate(quiet, PROFILE, Scripted((1, 1), [(3, 1)]), FleetConfig(gpus=8, startup_s=60.0, flexible=True))
     assert grown.gpu_seconds == pytest.approx(2 * grown.end_s + 2 * (grown.end_s - 20.0))
+
+
+def test_the_flexible_law_moves_its_split_by_flips_when_prompts_grow() -> None:
+    """Short prompts with long answers, then long prompts with short ones, on four GPUs:
+    the flexible law flips a decode engine to prefill, with no start-up, and has three
+    prefill engines serving before the fixed-role law does."""
+    from pdcluster.api.v1alpha1 import PDClusterSpec
+    from pdcluster.sim.policies import FlexiblePDCluster, PDCluster
+
+    short = trace(9000, rate=30.0, seed=5, isl=(200, 600), osl=(300, 600))
+    long = trace(9000, rate=30.0, seed=6, isl=(6000, 10000), osl=(20, 50))
+    shifted = Trace(
+        "shift", [*short.arrival_s, *(t + short.arrival_s[-1] for t in long.arrival_s)],
+        [*short.input_tokens, *long.input_tokens], [*short.output_tokens, *long.output_tokens],
+        [*short.blocks, *long.blocks],
+    )  # fmt: skip
+    spec = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "simulated"},
+            "prefill": {"replicas": 2, "maxReplicas": 3},
+            "decode": {"replicas": 2, "maxReplicas": 3},
+            "autoscaling": {"enabled": True, "gpuBudget": 4, "intervalSeconds": 15, "windowSeconds": 30},
+        }
+    )
+    flexible = simulate(shifted, PROFILE, FlexiblePDCluster(spec, PROFILE), FleetConfig(gpus=4, flexible=True))
+    fixed = simulate(shifted, PROFILE, PDCluster(spec, PROFILE), FleetConfig(gpus=4))
+    assert all(flexible.finished) and all(fixed.finished)
+    assert flexible.flips >= 1 and fixed.flips == 0
+    assert max(row[5] for row in flexible.timeline) <= 4
+
+    def three_prefill(result) -> float:
+        return next(t for t, p, *_ in result.timeline if p == 3)
+
+    assert three_prefill(flexible) < three_prefill(fixed)
+    # No flapping: the split never moves back within a minute.
+    splits = [(t, p) for t, p, _, _ in flexible.decisions]
+    assert not any(
+        c[1] == a[1] and c[0] - a[0] < 60 for a, _, c in zip(splits, splits[1:], splits[2:], strict=False)
+    )

@@ -40,7 +40,7 @@ from pdcluster.sim.llmd import LLMD
 from pdcluster.sim.oracle import Oracle
 from pdcluster.sim.plan_config import PlanConfig, PolicyKnobs, Start
 from pdcluster.sim.plan_policies import PolicyChoice, PolicyKind
-from pdcluster.sim.policies import PDCluster, Static
+from pdcluster.sim.policies import FlexiblePDCluster, PDCluster, Static
 from pdcluster.sim.scoring import SLO, Score, band, score
 from pdcluster.sim.trace import Trace, TraceError, load_trace
 
@@ -143,7 +143,7 @@ def make_policy(choice: PolicyChoice, setup: Setup, start: tuple[int, int] | Non
     if kind is PolicyKind.PDCLUSTER:  # as deployed by default: no profile, capacity learned online
         return PDCluster(spec_for(setup, start), None)
     if kind is PolicyKind.PDCLUSTER_FLEX:
-        return PDCluster(spec_for(setup, start), None, choice.name)
+        return FlexiblePDCluster(spec_for(setup, start), None, choice.name)
     if kind is PolicyKind.PDCLUSTER_PRIOR:  # given the simulated engines' own profile as the prior
         return PDCluster(spec_for(setup, start, prior=True), setup.profile, choice.name)
     if kind is PolicyKind.ORACLE:

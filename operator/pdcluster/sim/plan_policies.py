@@ -20,8 +20,8 @@ class PolicyKind(Enum):
     ORACLE = "oracle"
     PDCLUSTER = "pdcluster"
     PDCLUSTER_PRIOR = "pdcluster-prior"
-    # The same law on flexible engines (spec.mode flexible): a split change at the same
-    # size moves drained engines between the roles instead of restarting pods.
+    # The law on flexible engines (spec.mode flexible): the size as the law decides it,
+    # the split every interval by the engines needed per role, moved by flips.
     PDCLUSTER_FLEX = "pdcluster-flex"
 
 
