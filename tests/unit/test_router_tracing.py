@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from typing import Any
 
 import orjson
@@ -12,7 +13,7 @@ import pytest
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.render.engine import engine_args, engine_env
 from pdcluster.render.names import Owner
-from pdcluster.render.router import router_args
+from pdcluster.render.router import router_args, router_env
 from pdcluster.router.tracing import CLIENT, SERVER, Tracing, parent_of
 
 CLIENT_HEADER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -24,10 +25,10 @@ def tracing(ratio: float = 1.0, **kwargs: Any) -> Tracing:
 
 def sent(t: Tracing) -> dict[str, dict[str, Any]]:
     """The spans of the batch `t` would send now, by name, attributes as a dict."""
-    body = t.take()
-    if body is None:
+    batch = t.take()
+    if batch is None:
         return {}
-    [resource] = orjson.loads(body)["resourceSpans"]
+    [resource] = orjson.loads(batch[0])["resourceSpans"]
     assert resource["resource"]["attributes"] == [
         {"key": "service.name", "value": {"stringValue": "pdcluster-router"}}
     ]
@@ -94,13 +95,15 @@ def test_the_sample_ratio_holds_for_requests_without_a_parent(ratio: float) -> N
     assert sampled == ratio if ratio in (0.0, 1.0) else abs(sampled - ratio) < 0.06
 
 
-def test_a_full_queue_drops_and_counts_instead_of_growing() -> None:
-    t = tracing(max_queued_spans=5)
-    for _ in range(4):
-        request = t.request("/v1/completions", None)
+def test_a_full_queue_drops_the_oldest_spans_and_counts_them() -> None:
+    dropped: Counter[str] = Counter()
+    t = tracing(max_queued_spans=5, on_drop=lambda reason, spans: dropped.update({reason: spans}))
+    for path in ("/first", "/second", "/third", "/fourth"):
+        request = t.request(path, None)
         request.stage("admission", time.time_ns())
         request.end(200)
-    assert t.queued_spans == 4 and t.dropped_spans == 4  # two traces of two spans each fit
+    assert t.queued_spans == 4 and dropped == {"queue_full": 4}  # two traces of two spans each fit
+    assert {"router /third", "router /fourth"} < sent(t).keys()  # the newest
 
 
 async def test_batches_leave_when_full_and_on_close() -> None:
@@ -141,6 +144,7 @@ def test_tracing_renders_on_the_router_and_the_engines() -> None:
     owner = Owner("c", "ns", "uid")
     assert "--otlp-traces-endpoint=http://otel:4318/v1/traces" in router_args(spec, owner)
     assert "--trace-sample-ratio=0.25" in router_args(spec, owner)
+    assert "OTEL_EXPORTER_OTLP_TRACES_HEADERS" not in {e["name"] for e in router_env(spec)}
     for role in ("prefill", "decode"):
         args = engine_args(spec, role)
         assert args[args.index("--otlp-traces-endpoint") + 1] == "http://otel:4318/v1/traces"
@@ -149,3 +153,21 @@ def test_tracing_renders_on_the_router_and_the_engines() -> None:
         assert env["OTEL_RESOURCE_ATTRIBUTES"] == f"pdcluster.cluster=c,pdcluster.role={role}"
     off = PDClusterSpec.model_validate({"model": {"name": "m"}})
     assert not any("otlp" in a for a in router_args(off, owner) + engine_args(off, "prefill"))
+
+
+def test_the_headers_secret_reaches_the_router_and_the_engines_from_the_environment() -> None:
+    secret = {"name": "collector-auth", "key": "headers"}
+    spec = PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "tracing": {"enabled": True, "endpoint": "http://otel:4318", "headersSecret": secret},
+        }
+    )
+    owner = Owner("c", "ns", "uid")
+    from_secret = {"name": "OTEL_EXPORTER_OTLP_TRACES_HEADERS", "valueFrom": {"secretKeyRef": secret}}
+    assert from_secret in router_env(spec)
+    for role in ("prefill", "decode"):
+        assert from_secret in engine_env(spec, owner, role)
+    assert not any("collector-auth" in a for a in router_args(spec, owner))  # a credential stays out of args
+    off = spec.model_copy(update={"tracing": spec.tracing.model_copy(update={"enabled": False})})
+    assert from_secret not in router_env(off) and from_secret not in engine_env(off, owner, "prefill")
