@@ -14,7 +14,16 @@ from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.render.engine import engine_args, engine_env
 from pdcluster.render.names import Owner
 from pdcluster.render.router import router_args, router_env
-from pdcluster.router.tracing import CLIENT, SERVER, Answer, Backoff, Tracing, parent_of, retry_after, send
+from pdcluster.router.tracing import (
+    CLIENT,
+    SERVER,
+    Answer,
+    Backoff,
+    Tracing,
+    parent_of,
+    retry_after,
+    send_with_retries,
+)
 
 CLIENT_HEADER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -208,7 +217,7 @@ async def test_retries_back_off_exponentially_and_follow_retry_after() -> None:
     collector = ScriptedCollector(
         Answer(503, retry_after_s=3.0), Answer(429), Answer(None, error="connection refused"), Answer(200)
     )
-    answer = await send(collector.post, 10.0, NO_JITTER, clock=clock, sleep=clock.sleep)
+    answer = await send_with_retries(collector.post, 10.0, NO_JITTER, clock=clock, sleep=clock.sleep)
     assert answer.delivered
     # Retry-After replaces the first wait; the backoff goes on from there: 2 s, 4 s.
     assert clock.waits == [3.0, 2.0, 4.0]
@@ -218,16 +227,27 @@ async def test_retries_back_off_exponentially_and_follow_retry_after() -> None:
 async def test_retries_stop_before_the_export_timeout() -> None:
     clock = FakeClock()
     collector = ScriptedCollector(*[Answer(503)] * 10)
-    answer = await send(collector.post, 10.0, NO_JITTER, clock=clock, sleep=clock.sleep)
+    answer = await send_with_retries(collector.post, 10.0, NO_JITTER, clock=clock, sleep=clock.sleep)
     assert answer.status == 503 and not answer.delivered
     assert clock.waits == [1.0, 2.0, 4.0]  # a wait of 8 s more would end past 10 s
     assert len(collector.time_left) == 4
 
 
+async def test_a_sleep_that_overruns_the_timeout_ends_the_export() -> None:
+    clock = FakeClock()
+
+    async def late_sleep(seconds: float) -> None:
+        await clock.sleep(seconds + 20.0)  # a loop too busy to wake on time
+
+    collector = ScriptedCollector(Answer(503), Answer(200))
+    answer = await send_with_retries(collector.post, 10.0, NO_JITTER, clock=clock, sleep=late_sleep)
+    assert answer.status == 503 and collector.time_left == [10.0]  # no attempt with no time left
+
+
 async def test_a_retry_after_past_the_timeout_ends_the_export_at_once() -> None:
     clock = FakeClock()
     collector = ScriptedCollector(Answer(429, retry_after_s=30.0), Answer(200))
-    answer = await send(collector.post, 10.0, NO_JITTER, clock=clock, sleep=clock.sleep)
+    answer = await send_with_retries(collector.post, 10.0, NO_JITTER, clock=clock, sleep=clock.sleep)
     assert answer.status == 429 and clock.waits == []
 
 
@@ -235,7 +255,7 @@ async def test_a_retry_after_past_the_timeout_ends_the_export_at_once() -> None:
 async def test_other_errors_are_final(status: int) -> None:
     clock = FakeClock()
     collector = ScriptedCollector(Answer(status), Answer(200))
-    answer = await send(collector.post, 10.0, NO_JITTER, clock=clock, sleep=clock.sleep)
+    answer = await send_with_retries(collector.post, 10.0, NO_JITTER, clock=clock, sleep=clock.sleep)
     assert answer.status == status and not answer.retryable and clock.waits == []
 
 

@@ -126,7 +126,7 @@ class Tracing:
     """Makes request traces and sends their spans to an OTLP/HTTP endpoint.
 
     Finished traces wait in memory until `batch_spans` of them are there or `interval_s`
-    has passed, then go in one POST, retried as `send` does. At most `max_queued_spans`
+    has passed, then go in one POST, retried as `send_with_retries` does. At most `max_queued_spans`
     wait: past that the oldest are dropped (newer spans say more about a collector that is
     back), and every dropped span is reported to `on_drop` with its reason.
     """
@@ -242,13 +242,14 @@ class Tracing:
                     if 200 <= response.status < 300:
                         return Answer(response.status)
                     return Answer(
-                        response.status, retry_after(response.headers.get("Retry-After")),
-                        (await response.text())[:200],
-                    )  # fmt: skip
+                        response.status,
+                        retry_after_s=retry_after(response.headers.get("Retry-After")),
+                        error=(await response.read())[:200].decode(errors="replace"),
+                    )
             except (aiohttp.ClientError, TimeoutError) as e:
                 return Answer(None, error=str(e) or type(e).__name__)
 
-        answer = await send(post, self.timeout_s, self.backoff)
+        answer = await send_with_retries(post, self.timeout_s, self.backoff)
         if answer.delivered:
             return True
         reason = DROP_REFUSED if answer.status is not None and not answer.retryable else DROP_UNREACHABLE
@@ -325,7 +326,7 @@ def retry_after(value: str | None) -> float | None:
     return seconds if seconds >= 0 and math.isfinite(seconds) else None
 
 
-async def send(
+async def send_with_retries(
     post: Callable[[float], Awaitable[Answer]],
     timeout_s: float,
     backoff: Backoff,
@@ -337,15 +338,19 @@ async def send(
     begin past `timeout_s`, the OTLP exporter's bound on one export, retries included;
     returns the last answer."""
     deadline = clock() + timeout_s
+    time_left = timeout_s
     retry = 0
     while True:
-        answer = await post(max(deadline - clock(), 0.0))
+        answer = await post(time_left)
         if answer.delivered or not answer.retryable:
             return answer
         wait = answer.retry_after_s if answer.retry_after_s is not None else backoff.delay(retry)
         if clock() + wait >= deadline:
             return answer
         await sleep(wait)
+        time_left = deadline - clock()
+        if time_left <= 0:  # a sleep that overran; a zero timeout would mean none to aiohttp
+            return answer
         retry += 1
 
 
