@@ -294,6 +294,10 @@ class RouterService:
                 on_drop=lambda reason, spans: dropped[reason].inc(spans),
             )
             tracing.start()
+            log.info(
+                "tracing: %g of requests to %s as service %s, headers %s",  # names only: values may be secrets
+                export.sample_ratio, export.endpoint, export.resource["service.name"], sorted(export.headers) or "none",
+            )  # fmt: skip
         store = self._store(services.engines)
         policy = make_policy(args.policy, BLOCK_TOKENS)
         self.router = Router(services, self.session, policy, store=store, prober=prober, tracing=tracing)
