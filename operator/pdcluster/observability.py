@@ -103,6 +103,11 @@ ROUTER_EXACT_OUTCOMES: Final = ("ok", "error", "unsupported")
 # prompt tokens the picked engine holds in its prefix cache, by what says so
 ROUTER_CACHED_PROMPT_TOKENS: Final = "pdcluster_router_cached_prompt_tokens"  # counter{source}
 ROUTER_CACHE_SOURCES: Final = ("events", "guess")
+# spans the router's trace export dropped: queue_full (more waited than it keeps),
+# refused (the collector answered a final error: 400, 401, ...), unreachable (no answer,
+# or only retryable ones, within the export timeout)
+ROUTER_TRACE_SPANS_DROPPED: Final = "pdcluster_router_trace_spans_dropped"  # counter{reason}
+ROUTER_TRACE_DROP_REASONS: Final = ("queue_full", "refused", "unreachable")
 ROUTER_STORE_OUTCOMES: Final = ("hit", "partial", "miss", "short", "error", "unsupported")
 ROUTER_STORE_LOOKUP_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25,

@@ -114,6 +114,10 @@ def _secret_users(spec: PDClusterSpec) -> list[tuple[str, str, set[str]]]:
     if spec.engine.api_key_secret:
         ref = spec.engine.api_key_secret
         out.append((ref.name, ref.key, {C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_ROUTER}))
+    if spec.tracing.enabled and spec.tracing.headers_secret:
+        ref = spec.tracing.headers_secret
+        engines = {C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_COLOCATED, C.ROLE_FLEXIBLE}
+        out.append((ref.name, ref.key, engines | {C.ROLE_ROUTER}))
     return out
 
 

@@ -157,6 +157,15 @@ async def test_drift_by_someone_else_is_put_back() -> None:
     assert (kube.live("StatefulSet", "c-decode") or {})["spec"]["replicas"] == 1
 
 
+async def test_a_missing_tracing_headers_secret_holds_back_all_that_export_spans() -> None:
+    kube = FakeKube()
+    tracing = {"enabled": True, "endpoint": "http://otel:4318", "headersSecret": {"name": "otel", "key": "headers"}}
+    body = await run(kube, pdcluster(kube, tracing=tracing))
+    applied = {n for _, k, n in kube.written("apply") if k in ("StatefulSet", "Deployment")}
+    assert applied == {"c-mooncake-master"}  # the router and the engines send the header
+    assert "Secret ns/otel does not exist" in condition(body, "Degraded")["message"]
+
+
 async def test_a_missing_secret_holds_the_engines_back_and_warns_after_the_status() -> None:
     kube = FakeKube()
     body = await run(kube, pdcluster(kube, engine={"hfTokenSecret": {"name": "hf"}}))

@@ -29,7 +29,16 @@ from typing import Any
 from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import EnvVar, PDClusterSpec, Resources, RoleSpec, RouterPolicy
 from pdcluster.render import mooncake, rdma
-from pdcluster.render.names import Owner, env_field, labels, metadata, scrape_annotations, selector
+from pdcluster.render.names import (
+    TRACES_HEADERS_ENV,
+    Owner,
+    env_field,
+    env_secret,
+    labels,
+    metadata,
+    scrape_annotations,
+    selector,
+)
 from pdcluster.vllm import kvtransfer as kvt
 
 # A flexible engine is both: each request's kv_transfer_params make it prefill or decode
@@ -189,7 +198,7 @@ def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, A
         ("VLLM_API_KEY", spec.engine.api_key_secret),
     ):
         if ref is not None:
-            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+            env.append(env_secret(name, ref))
     if spec.tracing.enabled:
         # vllm/tracing/otel.py picks its exporter by this (gRPC by default); the SDK names
         # the engine's spans' resource from the other two.
@@ -201,6 +210,8 @@ def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, A
                 "value": f"pdcluster.cluster={owner.name},pdcluster.role={role}",
             },
         ]
+        if spec.tracing.headers_secret is not None:
+            env.append(env_secret(TRACES_HEADERS_ENV, spec.tracing.headers_secret))
     env += rdma.env(spec) + rdma.transfer_env(spec)
     # A name set twice is invalid in a server-side apply (env is a map keyed by name):
     # the user's entries replace ours, the role's replace the engine's.

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdcluster import __version__
 from pdcluster import constants as C
+
+if TYPE_CHECKING:
+    from pdcluster.api.v1alpha1 import SecretKeyRef
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,14 @@ def scrape_annotations(port: int, path: str = "/metrics") -> dict[str, str]:
 
 def env_field(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def env_secret(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+# The OpenTelemetry SDK (vLLM's) and the router both read the export's headers from here.
+TRACES_HEADERS_ENV = "OTEL_EXPORTER_OTLP_TRACES_HEADERS"
 
 
 def restricted_pod() -> dict[str, Any]:

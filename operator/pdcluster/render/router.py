@@ -9,8 +9,10 @@ from pdcluster import constants as C
 from pdcluster import flexible
 from pdcluster.api.v1alpha1 import PDClusterSpec, RouterPolicy, ServingMode
 from pdcluster.render.names import (
+    TRACES_HEADERS_ENV,
     Owner,
     env_field,
+    env_secret,
     labels,
     metadata,
     restricted_container,
@@ -106,6 +108,14 @@ def store_hit_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     ]
 
 
+def router_env(spec: PDClusterSpec) -> list[dict[str, Any]]:
+    env = [env_field("POD_NAMESPACE", "metadata.namespace"), env_field("POD_NAME", "metadata.name")]
+    if spec.tracing.enabled and spec.tracing.headers_secret is not None:
+        # From the environment, not a flag: a credential stays out of the pod's args.
+        env.append(env_secret(TRACES_HEADERS_ENV, spec.tracing.headers_secret))
+    return env
+
+
 def deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, Any]:
     r = spec.router
     role = C.ROLE_ROUTER
@@ -122,10 +132,7 @@ def deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, An
                 "imagePullPolicy": r.image_pull_policy,
                 "command": ["pdcluster-router"],
                 "args": router_args(spec, owner),
-                "env": [
-                    env_field("POD_NAMESPACE", "metadata.namespace"),
-                    env_field("POD_NAME", "metadata.name"),
-                ],
+                "env": router_env(spec),
                 "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
                 "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
                 "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},

@@ -25,6 +25,7 @@ from pdcluster.router.http import HttpServer
 from pdcluster.router.kvevents import KvEventFeed, Source
 from pdcluster.router.membership import Pool, Upstream
 from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.otlp_config import export_config
 from pdcluster.router.policy import POLICIES, Admission, KvIndex, make_policy
 from pdcluster.router.probe import KvProber
 from pdcluster.router.prompt import BLOCK_TOKENS
@@ -240,13 +241,15 @@ def _add_tracing(p: argparse.ArgumentParser) -> None:
         "--otlp-traces-endpoint",
         metavar="URL",
         help="send OpenTelemetry spans of each request over OTLP/HTTP to this URL, e.g. "
-        "http://collector:4318/v1/traces, and a traceparent to the engines; unset: no tracing",
+        "http://collector:4318/v1/traces, and a traceparent to the engines; unset: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, else no tracing "
+        "(headers, timeout and resource come from the other OTEL_* variables)",
     )
     traces.add_argument(
         "--trace-sample-ratio",
         type=float,
-        default=1.0,
-        help="the share of requests traced (a client's sampled traceparent is followed)",
+        help="the share of requests traced (a client's sampled traceparent is followed); unset: "
+        "OTEL_TRACES_SAMPLER_ARG where OTEL_TRACES_SAMPLER is a traceidratio one, else 1",
     )
 
 
@@ -284,11 +287,24 @@ class RouterService:
                 on_change=(lambda: self._publish(publisher)) if publisher is not None else lambda: None,
             )
         tracing = None
-        if args.otlp_traces_endpoint:
+        export = export_config(args.otlp_traces_endpoint, args.trace_sample_ratio, os.environ)
+        if export is not None:
             from pdcluster.router.tracing import Tracing
 
-            tracing = Tracing(args.otlp_traces_endpoint, args.trace_sample_ratio)
+            dropped = services.metrics.trace_spans_dropped
+            tracing = Tracing(
+                export.endpoint,
+                export.sample_ratio,
+                headers=export.headers,
+                resource=export.resource,
+                timeout_s=export.timeout_s,
+                on_drop=lambda reason, spans: dropped[reason].inc(spans),
+            )
             tracing.start()
+            log.info(
+                "tracing: %g of requests to %s as service %s, headers %s",  # names only: values may be secrets
+                export.sample_ratio, export.endpoint, export.resource["service.name"], sorted(export.headers) or "none",
+            )  # fmt: skip
         store = self._store(services.engines)
         policy = make_policy(args.policy, BLOCK_TOKENS)
         self.router = Router(services, self.session, policy, store=store, prober=prober, tracing=tracing)
@@ -461,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         parser().error("--kube needs --cluster")
     if not args.kube and not (args.prefill and args.decode) and not args.colocated and not args.flexible:
         parser().error("give --kube, at least one --prefill and one --decode, --colocated or --flexible")
-    if not 0.0 <= args.trace_sample_ratio <= 1.0:
+    if args.trace_sample_ratio is not None and not 0.0 <= args.trace_sample_ratio <= 1.0:
         parser().error("--trace-sample-ratio must be between 0 and 1")
     if not args.kube and bool(args.prefill) != bool(args.decode):
         parser().error("--prefill and --decode come together: a prefill needs a decode to hand its KV to")

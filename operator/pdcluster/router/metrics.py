@@ -142,6 +142,12 @@ class RouterMetrics:
             obs.ROUTER_CIRCUIT_OPENS, "Times an engine was taken out of rotation after failing in a row.",
             ("role", "backend"), registry=r,
         )  # fmt: skip
+        dropped = Counter(
+            obs.ROUTER_TRACE_SPANS_DROPPED, "Spans the trace export dropped, by reason: queue_full, refused "
+            "(a final error from the collector), unreachable (not taken within the export timeout).",
+            ("reason",), registry=r,
+        )  # fmt: skip
+        self.trace_spans_dropped = {reason: dropped.labels(reason) for reason in obs.ROUTER_TRACE_DROP_REASONS}
 
     def _add_store(self, r: CollectorRegistry) -> None:
         lookups = Counter(

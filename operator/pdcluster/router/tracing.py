@@ -13,7 +13,10 @@ vLLM (`--otlp-traces-endpoint`, vllm/tracing/otel.py) makes its own request span
 children.
 
 Spans are sent as OTLP/HTTP JSON (opentelemetry-proto's JSON mapping: hex ids, int64 as
-strings), in batches from the event loop. Not the OpenTelemetry SDK: its span objects,
+strings), in batches from the event loop, with the headers and resource that
+otlp_config.py reads (the SDK's OTEL_* variables); a batch the collector cannot take now
+(429, 502, 503, 504, no answer) is retried with backoff within the export timeout, as
+the OTLP specification asks. Not the OpenTelemetry SDK: its span objects,
 context and batch thread cost more router CPU than the relay itself (3x the CPU of a
 short request in benchmarks/router_bench.py); a span here is a slotted object until its
 batch is written in one pass.
@@ -22,20 +25,24 @@ batch is written in one pass.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import logging
+import math
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 
+from pdcluster.observability import ROUTER_TRACE_DROP_REASONS
+from pdcluster.router.otlp_config import DEFAULT_TIMEOUT_S, SERVICE
+
 log = logging.getLogger(__name__)
 
-SERVICE = "pdcluster-router"
 SCOPE = "pdcluster.router"
 SERVER, CLIENT = 2, 3  # SpanKind in opentelemetry-proto trace.proto
 STATUS_ERROR = 2
@@ -119,8 +126,9 @@ class Tracing:
     """Makes request traces and sends their spans to an OTLP/HTTP endpoint.
 
     Finished traces wait in memory until `batch_spans` of them are there or `interval_s`
-    has passed, then go in one POST; at most `max_queued_spans` wait (more are dropped and
-    counted, as the SDK's BatchSpanProcessor does), and a failed POST is logged and dropped.
+    has passed, then go in one POST, retried as `send_with_retries` does. At most `max_queued_spans`
+    wait: past that the oldest are dropped (newer spans say more about a collector that is
+    back), and every dropped span is reported to `on_drop` with its reason.
     """
 
     def __init__(
@@ -128,23 +136,33 @@ class Tracing:
         endpoint: str,
         sample_ratio: float = 1.0,
         *,
+        headers: Mapping[str, str] | None = None,
+        resource: Mapping[str, str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         batch_spans: int = 512,
         interval_s: float = 1.0,
         max_queued_spans: int = 8192,
+        backoff: Backoff | None = None,
+        on_drop: Callable[[str, int], None] = lambda reason, spans: None,
         sink: Callable[[bytes], None] | None = None,
     ):
         self.endpoint = endpoint
         # TraceIdRatioBased: sampled when the trace id's low 64 bits fall below the bound.
         self.bound = round(min(max(sample_ratio, 0.0), 1.0) * (1 << 64))
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self.request_template = _request_template(resource or {"service.name": SERVICE})
+        self.timeout_s = timeout_s
         self.batch_spans = batch_spans
         self.interval_s = interval_s
         self.max_queued_spans = max_queued_spans
+        self.backoff = backoff or Backoff()
+        self.on_drop = on_drop
         self.sink = sink  # tests: receives each encoded batch instead of the endpoint
-        self.queued: list[tuple[int, list[Span]]] = []
+        self.queued: collections.deque[tuple[int, list[Span]]] = collections.deque()
         self.queued_spans = 0
-        self.dropped_spans = 0
-        self.sent_spans = 0
+        self._unlogged_drops = 0  # queue_full drops since the last warning
         self._full = asyncio.Event()
+        self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -158,27 +176,35 @@ class Tracing:
         return RequestTrace(self, trace_id, parent_id, sampled, path)
 
     def export(self, trace_id: int, spans: list[Span]) -> None:
-        if self.queued_spans + len(spans) > self.max_queued_spans:
-            self.dropped_spans += len(spans)
-            return
         self.queued.append((trace_id, spans))
         self.queued_spans += len(spans)
+        while self.queued_spans > self.max_queued_spans:
+            _, oldest = self.queued.popleft()
+            self.queued_spans -= len(oldest)
+            self._unlogged_drops += len(oldest)
+            self.on_drop(DROP_QUEUE_FULL, len(oldest))
         if self.queued_spans >= self.batch_spans:
             self._full.set()
 
-    def take(self) -> bytes | None:
-        """The queued spans as one OTLP JSON request body (None when there are none)."""
+    def take(self) -> tuple[bytes, int] | None:
+        """The oldest queued traces, `batch_spans` spans or a little more (a trace is not
+        split), as one OTLP JSON request body, and their span count; None when none wait."""
         if not self.queued:
             return None
-        queued, self.queued, self.queued_spans = self.queued, [], 0
-        return encode(queued)
+        batch, spans = [], 0
+        while self.queued and spans < self.batch_spans:
+            trace = self.queued.popleft()
+            batch.append(trace)
+            spans += len(trace[1])
+        self.queued_spans -= spans
+        return encode(batch, self.request_template), spans
 
     def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        self._session = aiohttp.ClientSession()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 async with asyncio.timeout(self.interval_s):
                     await self._full.wait()
@@ -187,39 +213,148 @@ class Tracing:
             self._full.clear()
             await self.flush()
 
-    async def flush(self) -> None:
-        dropped, self.dropped_spans = self.dropped_spans, 0
-        if dropped:
-            log.warning("tracing: dropped %d spans, more than %d were waiting", dropped, self.max_queued_spans)
-        body = self.take()
-        if body is None:
-            return
-        if self.sink is not None:
-            self.sink(body)
-            return
+    async def flush(self) -> bool:
+        """Sends the queued spans batch by batch; stops at a batch the collector did not
+        take (the rest wait for the next round). True when all were sent."""
+        if self._unlogged_drops:
+            log.warning(
+                "tracing: dropped the %d oldest spans, more than %d were waiting",
+                self._unlogged_drops, self.max_queued_spans,
+            )  # fmt: skip
+            self._unlogged_drops = 0
+        while (batch := self.take()) is not None:
+            body, spans = batch
+            if self.sink is not None:
+                self.sink(body)
+                continue
+            if not await self._send(body, spans):
+                return False
+        return True
+
+    async def _send(self, body: bytes, spans: int) -> bool:
         assert self._session is not None, "start() first"
-        try:
-            async with self._session.post(
-                self.endpoint, data=body, headers={"Content-Type": "application/json"}
-            ) as response:
-                if response.status != 200:
-                    log.warning("tracing: %s answered %d: %s", self.endpoint, response.status,
-                                (await response.text())[:200])  # fmt: skip
-        except (aiohttp.ClientError, TimeoutError) as e:
-            log.warning("tracing: cannot send spans to %s: %s", self.endpoint, e or type(e).__name__)
+        session = self._session
+
+        async def post(timeout_s: float) -> Answer:
+            try:
+                timeout = aiohttp.ClientTimeout(total=timeout_s)
+                async with session.post(self.endpoint, data=body, headers=self.headers, timeout=timeout) as response:
+                    if 200 <= response.status < 300:
+                        return Answer(response.status)
+                    return Answer(
+                        response.status,
+                        retry_after_s=retry_after(response.headers.get("Retry-After")),
+                        error=(await response.read())[:200].decode(errors="replace"),
+                    )
+            except (aiohttp.ClientError, TimeoutError) as e:
+                return Answer(None, error=str(e) or type(e).__name__)
+
+        answer = await send_with_retries(post, self.timeout_s, self.backoff)
+        if answer.delivered:
+            return True
+        reason = DROP_REFUSED if answer.status is not None and not answer.retryable else DROP_UNREACHABLE
+        log.warning(
+            "tracing: dropped %d spans, %s %s: %s", spans, self.endpoint,
+            f"answered {answer.status}" if answer.status is not None else "did not answer", answer.error,
+        )  # fmt: skip
+        self.on_drop(reason, spans)
+        return False
 
     async def close(self) -> None:
-        """Stops batching and sends what is left."""
+        """Stops batching and sends what is left: a batch being sent finishes (within the
+        export timeout), and what the collector does not take then is dropped."""
+        self._closing = True
+        self._full.set()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self.flush()
+            await self._task
+        if not await self.flush() and self.queued_spans:
+            self.on_drop(DROP_UNREACHABLE, self.queued_spans)
+            self.queued.clear()
+            self.queued_spans = 0
         if self._session is not None:
             await self._session.close()
 
 
-def encode(traces: list[tuple[int, list[Span]]]) -> bytes:
+# Why spans were dropped: the `reason` of observability.ROUTER_TRACE_SPANS_DROPPED.
+DROP_QUEUE_FULL, DROP_REFUSED, DROP_UNREACHABLE = ROUTER_TRACE_DROP_REASONS
+# The answers OTLP/HTTP says to retry; any other error is final.
+# https://opentelemetry.io/docs/specs/otlp/#failures-1 and #otlphttp-throttling
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How one POST of a batch went."""
+
+    status: int | None  # None: no answer (refused, reset, timed out)
+    retry_after_s: float | None = None  # the collector's Retry-After
+    error: str = ""
+
+    @property
+    def delivered(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is None or self.status in RETRYABLE_STATUSES
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The waits between the attempts of one export: exponential from `first_s`, at most
+    `max_s`, each drawn within +-`jitter` of that so that routers behind one collector
+    do not retry in step. A Retry-After replaces the drawn wait."""
+
+    first_s: float = 1.0
+    factor: float = 2.0
+    max_s: float = 8.0
+    jitter: float = 0.2
+
+    def delay(self, retry: int, draw: Callable[[float, float], float] = random.uniform) -> float:
+        """The wait before retry number `retry` (0: the first retry)."""
+        base = min(self.first_s * self.factor**retry, self.max_s)
+        return base * draw(1 - self.jitter, 1 + self.jitter) if self.jitter else base
+
+
+def retry_after(value: str | None) -> float | None:
+    """A Retry-After header's delay in seconds; None for an absent or an HTTP-date one
+    (collectors send seconds; a date falls back to the backoff)."""
+    try:
+        seconds = float(value or "")
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 and math.isfinite(seconds) else None
+
+
+async def send_with_retries(
+    post: Callable[[float], Awaitable[Answer]],
+    timeout_s: float,
+    backoff: Backoff,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> Answer:
+    """Posts (`post(seconds left)`) until an answer is final or the next attempt would
+    begin past `timeout_s`, the OTLP exporter's bound on one export, retries included;
+    returns the last answer."""
+    deadline = clock() + timeout_s
+    time_left = timeout_s
+    retry = 0
+    while True:
+        answer = await post(time_left)
+        if answer.delivered or not answer.retryable:
+            return answer
+        wait = answer.retry_after_s if answer.retry_after_s is not None else backoff.delay(retry)
+        if clock() + wait >= deadline:
+            return answer
+        await sleep(wait)
+        time_left = deadline - clock()
+        if time_left <= 0:  # a sleep that overran; a zero timeout would mean none to aiohttp
+            return answer
+        retry += 1
+
+
+def encode(traces: list[tuple[int, list[Span]]], request_template: bytes) -> bytes:
     """An OTLP ExportTraceServiceRequest in its JSON mapping, written span by span (a
     dict per span and one orjson pass cost three times as much)."""
     spans = []
@@ -240,20 +375,25 @@ def encode(traces: list[tuple[int, list[Span]]]) -> bytes:
                     b',"status":{"code":%d}' % STATUS_ERROR if s.error else b"",
                 )
             )
-    return _REQUEST % b",".join(spans)
+    return request_template % b",".join(spans)
 
 
 _SPAN = (
     b'{"traceId":"%s","spanId":"%016x"%s,"name":%s,"kind":%d,'
     b'"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":[%s]%s}'
 )
-_REQUEST = (
-    b'{"resourceSpans":[{"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"'
-    + SERVICE.encode()
-    + b'"}}]},"scopeSpans":[{"scope":{"name":"'
-    + SCOPE.encode()
-    + b'"},"spans":[%s]}]}]}'
-)
+
+
+def _request_template(resource: Mapping[str, str]) -> bytes:
+    """The request around the spans (`%s`), with the resource's attributes."""
+    attributes = b",".join(
+        b'{"key":%s,"value":{"stringValue":%s}}' % (orjson.dumps(key), orjson.dumps(value))
+        for key, value in resource.items()
+    )
+    return (
+        b'{"resourceSpans":[{"resource":{"attributes":[%s]},"scopeSpans":[{"scope":{"name":"%s"},'
+        b'"spans":[%%s]}]}]}' % (attributes, SCOPE.encode())
+    )
 
 
 def _attribute(key: str, v: Any) -> bytes:

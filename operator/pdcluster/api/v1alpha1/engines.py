@@ -193,6 +193,13 @@ class TracingSpec(Model):
     sample_percent: int = Field(
         100, ge=0, le=100, description="Share of requests traced; a client's sampled traceparent is followed."
     )
+    headers_secret: SecretKeyRef | None = Field(
+        None,
+        description="Secret key holding the headers every export sends, for a collector behind auth, as "
+        "`OTEL_EXPORTER_OTLP_HEADERS` writes them: `key=value` pairs joined by commas, values "
+        "percent-encoded (e.g. `authorization=Bearer%20abc`). The router and the engines get it as "
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS.",
+    )
 
     @property
     def traces_url(self) -> str:
