@@ -163,7 +163,8 @@ async def test_a_missing_tracing_headers_secret_holds_back_all_that_export_spans
     body = await run(kube, pdcluster(kube, tracing=tracing))
     applied = {n for _, k, n in kube.written("apply") if k in ("StatefulSet", "Deployment")}
     assert applied == {"c-mooncake-master"}  # the router and the engines send the header
-    assert "Secret ns/otel does not exist" in condition(body, "Degraded")["message"]
+    degraded = condition(body, "Degraded")
+    assert degraded["reason"] == "SecretNotFound" and "ns/otel" in degraded["message"]
 
 
 async def test_a_missing_secret_holds_the_engines_back_and_warns_after_the_status() -> None:
@@ -212,8 +213,9 @@ async def test_router_verdicts_become_the_kv_transfer_condition_and_one_warning(
     router.routers = {"c-router-abc"}
     await router.publish({"pairs": 2, "passed": 2, "failed": []})
     stored = await run(kube, body)
-    assert condition(stored, "KVTransfer")["status"] == "True"
-    assert "2 prefill -> decode pair(s) verified" in condition(stored, "KVTransfer")["message"]
+    verified = condition(stored, "KVTransfer")
+    assert (verified["status"], verified["reason"]) == ("True", "Verified")
+    assert verified["message"].startswith("2 ")  # the pairs verified
 
     bad = {"prefill": "c-prefill-1", "decode": "c-decode-0", "reason": "decode computed the prompt itself"}
     await router.publish({"pairs": 2, "passed": 1, "failed": [bad]})
@@ -221,7 +223,7 @@ async def test_router_verdicts_become_the_kv_transfer_condition_and_one_warning(
     stored = await run(kube, body)
     handoff = condition(stored, "KVTransfer")
     assert (handoff["status"], handoff["reason"]) == ("False", "HandOffFailed")
-    assert "c-prefill-1 -> c-decode-0: decode computed the prompt itself" in handoff["message"]
+    assert "c-prefill-1 -> c-decode-0" in handoff["message"]  # the pair out of rotation, by name
     assert [k for _, k, _ in kube.writes].count("Event") == 1, "one Warning, after the status write"
     kube.writes.clear()
     await run(kube, body)
