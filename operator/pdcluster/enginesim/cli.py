@@ -75,7 +75,7 @@ class SimConfig:
 
     @property
     def role(self) -> str:
-        kv_role = (self.kv_transfer_config or {}).get("kv_role")
+        kv_role = (self.kv_transfer_config or {}).get(kvt.ROLE_KEY)
         return ROLE_FOR_KV_ROLE.get(kv_role, "both") if kv_role else "both"
 
     @property
@@ -85,7 +85,7 @@ class SimConfig:
 
     @property
     def has_connector(self) -> bool:
-        return bool(self.kv_transfer_config and self.kv_transfer_config.get("kv_connector"))
+        return bool(self.kv_transfer_config and self.kv_transfer_config.get(kvt.CONNECTOR_KEY))
 
     @property
     def serves_bootstrap(self) -> bool:
@@ -93,7 +93,7 @@ class SimConfig:
         external one is configured (mooncake_connector.py should_launch_bootstrap_server)."""
         if not self.has_connector or self.role == "decode":
             return False
-        extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
+        extra = (self.kv_transfer_config or {}).get(kvt.EXTRA_KEY) or {}
         return not extra.get("bootstrap_server_address")
 
     @property
@@ -118,11 +118,11 @@ class SimConfig:
 def store_role(kv_config: dict[str, Any] | None) -> str | None:
     config = kv_config or {}
     children = [config]
-    if config.get("kv_connector") == "MultiConnector":
-        children = (config.get("kv_connector_extra_config") or {}).get("connectors") or []
+    if config.get(kvt.CONNECTOR_KEY) == kvt.MULTI_CONNECTOR:
+        children = (config.get(kvt.EXTRA_KEY) or {}).get(kvt.CHILDREN_KEY) or []
     for child in children:
-        if isinstance(child, dict) and child.get("kv_connector") == "MooncakeStoreConnector":
-            return str(child.get("kv_role") or config.get("kv_role") or kvt.KV_BOTH)
+        if isinstance(child, dict) and child.get(kvt.CONNECTOR_KEY) == kvt.STORE_CONNECTOR:
+            return str(child.get(kvt.ROLE_KEY) or config.get(kvt.ROLE_KEY) or kvt.KV_BOTH)
     return None
 
 
@@ -328,7 +328,7 @@ def _kv_transfer_config(
             kv_config[key] = _dotted_value(raw)
     if kv_config is not None and not isinstance(kv_config, dict):
         parser.error("--kv-transfer-config must be a JSON object")
-    if kv_config and kv_config.get("kv_connector") and kv_config.get("kv_role") not in ROLE_FOR_KV_ROLE:
+    if kv_config and kv_config.get(kvt.CONNECTOR_KEY) and kv_config.get(kvt.ROLE_KEY) not in ROLE_FOR_KV_ROLE:
         parser.error("--kv-transfer-config: kv_role must be kv_producer, kv_consumer or kv_both")
     return kv_config
 

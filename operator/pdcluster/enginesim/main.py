@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from pdcluster import __version__, perf
+from pdcluster import constants as C
 from pdcluster.enginesim.api import OpenAIServer
 from pdcluster.enginesim.cli import SimConfig, parse
 from pdcluster.enginesim.engine import EngineCore, Seq, TransferHook
@@ -184,7 +185,8 @@ class Simulator:
             for key in ("endpoint", "replay_endpoint"):
                 if config.get(key):
                     config[key] = str(config[key]).replace("*", bind, 1)
-            config.setdefault("endpoint", f"tcp://{bind}:5557")
+            # vLLM's default endpoint (config/kv_events.py), our KV_EVENTS_PORT.
+            config.setdefault("endpoint", f"tcp://{bind}:{C.KV_EVENTS_PORT}")
         return EventPublisher(config, rank)
 
     async def _faults(self, request: web.Request) -> web.Response:

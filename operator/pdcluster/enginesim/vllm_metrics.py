@@ -1,6 +1,8 @@
 """vLLM's Prometheus metrics, by the names, types, labels and buckets of vLLM 0.33
 (vllm/v1/metrics/loggers.py, vllm/v1/metrics/buckets.py, and the Mooncake connector's
-.../kv_connector/v1/mooncake/stats.py)."""
+.../kv_connector/v1/mooncake/stats.py). The names the operator and the router read are
+pdcluster.observability's; those only a dashboard or a client would read are written
+here, beside the one exposition that serves them."""
 
 from __future__ import annotations
 

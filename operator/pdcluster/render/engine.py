@@ -65,18 +65,18 @@ def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any] | None:
         if not spec.mooncake.store.enabled:
             return None
         return {
-            "kv_connector": kvt.STORE_CONNECTOR,
-            "kv_role": kvt.KV_BOTH,
-            "kv_connector_extra_config": {},
+            kvt.CONNECTOR_KEY: kvt.STORE_CONNECTOR,
+            kvt.ROLE_KEY: kvt.KV_BOTH,
+            kvt.EXTRA_KEY: {},
         }
     extra: dict[str, Any] = {"mooncake_protocol": spec.kv_protocol.value}
     devices = spec.kv_transfer.devices or ",".join(spec.rdma.hcas)
     if devices:
         extra["device_name"] = devices
     handoff = {
-        "kv_connector": kvt.HANDOFF_CONNECTOR,
-        "kv_role": KV_ROLE[role],
-        "kv_connector_extra_config": extra,
+        kvt.CONNECTOR_KEY: kvt.HANDOFF_CONNECTOR,
+        kvt.ROLE_KEY: KV_ROLE[role],
+        kvt.EXTRA_KEY: extra,
     }
     # A KV pull that fails makes decode compute the prompt itself, not fail the request
     # (vllm/config/kv_transfer.py; the scheduler reads it from the top-level config).
@@ -90,14 +90,14 @@ def kv_transfer_config(spec: PDClusterSpec, role: str) -> dict[str, Any] | None:
         # (store/worker.py: store_tp_size must be a multiple of the engine's TP).
         store_extra["store_tp_size"] = math.lcm(*tp)
     store = {
-        "kv_connector": kvt.STORE_CONNECTOR,
-        "kv_role": STORE_KV_ROLE[role],
-        "kv_connector_extra_config": store_extra,
+        kvt.CONNECTOR_KEY: kvt.STORE_CONNECTOR,
+        kvt.ROLE_KEY: STORE_KV_ROLE[role],
+        kvt.EXTRA_KEY: store_extra,
     }
     return {
-        "kv_connector": kvt.MULTI_CONNECTOR,
-        "kv_role": KV_ROLE[role],
-        "kv_connector_extra_config": {"connectors": [handoff, store]},
+        kvt.CONNECTOR_KEY: kvt.MULTI_CONNECTOR,
+        kvt.ROLE_KEY: KV_ROLE[role],
+        kvt.EXTRA_KEY: {kvt.CHILDREN_KEY: [handoff, store]},
         **recompute,
     }
 

@@ -9,6 +9,12 @@ KV_CONSUMER = "kv_consumer"
 KV_BOTH = "kv_both"
 KV_ROLES = (KV_PRODUCER, KV_CONSUMER, KV_BOTH)
 
+# The keys of a --kv-transfer-config, and of a MultiConnector's list of children.
+CONNECTOR_KEY = "kv_connector"
+ROLE_KEY = "kv_role"
+EXTRA_KEY = "kv_connector_extra_config"
+CHILDREN_KEY = "connectors"
+
 HANDOFF_CONNECTOR = "MooncakeConnector"
 STORE_CONNECTOR = "MooncakeStoreConnector"
 MULTI_CONNECTOR = "MultiConnector"
