@@ -24,10 +24,10 @@ import math
 from dataclasses import dataclass, replace
 
 from pdcluster.perf import Profile
+from pdcluster.vllm import defaults
 
-# vLLM's default per-step token budget for the OpenAI server on GPUs with >= 70 GiB
-# (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults).
-MAX_BATCHED_TOKENS = 8192
+# vLLM's default per-step token budget (pdcluster.vllm.defaults).
+MAX_BATCHED_TOKENS = defaults.MAX_NUM_BATCHED_TOKENS
 KV_LIMIT = 0.9  # plan decode KV below this share of capacity (vLLM preempts when full)
 # Plan prefill engines at most this busy: with batches of whole prompts and heavy-tailed
 # prompt lengths the wait grows much faster near saturation than a queueing formula says.

@@ -19,13 +19,10 @@ from typing import Any
 
 from pdcluster.constants import BOOTSTRAP_PORT
 from pdcluster.enginesim.vllm_flags import OPTIONAL_VALUE, VALUELESS, human_readable_int
+from pdcluster.vllm import defaults
 from pdcluster.vllm import kvtransfer as kvt
 
 ROLE_FOR_KV_ROLE = {kvt.KV_PRODUCER: "prefill", kvt.KV_CONSUMER: "decode", kvt.KV_BOTH: "both"}
-# vLLM 0.33 OpenAI-server defaults on an H100/H200-class GPU (engine/arg_utils.py
-# _set_default_max_num_seqs_and_batched_tokens_args).
-DEFAULT_MAX_NUM_SEQS = 1024
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 131072  # Llama 3.1's context; the simulator has no model config
 SIM_ABORT_TIMEOUT_S = 30.0  # vLLM's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT default is 480
 
@@ -163,9 +160,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--max-model-len", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
     p.add_argument(
-        "--max-num-batched-tokens", type=human_readable_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
+        "--max-num-batched-tokens", type=human_readable_int, default=defaults.MAX_NUM_BATCHED_TOKENS
     )
     p.add_argument("--kv-transfer-config", type=json.loads)
     p.add_argument("--kv-events-config", type=json.loads)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pdcluster.enginesim.prefix import PrefixCache
 from pdcluster.enginesim.vllm_metrics import EngineMetrics
 from pdcluster.perf import Profile
+from pdcluster.vllm import defaults
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,8 @@ class EngineCore:
         metrics: EngineMetrics,
         *,
         time_scale: float = 1.0,
-        max_num_seqs: int = 1024,
-        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = defaults.MAX_NUM_SEQS,
+        max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
         max_model_len: int = 131072,
         recompute_on_load_failure: bool = False,
         pull_kv: KvPull | None = None,

@@ -52,9 +52,8 @@ from pdcluster.router.policy import Backend, ExactBlocks, KvIndex, PreciseCache,
 from pdcluster.sim.fleet import Result
 from pdcluster.sim.policies import EPOCH
 from pdcluster.sim.trace import Trace
+from pdcluster.vllm.defaults import MAX_NUM_SEQS
 
-# vLLM's default on GPUs of 70 GiB or more (vllm/engine/arg_utils.py get_batch_defaults).
-MAX_NUM_SEQS = 1024
 ARRIVE, STEP_DONE, READY, CONTROL = 0, 1, 2, 3
 
 
