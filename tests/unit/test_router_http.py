@@ -153,7 +153,8 @@ async def test_expect_continue(server: tuple[HttpServer, App, int]) -> None:
     [
         post("/big", b"x" * 5000),
         # Chunked, with no end: refused once it passes the limit.
-        b"POST /big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + (b"1f4\r\n" + b"x" * 500 + b"\r\n") * 3,
+        b"POST /big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + (b"1f4\r\n" + b"x" * 500 + b"\r\n") * 3,
     ],
     ids=["declared", "chunked"],
 )

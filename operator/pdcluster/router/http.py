@@ -297,6 +297,7 @@ class _Connection(asyncio.Protocol):
         if self._task is not None:
             self._task.cancel()
         self.transport.write_eof()
+        server.connections.discard(self)  # counted with the refusals from now on, not the open connections
         if len(server.lingering) < server.max_connections:
             server.lingering.add(self)
             server.loop.call_later(LINGER_S, self.transport.close)
