@@ -15,10 +15,12 @@ handler_cancellation): the router's upstream requests are aborted with it.
 Slow and silent clients cannot hold it: each connection has one deadline for what it is
 doing (a head within `head_timeout_s` of the connection's opening or of the head's first
 byte on a kept-alive connection, a body within `body_timeout_s` of its head's end, the
-next request within `keepalive_s` of an answer), however the bytes trickle. A sweep over
-the open connections, a few times a second at most, cuts those past their deadline, so a
-request costs a few attribute writes and no timer of its own. A body declared over the
-limit is refused at its head, and connections past `max_connections` get a 503.
+next request within `keepalive_s` of an answer), however the bytes trickle; none while
+its request is answered. A sweep over the open connections once a second (more often for
+timeouts under 4 s) cuts those past their deadline, so a request costs a few attribute
+writes and no timer of its own. A body declared over the limit is refused at its head,
+and connections past `max_connections` get a 503; refusals linger (input read and
+dropped) for at most as many connections again.
 """
 
 from __future__ import annotations
