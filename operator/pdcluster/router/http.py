@@ -299,7 +299,7 @@ class _Connection(asyncio.Protocol):
         if self._task is not None:
             self._task.cancel()
         self.transport.write_eof()
-        server.connections.discard(self)  # counted with the refusals from now on, not the open connections
+        server.connections.discard(self)  # counted with the refusals now, not the open connections
         if len(server.lingering) < server.max_connections:
             server.lingering.add(self)
             server.loop.call_later(LINGER_S, self.transport.close)
@@ -442,8 +442,8 @@ class _Connection(asyncio.Protocol):
 
 class HttpServer:
     """Listens and dispatches every request to one handler. `on_cut` is told each time the
-    front cuts a connection, and why: head_timeout, body_timeout, too_large, over_limit; `clock` (the loop's by default) is
-    what the deadlines are kept on."""
+    front cuts a connection, and why: head_timeout, body_timeout, too_large, over_limit.
+    `clock` (the loop's by default) is what the deadlines are kept on."""
 
     def __init__(
         self,
