@@ -94,6 +94,10 @@ ROUTER_RESUME_OUTCOMES: Final = ("resumed", "not_resumable")
 ROUTER_KV_PROBES: Final = "pdcluster_router_kv_probes"  # counter{outcome}
 ROUTER_KV_PAIRS: Final = "pdcluster_router_kv_pairs"  # gauge{verdict}: passed | failed | unverified
 ROUTER_CIRCUIT_OPENS: Final = "pdcluster_router_circuit_opens"  # counter{role, backend}
+# client connections the router's HTTP front cut: slow or silent clients, bodies over the
+# limit refused at their head, connections past the limit
+ROUTER_CONNECTIONS_CUT: Final = "pdcluster_router_connections_cut"  # counter{reason}
+ROUTER_CONNECTION_CUT_REASONS: Final = ("head_timeout", "body_timeout", "too_large", "over_limit")
 # precise-prefix routing: engines' KV events and prompts' exact block hashes
 ROUTER_KV_EVENT_BATCHES: Final = "pdcluster_router_kv_event_batches"  # counter
 ROUTER_KV_EVENT_LOSSES: Final = "pdcluster_router_kv_event_losses"  # counter{reason}

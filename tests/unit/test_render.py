@@ -468,6 +468,17 @@ def test_prefill_keeps_kv_no_longer_than_the_router_waits() -> None:
         assert env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] == "90"
 
 
+def test_the_router_connection_limits_reach_its_args_and_the_router_takes_them() -> None:
+    from pdcluster.router.main import parser
+
+    connections = {"headTimeoutSeconds": 10, "bodyTimeoutSeconds": 20, "maxConnections": 500}
+    spec = PDClusterSpec.model_validate({"model": {"name": "m"}, "router": {"connections": connections}})
+    args = router_render.router_args(spec, Owner("pd", "serving", "uid-1"))
+    assert {"--head-timeout=10", "--body-timeout=20", "--max-connections=500"} <= set(args)
+    parsed = parser().parse_args(args)
+    assert (parsed.head_timeout, parsed.body_timeout, parsed.max_connections) == (10.0, 20.0, 500)
+
+
 def test_a_colocated_pool_serves_whole_requests() -> None:
     """No hand-off connector and no bootstrap server; chunked prefill on; with the store,
     MooncakeStoreConnector alone reads and writes; the router neither probes hand-offs

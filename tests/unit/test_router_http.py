@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -14,11 +15,13 @@ from pdcluster.router.http import HttpServer, Request, Response, Stream
 
 
 class App:
-    """Echoes requests; /stream streams three parts; /slow waits until cancelled."""
+    """Echoes requests; /stream streams three parts; /slow waits until cancelled; /wait
+    until released."""
 
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
         self.started = asyncio.Event()
+        self.release = asyncio.Event()
 
     async def __call__(self, request: Request) -> Response | Stream:
         if request.path == "/stream":
@@ -34,10 +37,10 @@ class App:
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise
+        if request.path == "/wait":
+            await self.release.wait()
         if request.path == "/boom":
             raise RuntimeError("handler bug")
-        if request.too_large:
-            return Response(413, b"too large")
         echo = {
             "method": request.method,
             "path": request.path,
@@ -54,7 +57,7 @@ def error_body(status: int, message: str) -> bytes:
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[HttpServer, App, int]]:
     app = App()
-    srv = HttpServer(app, error_body, max_body=1000, keepalive_s=0.5)
+    srv = HttpServer(app, error_body, max_body=1000)
     port = await srv.start("127.0.0.1", 0)
     yield srv, app, port
     await srv.close()
@@ -146,14 +149,25 @@ async def test_expect_continue(server: tuple[HttpServer, App, int]) -> None:
     writer.close()
 
 
-async def test_a_body_over_the_limit_reaches_the_handler_marked_and_the_connection_closes(
-    server: tuple[HttpServer, App, int],
+@pytest.mark.parametrize(
+    "raw",
+    [
+        post("/big", b"x" * 5000),
+        # Chunked, with no end: refused once it passes the limit.
+        b"POST /big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + (b"1f4\r\n" + b"x" * 500 + b"\r\n") * 3,
+    ],
+    ids=["declared", "chunked"],
+)
+async def test_a_body_over_the_limit_is_refused_by_the_front_and_the_connection_closes(
+    server: tuple[HttpServer, App, int], raw: bytes
 ) -> None:
     _, _, port = server
     reader, writer = await connect(port)
-    writer.write(post("/big", b"x" * 5000))
+    writer.write(raw)
     status, headers, body = await read_response(reader)
-    assert (status, body, headers["connection"]) == (413, b"too large", "close")
+    assert (status, headers["connection"]) == (413, "close")
+    assert orjson.loads(body)["error"]["code"] == 413
     assert await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
 
@@ -217,23 +231,6 @@ async def test_a_client_that_leaves_cancels_its_handler(
     await wait_until(lambda: not srv.connections, interval=0.01, message="the connection forgotten")
 
 
-async def test_idle_keep_alive_connections_are_closed_busy_ones_are_not(
-    server: tuple[HttpServer, App, int],
-) -> None:
-    srv, app, port = server
-    idle_reader, idle = await connect(port)
-    idle.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-    await read_response(idle_reader)
-    busy_reader, busy = await connect(port)
-    busy.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-    await asyncio.wait_for(app.started.wait(), 5)
-    # keepalive_s is 0.5 and the reaper runs every 0.5 s: gone within about a second.
-    assert await asyncio.wait_for(idle_reader.read(), 5) == b""
-    assert len(srv.connections) == 1 and not busy_reader.at_eof()
-    busy.close()
-    idle.close()
-
-
 async def test_close_cancels_what_runs_and_stops_listening(server: tuple[HttpServer, App, int]) -> None:
     srv, app, port = server
     reader, writer = await connect(port)
@@ -257,3 +254,198 @@ def test_a_response_header_cannot_split_the_response(header: tuple[str, str]) ->
     with pytest.raises(ValueError, match="invalid response header"):
         _head(200, [header], close=False)
     assert b"X-Id: a\tb\r\n" in _head(200, [("X-Id", "a\tb")], close=False)
+
+
+# ---------------------------------------------------------------------- deadlines, on a fake clock
+# Connections on fake transports: bytes arrive when a test says, the clock moves when a
+# test says, and the sweep runs when a test calls it.
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeTransport:
+    def __init__(self, conn: asyncio.Protocol) -> None:
+        self.conn = conn
+        self.written = bytearray()
+        self.wrote = asyncio.Event()
+        self.resumed = asyncio.Event()
+        self.eof = False
+        self.closed = False
+        self.reading = True
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+        self.wrote.set()
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.conn.connection_lost(None)
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+        self.resumed.set()
+
+    async def answer(self) -> bytes:
+        """What the front writes next (handlers run on the loop)."""
+        await asyncio.wait_for(self.wrote.wait(), 5)
+        self.wrote.clear()
+        out = bytes(self.written)
+        self.written.clear()
+        return out
+
+
+@dataclass
+class Front:
+    server: HttpServer
+    clock: FakeClock
+    app: App
+    cuts: list[str] = field(default_factory=list)
+
+    def open(self) -> FakeTransport:
+        conn = self.server.connection()
+        transport = FakeTransport(conn)
+        conn.connection_made(transport)
+        return transport
+
+    def at(self, now: float) -> None:
+        """Move the clock and sweep."""
+        self.clock.now = now
+        self.server.expire(now)
+
+
+@pytest.fixture
+async def front() -> AsyncIterator[Front]:
+    clock, app = FakeClock(), App()
+    cuts: list[str] = []
+    srv = HttpServer(
+        app,
+        error_body,
+        max_body=1000,
+        keepalive_s=75,
+        head_timeout_s=30,
+        body_timeout_s=60,
+        max_connections=3,
+        on_cut=cuts.append,
+        clock=clock,
+    )
+    yield Front(srv, clock, app, cuts)
+    await srv.close()
+
+
+def status_of(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+async def test_a_head_trickled_a_byte_a_second_is_cut_at_the_head_deadline(front: Front) -> None:
+    t = front.open()
+    head = b"GET / HTTP/1.1\r\nX-Slow: " + b"a" * 40
+    for second in range(30):
+        front.at(second)
+        t.conn.data_received(head[second : second + 1])
+        front.at(second + 0.9)
+        assert not t.written and not t.closed and not front.cuts
+    front.at(30)  # the head began when the connection opened, not at its last byte
+    assert status_of(t.written) == 408 and t.eof
+    assert front.cuts == ["head_timeout"]
+    t.conn.data_received(b"\r\n\r\n")  # too late: dropped until the lingering close
+    assert b"200" not in t.written
+
+
+async def test_a_silent_connection_is_closed_quietly_at_the_head_deadline(front: Front) -> None:
+    t = front.open()
+    front.at(29.9)
+    assert not t.closed
+    front.at(30)
+    assert t.closed and not t.written and front.cuts == ["head_timeout"]
+    assert not front.server.connections
+
+
+async def test_keep_alive_waits_its_own_time_and_the_next_head_is_timed_from_its_first_byte(
+    front: Front,
+) -> None:
+    t = front.open()
+    front.at(1)
+    t.conn.data_received(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status_of(await t.answer()) == 200
+    front.at(75.9)  # idle past the head deadline: keep-alive's time, not the head's
+    assert not t.closed
+    t.conn.data_received(b"G")  # the next head's first byte, at 75.9: due by 105.9
+    front.at(105.8)
+    assert not t.closed
+    t.conn.data_received(b"ET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert orjson.loads((await t.answer()).split(b"\r\n\r\n", 1)[1])["path"] == "/b"
+    front.at(105.8 + 75)
+    assert t.closed and front.cuts == []  # an ordinary end of keep-alive, not a cut
+
+
+async def test_a_trickled_body_is_cut_at_the_body_deadline_from_the_end_of_its_head(front: Front) -> None:
+    t = front.open()
+    front.at(20)
+    t.conn.data_received(b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+    for second in range(20, 80, 5):
+        front.at(second)
+        t.conn.data_received(b"x")
+    front.at(79.9)
+    assert not t.written and front.cuts == []
+    front.at(80)
+    assert status_of(t.written) == 408 and t.eof and front.cuts == ["body_timeout"]
+
+
+async def test_a_declared_body_over_the_limit_is_answered_413_at_its_head(front: Front) -> None:
+    t = front.open()
+    t.conn.data_received(b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\nx")
+    answer = bytes(t.written)
+    assert status_of(answer) == 413 and b"Connection: close" in answer and t.eof
+    assert front.cuts == ["too_large"] and t.conn in front.server.lingering
+    t.conn.data_received(b"x" * 100_000)  # the rest is read and dropped
+    assert bytes(t.written) == answer and not front.app.started.is_set()
+
+
+async def test_past_the_connection_limit_a_new_connection_gets_503_and_the_open_ones_work(
+    front: Front,
+) -> None:
+    opened = [front.open() for _ in range(3)]
+    refused = front.open()
+    assert status_of(refused.written) == 503 and refused.eof and front.cuts == ["over_limit"]
+    assert refused.conn not in front.server.connections
+    opened[0].conn.data_received(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status_of(await opened[0].answer()) == 200
+    opened[1].close()
+    assert not front.open().written  # room again
+
+
+async def test_a_connection_whose_request_is_being_answered_has_no_deadline(front: Front) -> None:
+    t = front.open()
+    t.conn.data_received(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(front.app.started.wait(), 5)
+    front.at(10_000)
+    assert not t.closed and front.cuts == []
+
+
+async def test_time_the_front_stopped_reading_does_not_count_against_a_pipelined_head(
+    front: Front,
+) -> None:
+    t = front.open()
+    t.conn.data_received(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n" * 9 + b"GET /b HT")
+    assert not t.reading  # eight answers queued: the front stops reading
+    front.at(1000)
+    assert not t.closed and front.cuts == []
+    front.app.release.set()
+    await asyncio.wait_for(t.resumed.wait(), 5)  # every answer written, reading again
+    front.at(1029.9)
+    assert not t.eof
+    front.at(1030)
+    assert t.written.count(b" 200 OK") == 9 and b" 408 " in t.written and front.cuts == ["head_timeout"]

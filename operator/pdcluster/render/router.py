@@ -38,6 +38,9 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
         f"--model={spec.served_model_name}",
         f"--policy={r.policy.value}",
         f"--request-timeout={r.request_timeout_seconds}",
+        f"--head-timeout={r.connections.head_timeout_seconds}",
+        f"--body-timeout={r.connections.body_timeout_seconds}",
+        f"--max-connections={r.connections.max_connections}",
     ]
     if r.admission.enabled:
         target = r.admission.ttft_target_ms or spec.autoscaling.slo.ttft_ms

@@ -11,6 +11,16 @@ and Content-Length bodies, `Expect: 100-continue`, limits on head and body size,
 HTTP/1.0 clients, streamed answers with chunked encoding and write backpressure, an idle
 timeout, and handler cancellation when the client goes away (what aiohttp calls
 handler_cancellation): the router's upstream requests are aborted with it.
+
+Slow and silent clients cannot hold it: each connection has one deadline for what it is
+doing (a head within `head_timeout_s` of the connection's opening or of the head's first
+byte on a kept-alive connection, a body within `body_timeout_s` of its head's end, the
+next request within `keepalive_s` of an answer), however the bytes trickle; none while
+its request is answered. A sweep over the open connections once a second (more often for
+timeouts under 4 s) cuts those past their deadline, so a request costs a few attribute
+writes and no timer of its own. A body declared over the limit is refused at its head,
+and connections past `max_connections` get a 503; refusals linger (input read and
+dropped) for at most as many connections again.
 """
 
 from __future__ import annotations
@@ -32,16 +42,30 @@ log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
 KEEPALIVE_S = 75.0  # aiohttp's and nginx's default
+HEAD_TIMEOUT_S = 30.0
+BODY_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 4096
 LINGER_S = 2.0  # after a refusal, how long the client's remaining input is read and dropped
+_MAX_SWEEP_S = 1.0  # deadlines are kept to within this (or a quarter of the shortest timeout)
 _MAX_QUEUED = 8  # pipelined requests buffered before reading pauses
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
+# What a connection is doing, which says what its deadline is for.
+_OPENED = 0  # accepted, no byte yet: the first head is due
+_HEAD = 1  # a head in progress
+_BODY = 2  # a body in progress
+_BUSY = 3  # a request is answered (or waits in the pipeline): no deadline of the client's
+_IDLE = 4  # kept alive between requests
+
+_NEVER = float("inf")
+
+
 class Request:
     """One complete request. Header names are lower-case."""
 
-    __slots__ = ("_conn", "body", "headers", "keep_alive", "method", "path", "too_large", "version")
+    __slots__ = ("_conn", "body", "headers", "keep_alive", "method", "path", "version")
 
     def __init__(
         self,
@@ -52,7 +76,6 @@ class Request:
         body: bytes,
         keep_alive: bool,
         version: str,
-        too_large: bool,
     ):
         self._conn = conn
         self.method = method
@@ -61,7 +84,6 @@ class Request:
         self.body = body
         self.keep_alive = keep_alive
         self.version = version
-        self.too_large = too_large  # the body passed the server's limit and was dropped
 
     def stream(self, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Stream:
         """Start a streamed answer (chunked; HTTP/1.0 clients get it close-delimited)."""
@@ -154,14 +176,15 @@ class _Connection(asyncio.Protocol):
         "_drain",
         "_head_bytes",
         "_headers",
-        "_last_active",
         "_parser",
+        "_phase",
         "_queue",
         "_read_paused",
+        "_received_at",
         "_task",
-        "_too_large",
         "_url",
         "closed",
+        "deadline",
         "server",
         "transport",
         "write_paused",
@@ -177,7 +200,9 @@ class _Connection(asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._read_paused = False
         self._task: asyncio.Task[None] | None = None
-        self._last_active = 0.0
+        self._phase = _OPENED
+        self.deadline = _NEVER  # server.clock() time by which the client must have done its part
+        self._received_at = 0.0  # when the input being parsed arrived
         self._new_message()
 
     def _new_message(self) -> None:
@@ -185,17 +210,23 @@ class _Connection(asyncio.Protocol):
         self._headers: dict[str, str] = {}
         self._body = bytearray()
         self._head_bytes = 0
-        self._too_large = False
 
     # ------------------------------------------------------------------ transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        self.server.connections.add(self)
-        self._last_active = self.server.loop.time()
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            # The open connections keep working; this one is told so and hung up.
+            server.on_cut("over_limit")
+            self._refuse(503, f"the router has {server.max_connections} open connections, its limit")
+            return
+        server.connections.add(self)
+        self.deadline = server.clock() + server.head_timeout_s
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        self.server.lingering.discard(self)
         if self._task is not None:
             self._task.cancel()  # the client left: stop its work upstream
         self._queue.clear()
@@ -220,17 +251,32 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             raise ConnectionResetError("the client closed the connection")
 
-    def idle_for(self, now: float) -> float:
-        return 0.0 if self._task is not None else now - self._last_active
-
     def close(self) -> None:
         if not self.closed and self.transport is not None:
             self.transport.close()
 
+    def expire(self) -> None:
+        """The deadline passed: cut the connection, saying why where a request was begun."""
+        if self._read_paused:
+            return  # the server stopped reading, not the client: the deadline restarts on resume
+        self.deadline = _NEVER
+        server, phase = self.server, self._phase
+        if phase == _IDLE:
+            self.close()  # an ordinary end of keep-alive
+        elif phase == _OPENED:
+            server.on_cut("head_timeout")
+            self.close()  # not a byte received: there is no request to answer
+        elif phase == _HEAD:
+            server.on_cut("head_timeout")
+            self._refuse(408, f"request head not received within {server.head_timeout_s:g} s")
+        elif phase == _BODY:
+            server.on_cut("body_timeout")
+            self._refuse(408, f"request body not received within {server.body_timeout_s:g} s")
+
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return  # refused: dropped until the lingering close
-        self._last_active = self.server.loop.time()
+        self._received_at = self.server.clock()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -245,17 +291,27 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
-        body = self.server.error_body(status, message)
+        self.deadline = _NEVER
+        server = self.server
+        body = server.error_body(status, message)
         head = _head(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], True)
         self.transport.write(head + b"\r\n" + body)
         if self._task is not None:
             self._task.cancel()
         self.transport.write_eof()
-        self.server.loop.call_later(LINGER_S, self.transport.close)
+        server.connections.discard(self)  # counted with the refusals now, not the open connections
+        if len(server.lingering) < server.max_connections:
+            server.lingering.add(self)
+            server.loop.call_later(LINGER_S, self.transport.close)
+        else:  # a flood of refusals may not hold more descriptors than the connections do
+            self.transport.close()
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
         self._new_message()
+        if self._phase != _OPENED:  # a kept-alive connection: the head is due from its first byte
+            self.deadline = self._received_at + self.server.head_timeout_s
+        self._phase = _HEAD
 
     def _head_fits(self, size: int) -> bool:
         self._head_bytes += size
@@ -279,22 +335,26 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self.closed:
             return
+        server = self.server
         length = self._headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.server.max_body:
-            self._too_large = True
+        if length.isdigit() and int(length) > server.max_body:
+            self._refuse_too_large()  # at once: reading a body only to drop it lets the client hold us
+            return
+        self._phase = _BODY
+        self.deadline = self._received_at + server.body_timeout_s
         if self._headers.get("expect", "").lower() == "100-continue":
-            if self._too_large:  # the client has not sent the body: no need to read it
-                self._refuse(413, f"request body larger than {self.server.max_body} bytes")
-            else:
-                self.transport.write(_CONTINUE)
+            self.transport.write(_CONTINUE)
+
+    def _refuse_too_large(self) -> None:
+        self.server.on_cut("too_large")
+        self._refuse(413, f"request body larger than {self.server.max_body} bytes")
 
     def on_body(self, body: bytes) -> None:
-        if self._too_large:
+        if self.closed:
             return
         self._body += body
-        if len(self._body) > self.server.max_body:
-            self._too_large = True
-            self._body = bytearray()
+        if len(self._body) > self.server.max_body:  # chunked: known only once it passes the limit
+            self._refuse_too_large()
 
     def on_message_complete(self) -> None:
         if self.closed:
@@ -307,10 +367,11 @@ class _Connection(asyncio.Protocol):
             path,
             self._headers,
             bytes(self._body),
-            parser.should_keep_alive() and not self._too_large,
+            parser.should_keep_alive(),
             parser.get_http_version(),
-            self._too_large,
         )
+        self._phase = _BUSY
+        self.deadline = _NEVER
         if self._task is None:
             self._task = self.server.loop.create_task(self._serve(request))
         else:  # pipelined: answered in order
@@ -318,6 +379,16 @@ class _Connection(asyncio.Protocol):
             if len(self._queue) >= _MAX_QUEUED and not self._read_paused:
                 self._read_paused = True
                 self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        self._read_paused = False
+        self.transport.resume_reading()
+        # A request begun before the pause gets its full time again from now.
+        server = self.server
+        if self._phase == _HEAD:
+            self.deadline = server.clock() + server.head_timeout_s
+        elif self._phase == _BODY:
+            self.deadline = server.clock() + server.body_timeout_s
 
     # ------------------------------------------------------------------ answers
     def start_stream(self, request: Request, status: int, headers: list[tuple[str, str]]) -> Stream:
@@ -360,56 +431,78 @@ class _Connection(asyncio.Protocol):
                 return
             if not self._queue:
                 self._task = None
-                self._last_active = server.loop.time()
+                if self._phase == _BUSY:  # no next request begun: kept alive for one
+                    self._phase = _IDLE
+                    self.deadline = server.clock() + server.keepalive_s
                 if self._read_paused:
-                    self._read_paused = False
-                    self.transport.resume_reading()
+                    self._resume_reading()
                 return
             request = self._queue.popleft()
 
 
 class HttpServer:
-    """Listens and dispatches every request to one handler."""
+    """Listens and dispatches every request to one handler. `on_cut` is told each time the
+    front cuts a connection, and why: head_timeout, body_timeout, too_large, over_limit.
+    `clock` (the loop's by default) is what the deadlines are kept on."""
 
     def __init__(
         self,
         handler: Handler,
         error_body: Callable[[int, str], bytes],
         max_body: int,
+        *,
         keepalive_s: float = KEEPALIVE_S,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+        on_cut: Callable[[str], None] = lambda reason: None,
+        clock: Callable[[], float] | None = None,
     ):
         self.handler = handler
         self.error_body = error_body
         self.max_body = max_body
         self.keepalive_s = keepalive_s
-        self.connections: set[_Connection] = set()
+        self.head_timeout_s = head_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.max_connections = max_connections
+        self.on_cut = on_cut
         self.loop = asyncio.get_running_loop()
+        self.clock = clock or self.loop.time
+        self.connections: set[_Connection] = set()
+        self.lingering: set[_Connection] = set()  # refused, reading and dropping input until closed
+        self._sweep_s = min(_MAX_SWEEP_S, keepalive_s / 4, head_timeout_s / 4, body_timeout_s / 4)
         self._server: asyncio.Server | None = None
-        self._reaper: asyncio.TimerHandle | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def connection(self) -> _Connection:
+        """A new connection's protocol."""
+        return _Connection(self)
 
     async def start(self, host: str, port: int, backlog: int = 2048) -> int:
         """Listen; returns the port (useful with port 0)."""
         self._server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True
+            self.connection, host, port, backlog=backlog, reuse_address=True
         )
-        self._reap()
+        self._sweep()
         return int(self._server.sockets[0].getsockname()[1])
 
-    def _reap(self) -> None:
-        """Close keep-alive connections idle for too long (one timer for all)."""
-        now = self.loop.time()
-        for conn in [c for c in self.connections if c.idle_for(now) > self.keepalive_s]:
-            conn.close()
-        self._reaper = self.loop.call_later(min(self.keepalive_s, 5.0), self._reap)
+    def _sweep(self) -> None:
+        self.expire(self.clock())
+        self._sweeper = self.loop.call_later(self._sweep_s, self._sweep)
+
+    def expire(self, now: float) -> None:
+        """Cut the connections past their deadline (one sweep for all: no timer per request)."""
+        for conn in [c for c in self.connections if c.deadline <= now]:
+            conn.expire()
 
     async def close(self) -> None:
         """Stop listening and close every connection; handlers still running are cancelled."""
-        if self._reaper is not None:
-            self._reaper.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
-        for conn in list(self.connections):
-            conn.close()
+        for conn in [*self.connections, *self.lingering]:
+            conn.transport.close()
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)

@@ -21,7 +21,7 @@ from pdcluster.router.attempt import Services
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.discovery import Members, parse_static, watch_kube, watch_roles
 from pdcluster.router.engines import EngineClient
-from pdcluster.router.http import HttpServer
+from pdcluster.router.http import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, MAX_CONNECTIONS, HttpServer
 from pdcluster.router.kvevents import KvEventFeed, Source
 from pdcluster.router.membership import Pool, Upstream
 from pdcluster.router.metrics import RouterMetrics
@@ -54,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     _add_admission(p)
     _add_store(p)
     _add_requests(p)
+    _add_connections(p)
     _add_tracing(p)
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
@@ -235,6 +236,29 @@ def _add_requests(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_connections(p: argparse.ArgumentParser) -> None:
+    conns = p.add_argument_group("client connections: what slow, silent or greedy clients may hold")
+    conns.add_argument(
+        "--head-timeout",
+        type=float,
+        default=HEAD_TIMEOUT_S,
+        help="seconds for a request's whole head, from the connection's opening (or, kept alive, from the "
+        "head's first byte), however it trickles; a connection that sends nothing is closed after as long",
+    )
+    conns.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        help="seconds for a request's whole body, from the end of its head",
+    )
+    conns.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="open client connections; past it a new one gets a 503 and is closed, the open ones keep working",
+    )
+
+
 def _add_tracing(p: argparse.ArgumentParser) -> None:
     traces = p.add_argument_group("tracing")
     traces.add_argument(
@@ -314,7 +338,16 @@ class RouterService:
                 self._publish(publisher)
         if policy.kv_index is not None:
             self._events = loop.create_task(self._kv_events(policy.kv_index, services.metrics).run())
-        self._http = HttpServer(self.router.handle, openai.error_body, MAX_BODY_BYTES)
+        cut = services.metrics.connections_cut
+        self._http = HttpServer(
+            self.router.handle,
+            openai.error_body,
+            MAX_BODY_BYTES,
+            head_timeout_s=args.head_timeout,
+            body_timeout_s=args.body_timeout,
+            max_connections=args.max_connections,
+            on_cut=lambda reason: cut[reason].inc(),
+        )
         await self._http.start(args.host, args.port)
         log.info(
             "listening on %s:%d, policy %s, admission %s, store lookups %s",
@@ -477,6 +510,8 @@ def main(argv: list[str] | None = None) -> None:
         parser().error("--kube needs --cluster")
     if not args.kube and not (args.prefill and args.decode) and not args.colocated and not args.flexible:
         parser().error("give --kube, at least one --prefill and one --decode, --colocated or --flexible")
+    if args.head_timeout <= 0 or args.body_timeout <= 0 or args.max_connections < 1:
+        parser().error("--head-timeout and --body-timeout must be positive, --max-connections at least 1")
     if args.trace_sample_ratio is not None and not 0.0 <= args.trace_sample_ratio <= 1.0:
         parser().error("--trace-sample-ratio must be between 0 and 1")
     if not args.kube and bool(args.prefill) != bool(args.decode):

@@ -138,6 +138,11 @@ class RouterMetrics:
             "engine, or not resumable (ended with an error event).", ("outcome",), registry=r,
         )  # fmt: skip
         self.resumed = {outcome: resumed.labels(outcome) for outcome in obs.ROUTER_RESUME_OUTCOMES}
+        cut = Counter(
+            obs.ROUTER_CONNECTIONS_CUT, "Client connections the router cut: a head or body not received in "
+            "time, a body over the limit, past the connection limit.", ("reason",), registry=r,
+        )  # fmt: skip
+        self.connections_cut = {reason: cut.labels(reason) for reason in obs.ROUTER_CONNECTION_CUT_REASONS}
         self.circuit_opens = Counter(
             obs.ROUTER_CIRCUIT_OPENS, "Times an engine was taken out of rotation after failing in a row.",
             ("role", "backend"), registry=r,

@@ -232,8 +232,6 @@ class Router:
             return self._reject("draining", 503, "the router is shutting down")
         if not self._authorized(request):
             return self._reject("unauthorized", 401, "invalid or missing API key")
-        if request.too_large:
-            return self._client_error(413, f"request body larger than {MAX_BODY_BYTES} bytes")
         body, why = openai.parse_json(request.body)
         if body is None:
             return self._client_error(400, why or "bad request")

@@ -38,6 +38,7 @@ from pdcluster.api.v1alpha1.engines import (
 from pdcluster.api.v1alpha1.mooncake import MasterHASpec, MooncakeSpec, MooncakeStoreSpec, StoreSSDSpec
 from pdcluster.api.v1alpha1.router import (
     AdmissionSpec,
+    ConnectionsSpec,
     KvProbeSpec,
     RetrySpec,
     RouterPolicy,
@@ -66,6 +67,7 @@ __all__ = [
     "AutoscalingState",
     "ComponentStatus",
     "Condition",
+    "ConnectionsSpec",
     "Decision",
     "DecodeSample",
     "EngineSpec",

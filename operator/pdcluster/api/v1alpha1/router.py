@@ -89,6 +89,33 @@ class KvProbeSpec(Model):
     prompt_tokens: int = Field(64, ge=1, le=8192, description="Prompt length of a probe, in tokens.")
 
 
+class ConnectionsSpec(Model):
+    """Client connections: how long a head and a body may take, and how many may be open.
+
+    Slow or silent clients are cut (408, or closed where nothing was sent), a body declared
+    over the 64 MiB limit is answered 413 at its head, and past the connection limit a new
+    connection gets a 503."""
+
+    head_timeout_seconds: int = Field(
+        30,
+        ge=1,
+        le=3600,
+        description="A request's whole head, from the connection's opening or, on a kept-alive connection, "
+        "from the head's first byte, however it trickles; a connection that sends nothing is closed after "
+        "as long.",
+    )
+    body_timeout_seconds: int = Field(
+        60, ge=1, le=3600, description="A request's whole body, from the end of its head."
+    )
+    max_connections: int = Field(
+        4096,
+        ge=1,
+        le=1048576,
+        description="Open client connections per router replica; past it a new connection gets a 503 and is "
+        "closed while the open ones keep working. Keep it under the container's open-file limit.",
+    )
+
+
 class RouterSpec(Model):
     """The OpenAI-compatible, PD-aware router in front of the pools."""
 
@@ -118,6 +145,7 @@ class RouterSpec(Model):
         "the prefill it moves. 0: every prompt is handed off. The router counts these requests "
         "(pdcluster_router_local_prefills_total).",
     )
+    connections: ConnectionsSpec = section(ConnectionsSpec)
     request_timeout_seconds: int = Field(
         600,
         ge=1,
