@@ -25,7 +25,7 @@ from pdcluster.render import Owner, Replicas, render_all
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINES = (C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_COLOCATED)
+ENGINES = (C.ROLE_PREFILL, C.ROLE_DECODE, C.ROLE_COLOCATED, C.ROLE_FLEXIBLE)
 ON_FABRIC = (*ENGINES, C.ROLE_MOONCAKE_STORE)  # pods that move KV over RDMA
 
 

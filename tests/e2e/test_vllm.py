@@ -427,7 +427,7 @@ async def test_a_stored_prefix_skips_prefill(env: Env) -> None:
     rest and answers as a plain engine does, while prefill sees nothing."""
     async with aiohttp.ClientSession() as http:
         prefill, decode = await env.engine_url(C.ROLE_PREFILL), await env.engine_url(C.ROLE_DECODE)
-        source = (REPO / "operator" / "pdcluster" / "router" / "store.py").read_text()
+        source = (REPO / "operator" / "pdcluster" / "router" / "store_hits.py").read_text()
         status, answer = await call(http, env.plain, "/tokenize", {"model": env.model, "prompt": source})
         assert status == 200, answer
         tokens = answer["tokens"][:300]  # two full blocks of 128 and 44 tokens more

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-SIMULATED = {"pdcluster-sim.yaml", "pdcluster-colocated.yaml"}
+SIMULATED = {"pdcluster-sim.yaml", "pdcluster-colocated.yaml", "pdcluster-flexible.yaml"}
 
 
 def load(path: Path) -> tuple[dict[str, Any], PDClusterSpec]:
@@ -62,7 +62,7 @@ def check_engine_wiring(pod: dict[str, Any], spec: PDClusterSpec, role: str) -> 
         assert ("--kv-transfer-config" in args) == spec.mooncake.store.enabled
         return
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "flexible": "kv_both"}[role]
     assert kv["kv_role"] == kv_role
     if spec.mooncake.store.enabled:  # the hand-off is MultiConnector's first child
         assert kv["kv_connector"] == "MultiConnector"
