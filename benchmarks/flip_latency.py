@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from pdcluster.enginesim.cli import parse
 from pdcluster.enginesim.main import Simulator
 from pdcluster.router.discovery import parse_static
-from pdcluster.router.main import RouterService, parser
+from pdcluster.router.flags import parser
+from pdcluster.router.main import RouterService
 
 BOTH = '{"kv_connector":"MooncakeConnector","kv_role":"kv_both"}'
 

@@ -19,7 +19,8 @@ from harness import counter, wait_until  # noqa: F401 (the loopback tests' too)
 from pdcluster.enginesim.cli import parse
 from pdcluster.enginesim.main import Simulator
 from pdcluster.router.discovery import parse_static
-from pdcluster.router.main import RouterService, parser
+from pdcluster.router.flags import parser
+from pdcluster.router.main import RouterService
 from pdcluster.router.membership import Pool
 
 # --kv-transfer-config of a MooncakeConnector prefill (producer) and decode (consumer).

@@ -24,7 +24,8 @@ import pytest
 from loopback import CONSUMER, PRODUCER, free_port, simulator
 
 from pdcluster.io.kube import Kube
-from pdcluster.router.main import RouterService, parser
+from pdcluster.router.flags import parser
+from pdcluster.router.main import RouterService
 
 pytestmark = pytest.mark.cluster
 

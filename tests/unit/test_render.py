@@ -469,7 +469,7 @@ def test_prefill_keeps_kv_no_longer_than_the_router_waits() -> None:
 
 
 def test_the_router_connection_limits_reach_its_args_and_the_router_takes_them() -> None:
-    from pdcluster.router.main import parser
+    from pdcluster.router.flags import parser
 
     connections = {"headTimeoutSeconds": 10, "bodyTimeoutSeconds": 20, "maxConnections": 500}
     spec = PDClusterSpec.model_validate({"model": {"name": "m"}, "router": {"connections": connections}})

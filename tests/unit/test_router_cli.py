@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.router.main import main, parser
+from pdcluster.router.flags import parser
+from pdcluster.router.main import main
 
 
 def test_the_flags_the_operator_renders() -> None:

@@ -249,11 +249,11 @@ async def test_close_cancels_what_runs_and_stops_listening(server: tuple[HttpSer
     [("X-Id", "a\r\nSet-Cookie: x=1"), ("X-Id", "a\nb"), ("X Id", "a"), ("X-Id:", "a"), ("X-Id", "a\x00")],
 )
 def test_a_response_header_cannot_split_the_response(header: tuple[str, str]) -> None:
-    from pdcluster.router.http import _head
+    from pdcluster.router.http_messages import response_head
 
     with pytest.raises(ValueError, match="invalid response header"):
-        _head(200, [header], close=False)
-    assert b"X-Id: a\tb\r\n" in _head(200, [("X-Id", "a\tb")], close=False)
+        response_head(200, [header], close=False)
+    assert b"X-Id: a\tb\r\n" in response_head(200, [("X-Id", "a\tb")], close=False)
 
 
 # ---------------------------------------------------------------------- deadlines, on a fake clock

@@ -42,33 +42,19 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
         f"--body-timeout={r.connections.body_timeout_seconds}",
         f"--max-connections={r.connections.max_connections}",
     ]
-    if r.admission.enabled:
-        target = r.admission.ttft_target_ms or spec.autoscaling.slo.ttft_ms
-        args += [
-            f"--admission-ttft-ms={target}",
-            f"--admission-reject-factor={r.admission.reject_factor_percent / 100:g}",
-        ]
-        if not r.admission.ttft_target_ms and not spec.autoscaling.ttft_includes_prefill:
-            args.append("--admission-ttft-plus-prefill")  # the SLO's target, as the SLO means it
-    else:
-        args.append("--no-admission")
+    args += _admission_args(spec)
     retries = r.retries
     args += [f"--max-attempts={retries.max_attempts}", f"--prefill-timeout={retries.prefill_timeout_seconds}"]
     if not retries.resume_streams:
         args.append("--no-resume-streams")
-    probe = r.kv_probe
-    if probe.enabled and spec.hands_off_kv:  # colocated: no hand-off to verify
-        args += [
-            f"--kv-probe-interval={probe.interval_seconds}",
-            f"--kv-probe-tokens={probe.prompt_tokens}",
-            f"--state-configmap={state_configmap_name(owner)}",
-        ]
-    else:
-        args.append("--kv-probe-interval=0")
+    args += _probe_args(spec, owner)
     if r.prefill_on_decode_below_tokens and spec.hands_off_kv:
         args.append(f"--prefill-on-decode-below={r.prefill_on_decode_below_tokens}")
     if spec.mode == ServingMode.flexible:
-        args += [f"--roles-configmap={roles_configmap_name(owner)}", f"--prefill-engines={flexible.prefill_engines(spec)}"]
+        args += [
+            f"--roles-configmap={roles_configmap_name(owner)}",
+            f"--prefill-engines={flexible.prefill_engines(spec)}",
+        ]
     if r.api_key_secret:
         args.append(f"--api-key-file={API_KEY_DIR}/{r.api_key_secret.key}")
     if spec.engine.api_key_secret:
@@ -90,6 +76,31 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
             f"--exact-timeout={r.store_hits.lookup_timeout_ms / 1000:g}",
         ]
     return args + store
+
+
+def _admission_args(spec: PDClusterSpec) -> list[str]:
+    admission = spec.router.admission
+    if not admission.enabled:
+        return ["--no-admission"]
+    target = admission.ttft_target_ms or spec.autoscaling.slo.ttft_ms
+    args = [
+        f"--admission-ttft-ms={target}",
+        f"--admission-reject-factor={admission.reject_factor_percent / 100:g}",
+    ]
+    if not admission.ttft_target_ms and not spec.autoscaling.ttft_includes_prefill:
+        args.append("--admission-ttft-plus-prefill")  # the SLO's target, as the SLO means it
+    return args
+
+
+def _probe_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
+    probe = spec.router.kv_probe
+    if not (probe.enabled and spec.hands_off_kv):  # colocated: no hand-off to verify
+        return ["--kv-probe-interval=0"]
+    return [
+        f"--kv-probe-interval={probe.interval_seconds}",
+        f"--kv-probe-tokens={probe.prompt_tokens}",
+        f"--state-configmap={state_configmap_name(owner)}",
+    ]
 
 
 def store_hit_args(spec: PDClusterSpec, owner: Owner) -> list[str]:

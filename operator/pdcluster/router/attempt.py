@@ -21,7 +21,7 @@ from pdcluster.router.config import RouterConfig
 from pdcluster.router.engines import EngineClient
 from pdcluster.router.failures import JSON, Refused, Retry, error
 from pdcluster.router.handoff import Handoff, discard
-from pdcluster.router.http import Request, Response, Stream
+from pdcluster.router.http_messages import Request, Response, Stream
 from pdcluster.router.membership import Pool, Upstream
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policy import Admission

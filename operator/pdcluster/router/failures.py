@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pdcluster.router import openai
-from pdcluster.router.http import Response
+from pdcluster.router.http_messages import Response
 from pdcluster.router.membership import Upstream
 
 JSON = "application/json"

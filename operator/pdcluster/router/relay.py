@@ -13,7 +13,7 @@ import orjson
 
 from pdcluster.router import openai
 from pdcluster.router.failures import JSON, Retry
-from pdcluster.router.http import Response, Stream
+from pdcluster.router.http_messages import Response, Stream
 from pdcluster.router.resume import as_chat, fix_usage
 from pdcluster.router.upstream import Response as UpstreamResponse
 from pdcluster.router.upstream import UpstreamError

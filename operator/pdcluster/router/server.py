@@ -28,7 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pdcluster.router import openai
 from pdcluster.router.attempt import Job, Services, ids
 from pdcluster.router.failures import JSON, error
-from pdcluster.router.http import Request, Response, Stream
+from pdcluster.router.http_messages import Request, Response, Stream
 from pdcluster.router.kvevents import block_id
 from pdcluster.router.membership import Upstream
 from pdcluster.router.policy import Admission, ExactBlocks, LeastLoaded, Policy
