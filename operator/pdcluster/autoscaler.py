@@ -26,6 +26,7 @@ from pdcluster.api.v1alpha1 import (
 )
 from pdcluster.control import MetricsSnapshot, Observed, RoleObserved, decide
 from pdcluster.control.modefit import mode_fit
+from pdcluster.control.types import DEFAULT_STARTUP_S
 from pdcluster.io.kube import Kube
 from pdcluster.io.prometheus import Prometheus, PrometheusUnavailable
 from pdcluster.reconcile import AutoscaleResult
@@ -91,7 +92,11 @@ class PrometheusAutoscaler:
             )
             s = getattr(status, role) or RoleStatus()
             roles[role] = RoleObserved(
-                desired=s.desired, replicas=s.replicas, ready=s.ready, unschedulable=_unschedulable(pods)
+                desired=s.desired,
+                replicas=s.replicas,
+                ready=s.ready,
+                unschedulable=_unschedulable(pods),
+                startup_s=float(s.startup.median_seconds) if s.startup else DEFAULT_STARTUP_S,
             )
         return Observed(**roles)
 

@@ -46,6 +46,9 @@ KINDS = {
     ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"): "LeaderWorkerSet",
     # HPA/KEDA scaling a role in `external` mode must take effect at once.
     (C.GROUP, C.VERSION, C.SCALER_PLURAL): C.SCALER_KIND,
+    # Not rendered (the workloads' own children), never pruned: read for engine start-up
+    # times and for why a pod is stuck (podstate.py).
+    ("", "v1", "pods"): "Pod",
 }
 API_VERSIONS = {
     kind: f"{group}/{version}" if group else version for (group, version, _), kind in KINDS.items()
@@ -57,7 +60,9 @@ MAX_RETRY_SECONDS = 30.0
 Index = dict[str, dict[tuple[str, str], dict[str, bytes]]]
 
 
-def owner_of(body: Mapping[str, Any]) -> str | None:
+def owner_of(body: Mapping[str, Any], kind: str | None = None) -> str | None:
+    if kind == "Pod":  # owned by its workload; the cluster label names the PDCluster
+        return ((body["metadata"].get("labels") or {}).get(C.LABEL_CLUSTER)) or None
     for ref in body["metadata"].get("ownerReferences") or []:
         if ref.get("kind") == C.KIND and ref.get("apiVersion", "").startswith(f"{C.GROUP}/"):
             return str(ref["name"])
@@ -69,6 +74,8 @@ def entry(kind: str, body: Mapping[str, Any]) -> bytes:
     with its kind (the items of a list carry none; status reads a StatefulSet's)."""
     meta = {key: value for key, value in body["metadata"].items() if key != "managedFields"}
     typed = {"apiVersion": API_VERSIONS[kind], "kind": kind, **body, "metadata": meta}
+    if kind == "Pod":
+        typed.pop("spec", None)  # an engine pod's spec is most of it, and only status is read
     return zlib.compress(orjson.dumps(typed), 1)
 
 
@@ -86,17 +93,23 @@ class Children:
         return None if found is None else orjson.loads(zlib.decompress(found))
 
     def owned(self, namespace: str, owner: str) -> list[tuple[str, str, str]]:
-        """(kind, name, apiVersion) of every cached child of one PDCluster."""
+        """(kind, name, apiVersion) of every cached child of one PDCluster, its pods aside."""
         return [
             (kind, name, API_VERSIONS[kind])
             for kind, index in self.indexes.items()
+            if kind != "Pod"
             for name in index.get((namespace, owner), {})
         ]
+
+    def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
+        """The pods of one PDCluster's workloads (metadata and status)."""
+        found = self.indexes["Pod"].get((namespace, owner), {})
+        return [orjson.loads(zlib.decompress(body)) for body in found.values()]
 
     # ------------------------------------------------------------------ writes
     def put(self, kind: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
         """Cache one child; returns its owner's key (None: not a PDCluster's)."""
-        owner = owner_of(body)
+        owner = owner_of(body, kind)
         if owner is None:
             return None
         key = (body["metadata"]["namespace"], owner)
@@ -104,7 +117,7 @@ class Children:
         return key
 
     def drop(self, kind: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
-        owner = owner_of(body)
+        owner = owner_of(body, kind)
         if owner is None:
             return None
         key = (body["metadata"]["namespace"], owner)

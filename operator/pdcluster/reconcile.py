@@ -32,6 +32,7 @@ from pdcluster.children import Children
 from pdcluster.drift import in_sync, merge_patch, stamp
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube
+from pdcluster.podstate import observe_pods
 from pdcluster.render import Owner, Replicas, apply_stage, mooncake, render_all
 from pdcluster.render.engine import kv_revision, workload_kind
 from pdcluster.render.router import state_configmap_name
@@ -190,6 +191,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
 
     workloads = {_workload_role(o): live[_key(o)] for o in plan.desired if _workload_role(o) is not None}
     obs = _observation(spec, owner, plan, live, workloads, problems)
+    observe_pods(obs, spec, previous, await _pods(ctx, owner))
     status = compute_status(spec, generation, obs, previous, plan.autoscale.state, now)
     for role, scaler in plan.scalers.items():
         await _report_scale(ctx, owner, role, scaler, workloads.get(role))
@@ -320,6 +322,14 @@ def _observation(
     )
 
 
+async def _pods(ctx: Context, owner: Owner) -> list[dict[str, Any]]:
+    """The PDCluster's pods, from the watch cache when there is one."""
+    if ctx.children is not None and ctx.children.covers("Pod"):
+        return ctx.children.pods(owner.namespace, owner.name)
+    selector = f"{C.LABEL_CLUSTER}={owner.name}"
+    return await ctx.kube.list("v1", "Pod", owner.namespace, label_selector=selector)
+
+
 async def _emit_events(
     ctx: Context,
     body: dict[str, Any],
@@ -339,6 +349,9 @@ async def _emit_events(
         await ctx.events.emit(body, type_, reason, message)
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
+    stalled = next((c for c in status.conditions if c.type == "Stalled"), None)
+    if stalled is not None and stalled.status == "True" and not _had_condition(previous, "Stalled", stalled.reason):
+        await ctx.events.warning(body, stalled.reason, stalled.message)
     handoff = next((c for c in status.conditions if c.type == "KVTransfer"), None)
     before = next((c for c in previous.conditions if c.type == "KVTransfer"), None)
     if (

@@ -56,7 +56,9 @@ from pdcluster.api.v1alpha1.status import (
     LoadSample,
     ObservedMetrics,
     PDClusterStatus,
+    PodStartup,
     RoleStatus,
+    StartupStatus,
     TTFTStages,
 )
 
@@ -88,6 +90,7 @@ __all__ = [
     "PDClusterStatus",
     "PDRoleScalerSpec",
     "PDRoleScalerStatus",
+    "PodStartup",
     "Probe",
     "Quantile",
     "RDMAMode",
@@ -103,6 +106,7 @@ __all__ = [
     "SecretKeyRef",
     "ServingMode",
     "StartupProbe",
+    "StartupStatus",
     "StoreHitsSpec",
     "StoreSSDSpec",
     "TTFTStages",

@@ -143,6 +143,13 @@ class PDClusterSpec(Model):
         description="Scale every workload to zero and drop the roles' disruption budgets (they would guard no pod); keep everything else.",
     )
     paused: bool = Field(False, description="Stop applying changes to children; status keeps being reported.")
+    progress_deadline_seconds: int = Field(
+        600,
+        ge=1,
+        description="How long a workload may stay short of its desired state without coming closer (a pod "
+        "created, updated or Ready) before the `Stalled` condition turns True with the pods' own reason "
+        "(image pull, scheduling, crash loop, out of memory) and a Warning event is posted.",
+    )
 
     @model_validator(mode="after")
     def _check_flexible(self) -> PDClusterSpec:

@@ -18,6 +18,24 @@ class Condition(Model):
     observed_generation: int | None = None
 
 
+class PodStartup(Model):
+    """One engine pod's start-up: image pull, weights load and warm-up."""
+
+    pod: str
+    created: str = Field(description="The pod's creationTimestamp.")
+    seconds: int = Field(ge=0, description="From creation to the pod's first Ready condition.")
+
+
+class StartupStatus(Model):
+    """Engine start-up as measured from the pool's pods (creation to first Ready)."""
+
+    last_seconds: int = Field(ge=0, description="The start-up of the most recently created pod measured.")
+    median_seconds: int = Field(ge=0, description="The median over `pods`.")
+    pods: list[PodStartup] = Field(
+        default_factory=list, description="The most recent pods measured, oldest first."
+    )
+
+
 class RoleStatus(Model):
     """Observed state of one engine pool."""
 
@@ -26,6 +44,9 @@ class RoleStatus(Model):
     ready: int = 0
     updated: int = 0
     gpus: int = 0
+    startup: StartupStatus | None = Field(
+        None, description="Measured engine start-up; unset until a pod of the pool has been Ready."
+    )
 
 
 class ComponentStatus(Model):
@@ -168,6 +189,11 @@ class PDClusterStatus(Model):
     ttft_p99_ms: int | None = None
     itl_p99_ms: int | None = None
     autoscaling: AutoscalingState | None = None
+    last_progress_time: str | None = Field(
+        None,
+        description="While a workload is short of its desired state: when one last came closer to it (a pod "
+        "created, updated or Ready). `spec.progressDeadlineSeconds` counts from here.",
+    )
     rollout: str | None = Field(
         None,
         description="While prefill and decode move to a new engine revision: pods updated per role, e.g. "
