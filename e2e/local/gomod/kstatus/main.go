@@ -19,11 +19,12 @@ func main() {
 	if err != nil {
 		fail(err)
 	}
-	var obj map[string]interface{}
-	if err := json.Unmarshal(raw, &obj); err != nil {
-		fail(fmt.Errorf("stdin is not a JSON object: %w", err))
+	// Unstructured's own decoder keeps integers int64, as kstatus reads them.
+	obj := &unstructured.Unstructured{}
+	if err := obj.UnmarshalJSON(raw); err != nil {
+		fail(fmt.Errorf("stdin is not a Kubernetes object: %w", err))
 	}
-	result, err := status.Compute(&unstructured.Unstructured{Object: obj})
+	result, err := status.Compute(obj)
 	if err != nil {
 		fail(err)
 	}
