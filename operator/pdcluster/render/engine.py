@@ -280,6 +280,9 @@ def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
         **_pre_stop(spec.engine.termination_grace_period_seconds),
         "securityContext": security,
         "volumeMounts": mounts,
+        # A crashed engine's last log lines become its termination message, which the
+        # Stalled condition quotes (podstate.py): vLLM writes no termination-log file.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 
