@@ -104,6 +104,8 @@ def _container_problem(pod: str, container: Mapping[str, Any]) -> Problem | None
         restarts = container.get("restartCount", 0)
         return Problem("OOMKilled", f"{where}: killed for exceeding its memory limit ({restarts} restarts)")
     reason = waiting.get("reason")
+    if not reason and container.get("restartCount", 0) and terminated.get("exitCode"):
+        reason = "CrashLoopBackOff"  # between two back-offs: restarted, not Ready yet
     if not reason or reason in STARTING:
         return None
     if reason == "CrashLoopBackOff":

@@ -82,7 +82,9 @@ async def stalled_with(pdc: Any, name: str, wait_until: Any) -> dict[str, Any]:
 
     obj = await wait_until(failed, timeout=120, interval=0.5, message=f"{name}: kstatus Failed")
     assert condition(obj, "Reconciling")["status"] == "False"
-    return condition(obj, "Stalled")
+    stalled = condition(obj, "Stalled")
+    print(f"{name}: Stalled {stalled['reason']}: {stalled['message']}")
+    return stalled
 
 
 async def warning_events(kube: Kube, namespace: str, name: str, reason: str) -> list[dict[str, Any]]:
@@ -133,3 +135,21 @@ async def test_more_gpus_than_a_node_has_stalls_with_the_scheduler_s_message(
 
     await wait_until(current, timeout=180, interval=0.5, message="kstatus Current after the fix")
     assert condition(await pdc.get("nogpu"), "Stalled")["status"] == "False"
+
+
+async def test_a_crash_loop_stalls_with_the_engine_s_last_log_lines(
+    kube: Kube, namespace: str, operator: OperatorProcess, pdc: Any, sim_cluster: Any, wait_until: Any
+) -> None:
+    doc = sim_cluster("crash", progressDeadlineSeconds=15)
+    args = [a for a in doc["spec"]["engine"]["args"] if not a.startswith("--sim-profile")]
+    doc["spec"]["engine"]["args"] = [*args, "--sim-profile=no-such-profile"]
+    await pdc.apply(doc)
+
+    async def crash_looping() -> dict[str, Any] | None:
+        stalled = await stalled_with(pdc, "crash", wait_until)
+        return stalled if stalled["reason"] == "CrashLoopBackOff" else None
+
+    stalled = await wait_until(crash_looping, timeout=120, message="Stalled with CrashLoopBackOff")
+    # The engine's own last words, from the termination message the kubelet keeps.
+    assert "KeyError: \"unknown profile 'no-such-profile'" in stalled["message"], stalled
+    assert "exited with code 1" in stalled["message"], stalled

@@ -222,3 +222,16 @@ def test_paused_never_stalls() -> None:
     first = compute_status(spec, 1, rolling_out(), None, None, NOW)
     late = compute_status(spec, 1, rolling_out(), first, None, NOW + timedelta(hours=1))
     assert conditions(late)["Stalled"][0] == "False" and conditions(late)["Reconciling"][0] == "False"
+
+
+def test_a_container_running_again_after_a_crash_is_still_in_its_loop() -> None:
+    again = {
+        "name": "engine",
+        "state": {"running": {"startedAt": time_s(T0)}},
+        "restartCount": 4,
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": "boom"}},
+    }
+    problem = pod_problem(pod("d-0", T0, containerStatuses=[again]))
+    assert problem is not None and problem.reason == "CrashLoopBackOff" and "boom" in problem.message
+    first_start = {**again, "restartCount": 0, "lastState": {}}
+    assert pod_problem(pod("d-0", T0, containerStatuses=[first_start])) is None
