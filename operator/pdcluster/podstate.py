@@ -111,7 +111,7 @@ def _container_problem(pod: str, container: Mapping[str, Any]) -> Problem | None
     if reason == "CrashLoopBackOff":
         code = terminated.get("exitCode")
         tail = _last_lines(terminated.get("message") or "")
-        said = f"; last log lines:\n{tail}" if tail else ""
+        said = f"; last log lines: {tail}" if tail else ""
         return Problem(
             reason, f"{where}: exited with code {code} ({container.get('restartCount', 0)} restarts){said}"
         )
@@ -123,7 +123,8 @@ def _container_problem(pod: str, container: Mapping[str, Any]) -> Problem | None
 
 
 def _last_lines(text: str) -> str:
-    return "\n".join(line for line in text.strip().splitlines()[-LOG_LINES:])
+    """The log's last lines on one line, as condition messages are shown."""
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-LOG_LINES:])
 
 
 def observe_pods(

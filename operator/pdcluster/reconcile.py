@@ -350,7 +350,11 @@ async def _emit_events(
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
     stalled = next((c for c in status.conditions if c.type == "Stalled"), None)
-    if stalled is not None and stalled.status == "True" and not _had_condition(previous, "Stalled", stalled.reason):
+    if (
+        stalled is not None
+        and stalled.status == "True"
+        and not _had_condition(previous, "Stalled", stalled.reason)
+    ):
         await ctx.events.warning(body, stalled.reason, stalled.message)
     handoff = next((c for c in status.conditions if c.type == "KVTransfer"), None)
     before = next((c for c in previous.conditions if c.type == "KVTransfer"), None)

@@ -329,7 +329,9 @@ def _reconciling(progressing: ConditionFields, progress: _Progress) -> Condition
 MAX_STUCK_NAMED = 3  # pods whose reason the Stalled message quotes
 
 
-def _stalled(spec: PDClusterSpec, obs: Observation, seen: _Components, progress: _Progress) -> ConditionFields:
+def _stalled(
+    spec: PDClusterSpec, obs: Observation, seen: _Components, progress: _Progress
+) -> ConditionFields:
     """kstatus's Failed: True with a stuck pod's own reason (the first found, pools first)."""
     deadline = spec.progress_deadline_seconds
     if not progress.stalled:
