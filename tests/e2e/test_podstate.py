@@ -74,6 +74,31 @@ async def test_start_up_is_measured_and_kstatus_reads_the_rollout(
         print(f"{role} engine start-up: {took} s")
     assert condition(await pdc.get("up"), "Stalled")["status"] == "False"
 
+    # A new engine revision rolls both roles: InProgress while Reconciling, then Current,
+    # and each new pod is measured beside the one it replaced.
+    doc = sim_cluster("up")
+    doc["spec"]["engine"]["args"] = [*doc["spec"]["engine"]["args"], "--sim-record=100"]
+    await pdc.apply(doc)
+
+    async def rolling() -> bool:
+        obj = await pdc.get("up")
+        reconciling = condition(obj, "Reconciling")
+        return (
+            reconciling.get("status") == "True"
+            and reconciling.get("observedGeneration") == 2
+            and kstatus(obj) == "InProgress"
+        )
+
+    await wait_until(rolling, timeout=60, interval=0.3, message="kstatus InProgress while rolling out")
+    verdicts.clear()
+    await wait_until(current, timeout=180, interval=0.3, message="kstatus Current after the rollout")
+
+    async def both_measured() -> bool:
+        status = (await pdc.get("up"))["status"]
+        return all(len(status[role]["startup"]["pods"]) == 2 for role in C.ENGINE_ROLES)
+
+    await wait_until(both_measured, timeout=30, message="the rolled pods measured")
+
 
 async def stalled_with(pdc: Any, name: str, wait_until: Any) -> dict[str, Any]:
     async def failed() -> dict[str, Any] | None:
