@@ -147,6 +147,7 @@ async def preflight(kube: Kube, spec: PDClusterSpec, namespace: str) -> tuple[li
                 f"engine image {spec.engine.image!r} with mooncake.store.enabled hits vLLM #43828 "
                 "(MultiConnector ends the API server on the first KV hand-off): use the project's "
                 "engine image (images/engine) or a vLLM with #43836",
+                blocks=False,
             )
         )
     return problems, blocked

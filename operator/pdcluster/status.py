@@ -16,7 +16,8 @@ Conditions follow Kubernetes conventions and are what GitOps tools read:
 - Reconciling, Stalled: kstatus's pair (sigs.k8s.io/cli-utils pkg/kstatus, "abnormal-true"),
                which Flux and kstatus-based tools read: Reconciling while a workload is
                short of its desired state; Stalled once none came closer to it for
-               `spec.progressDeadlineSeconds`, with a stuck pod's own reason (podstate.py).
+               `spec.progressDeadlineSeconds`, with a stuck pod's own reason (podstate.py),
+               or at once on a problem that blocks the spec (a missing Secret, a refused apply).
                Never both True: kstatus takes the first True of the two in list order.
 """
 
@@ -47,6 +48,7 @@ ConditionFields = tuple[bool, str, str]  # (status, reason, message)
 class Problem:
     reason: str  # CamelCase, e.g. SecretNotFound
     message: str  # what to fix
+    blocks: bool = True  # the spec cannot be carried out until a person acts (not a mere warning)
 
 
 @dataclass
@@ -277,7 +279,7 @@ def _conditions(
         ("Ready", _ready(spec, seen)),
         ("Progressing", progressing),
         ("Degraded", _degraded(obs)),
-        ("Reconciling", _reconciling(progressing, progress)),
+        ("Reconciling", _reconciling(progressing, progress, stalled)),
         ("Stalled", stalled),
     ]
     optional = (
@@ -317,10 +319,12 @@ def _progressing(spec: PDClusterSpec, obs: Observation, seen: _Components) -> Co
     return False, "Stable", "all workloads match the desired state"
 
 
-def _reconciling(progressing: ConditionFields, progress: _Progress) -> ConditionFields:
+def _reconciling(
+    progressing: ConditionFields, progress: _Progress, stalled: ConditionFields
+) -> ConditionFields:
     """kstatus's InProgress: Progressing's verdict, False once Stalled is True."""
-    if progress.stalled:
-        return False, "Stalled", "no progress within spec.progressDeadlineSeconds: see the Stalled condition"
+    if stalled[0]:
+        return False, "Stalled", "see the Stalled condition"
     if progress.moving:
         return True, progressing[1], progressing[2]
     return False, progressing[1], progressing[2]
@@ -334,6 +338,10 @@ def _stalled(
 ) -> ConditionFields:
     """kstatus's Failed: True with a stuck pod's own reason (the first found, pools first)."""
     deadline = spec.progress_deadline_seconds
+    blocking = [p for p in obs.problems if p.blocks]
+    if blocking:  # an error, not slowness: no deadline to wait for
+        said = "; ".join(p.message for p in blocking[:MAX_STUCK_NAMED])
+        return True, blocking[0].reason, f"the spec cannot be carried out: {said}"
     if not progress.stalled:
         if progress.moving:
             return False, "WithinDeadline", f"last progress at {progress.last}; the deadline is {deadline}s"

@@ -16,7 +16,7 @@ from pdcluster.podstate import (
     record_startups,
     startup_seconds,
 )
-from pdcluster.status import Observation, compute_status
+from pdcluster.status import Observation, Problem, compute_status
 from pdcluster.timestamps import time_s
 
 T0 = datetime(2026, 11, 29, 11, 0, tzinfo=UTC)
@@ -235,3 +235,14 @@ def test_a_container_running_again_after_a_crash_is_still_in_its_loop() -> None:
     assert problem is not None and problem.reason == "CrashLoopBackOff" and "boom" in problem.message
     first_start = {**again, "restartCount": 0, "lastState": {}}
     assert pod_problem(pod("d-0", T0, containerStatuses=[first_start])) is None
+
+
+def test_a_problem_that_blocks_the_spec_stalls_at_once_a_warning_does_not() -> None:
+    obs = healthy()
+    obs.problems = [Problem("SecretNotFound", "Secret ns/hf does not exist; create it with key 'token'")]
+    status = compute_status(SPEC, 1, obs, None, None, NOW)
+    assert conditions(status)["Stalled"] == ("True", "SecretNotFound")
+    assert conditions(status)["Reconciling"] == ("False", "Stalled")
+    warned = healthy()
+    warned.problems = [Problem("EngineImageKnownBug", "vLLM #43828", blocks=False)]
+    assert conditions(compute_status(SPEC, 1, warned, None, None, NOW))["Stalled"] == ("False", "AsExpected")
