@@ -351,9 +351,11 @@ async def _emit_events(
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
     stalled = next((c for c in status.conditions if c.type == "Stalled"), None)
+    said = problems[0].reason if problems else None  # warned above as Degraded already
     if (
         stalled is not None
         and stalled.status == "True"
+        and stalled.reason != said
         and not _had_condition(previous, "Stalled", stalled.reason)
     ):
         await ctx.events.warning(body, stalled.reason, stalled.message)

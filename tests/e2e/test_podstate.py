@@ -178,3 +178,23 @@ async def test_a_crash_loop_stalls_with_the_engine_s_last_log_lines(
     # The engine's own last words, from the termination message the kubelet keeps.
     assert "KeyError: \"unknown profile 'no-such-profile'" in stalled["message"], stalled
     assert "exited with code 1" in stalled["message"], stalled
+
+
+async def test_a_missing_secret_fails_at_once_and_recovers(
+    kube: Kube, namespace: str, operator: OperatorProcess, pdc: Any, sim_cluster: Any, wait_until: Any
+) -> None:
+    engine = {**sim_cluster("x")["spec"]["engine"], "hfTokenSecret": {"name": "hf-token"}}
+    await pdc.apply(sim_cluster("gated", engine=engine))  # the default deadline: 600 s
+    stalled = await stalled_with(pdc, "gated", wait_until)
+    assert stalled["reason"] == "SecretNotFound" and "hf-token" in stalled["message"], stalled
+    secret = {"name": "hf-token", "namespace": namespace}
+    await kube.create(
+        {"apiVersion": "v1", "kind": "Secret", "metadata": secret, "stringData": {"token": "x"}}
+    )
+
+    async def current() -> bool:
+        return kstatus(await pdc.get("gated")) == "Current"
+
+    await wait_until(current, timeout=180, interval=0.5, message="kstatus Current once the Secret exists")
+    warned = await warning_events(kube, namespace, "gated", "SecretNotFound")
+    assert len(warned) == 1, warned  # Degraded's warning; Stalled with the same reason adds none

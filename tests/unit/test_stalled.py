@@ -82,3 +82,12 @@ async def test_start_ups_come_from_the_pods_in_the_watch_cache() -> None:
     assert body["status"]["prefill"]["startup"]["pods"][0]["pod"] == "c-prefill-0"
     assert "startup" not in body["status"]["decode"]
     assert condition(body, "Reconciling")["status"] == "False"
+
+
+async def test_a_missing_secret_stalls_at_once_with_one_warning() -> None:
+    kube = FakeKube()
+    body = await run_at(kube, pdcluster(kube, engine={"hfTokenSecret": {"name": "hf"}}), 0)
+    assert condition(body, "Stalled")["reason"] == "SecretNotFound"
+    assert condition(body, "Degraded")["reason"] == "SecretNotFound"
+    body = await run_at(kube, body, 10)
+    assert [e["type"] for e in kube.list_sync("Event") if e["reason"] == "SecretNotFound"] == ["Warning"]
