@@ -172,6 +172,8 @@ def _job_env(spec: PDClusterSpec) -> list[dict[str, Any]]:
         {"name": "MODEL_DIR", "value": f"{MODEL_MOUNT}/{cache_dir(spec)}"},
         {"name": "MODEL_MARKER", "value": COMPLETE_MARKER},
         {"name": "REPORT_FILE", "value": REPORT_PATH},
+        # huggingface_hub's own files (tokens, caches) on the claim, not in the image's home.
+        {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.huggingface"},
     ]
     if spec.model.hub_endpoint:
         env.append({"name": "HF_ENDPOINT", "value": spec.model.hub_endpoint})
