@@ -31,9 +31,9 @@ async def test_a_bound_claim_is_its_volumes_host_directory(tmp_path: Path) -> No
     kube = FakeKube()
     kube.put(claim("Bound", "pv-1"))
     kube.put({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv-1"},
-              "spec": {"hostPath": {"path": str(tmp_path / "pv-1")}}})  # fmt: skip
+              "spec": {"hostPath": {"path": str(tmp_path / "pv-1"), "type": "DirectoryOrCreate"}}})  # fmt: skip
     paths = await volumes.prepare(kube, pod(), tmp_path / "volumes", tmp_path / "memory", {})  # type: ignore[arg-type]
-    assert paths == {"model": tmp_path / "pv-1"}
+    assert paths == {"model": tmp_path / "pv-1"} and paths["model"].is_dir()
 
 
 @pytest.mark.parametrize("stored", [None, claim("Pending", None)], ids=["missing", "pending"])

@@ -200,7 +200,8 @@ class Container:
         self.mounts = mounts = volumes.with_private_dirs(volumes.mounts(self.spec, self.pod.volumes, self.env), tmp=tmp,
                                            shm=self.pod.memory_dir / ".dev-shm")
         # A checkout or cache under /tmp (a fresh clone there) must survive the private /tmp.
-        needed = [paths.REPO_ROOT, self.pod.runner.venv_bin, self.pod.runner.bind_shim]
+        # So must a volume there (a hostPath PV of a test's tmp_path).
+        needed = [paths.REPO_ROOT, self.pod.runner.venv_bin, self.pod.runner.bind_shim, *self.pod.volumes.values()]
         needed += [vllm.runtime()] if image_repository(self.spec["image"]) in vllm.REPOSITORIES else []
         script = volumes.launch_script(mounts, hosts_file=self.pod.hosts_path, hostname=network.pod_hostname(self.pod.pod),
                                        workdir=self.workdir, keep_host_tmp=volumes.host_tmp_paths(needed),

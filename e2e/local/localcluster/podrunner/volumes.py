@@ -150,11 +150,12 @@ async def _claim_path(kube: Kube, namespace: str, claim: str) -> Path:
     if not volume or (pvc.get("status") or {}).get("phase") != "Bound":
         raise VolumeError(f'persistentvolumeclaim "{claim}" is not bound')
     pv = await kube.get("v1", "PersistentVolume", volume)
-    source = ((pv or {}).get("spec") or {})
-    path = (source.get("hostPath") or source.get("local") or {}).get("path")
-    if not path:
-        raise VolumeError(f"persistentvolume {volume!r}: only hostPath and local volumes are supported here")
-    return Path(path)
+    source = (pv or {}).get("spec") or {}
+    if "hostPath" in source:
+        return _host_path(source)  # its type too (DirectoryOrCreate ...), as for a pod's hostPath
+    if "local" in source:
+        return Path(source["local"]["path"])
+    raise VolumeError(f"persistentvolume {volume!r}: only hostPath and local volumes are supported here")
 
 
 async def prepare(kube: Kube, pod: Obj, volumes_dir: Path, memory_dir: Path, allocatable: dict[str, str]) -> dict[str, Path]:
