@@ -103,6 +103,16 @@ def test_the_cache_claim_job_and_engines_agree_on_one_directory() -> None:
         assert wait["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
 
 
+def test_the_engines_mirror_is_the_jobs_when_the_model_names_none() -> None:
+    spec = PDClusterSpec.model_validate(
+        {"model": {"name": "org/m", **CACHE}, "engine": {"env": [{"name": "HF_ENDPOINT", "value": "http://m.internal"}]}}
+    )
+    (job,) = [o for k, o in children(spec).items() if k[0] == "Job"]
+    assert env_of(job["spec"]["template"]["spec"]["containers"][0])["HF_ENDPOINT"] == "http://m.internal"
+    without = PDClusterSpec.model_validate({"model": {"name": "org/m", **CACHE}})
+    assert render_model.download_job_name(spec, OWNER) != render_model.download_job_name(without, OWNER)
+
+
 def test_a_retained_claim_has_no_owner() -> None:
     spec = spec_of(source="cache", cache={"size": "1Gi", "retain": True})
     assert "ownerReferences" not in children(spec)[("PersistentVolumeClaim", "c-model-cache")]["metadata"]

@@ -90,8 +90,15 @@ def download_job_name(spec: PDClusterSpec, owner: Owner) -> str:
 def _job_hash(spec: PDClusterSpec) -> str:
     model = spec.model
     token = spec.engine.hf_token_secret
-    shared = [model.name, revision(spec), model.hub_endpoint, _downloader_image(spec), token and token.wire()]
+    shared = [model.name, revision(spec), hub_endpoint(spec), _downloader_image(spec), token and token.wire()]
     return hashlib.sha256(json.dumps(shared).encode()).hexdigest()[:8]
+
+
+def hub_endpoint(spec: PDClusterSpec) -> str | None:
+    """The mirror the Job downloads from: `model.hubEndpoint`, else an `HF_ENDPOINT` the
+    engines were already given in `engine.env` (how a hub engine's mirror was set before)."""
+    given = (e.value for e in spec.engine.env if e.name == "HF_ENDPOINT" and e.value)
+    return spec.model.hub_endpoint or next(given, None)
 
 
 def _downloader_image(spec: PDClusterSpec) -> str:
@@ -175,8 +182,8 @@ def _job_env(spec: PDClusterSpec) -> list[dict[str, Any]]:
         # huggingface_hub's own files (tokens, caches) on the claim, not in the image's home.
         {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.huggingface"},
     ]
-    if spec.model.hub_endpoint:
-        env.append({"name": "HF_ENDPOINT", "value": spec.model.hub_endpoint})
+    if endpoint := hub_endpoint(spec):
+        env.append({"name": "HF_ENDPOINT", "value": endpoint})
     if spec.engine.hf_token_secret is not None:
         env.append(env_secret("HF_TOKEN", spec.engine.hf_token_secret))
     return env
