@@ -8,6 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
+from pdcluster.api.v1alpha1 import PDClusterSpec
+from pdcluster.render import Owner
+from pdcluster.render import router as router_render
 from pdcluster.router.fanout_merge import (
     StreamMerge,
     error_message,
@@ -16,6 +19,7 @@ from pdcluster.router.fanout_merge import (
     merged_usage,
     split,
 )
+from pdcluster.router.flags import parser
 
 
 @pytest.mark.parametrize(
@@ -155,3 +159,17 @@ def test_stream_merge_stops_at_an_error_event_naming_the_flow() -> None:
 def test_error_message_of_an_error_body_or_raw_text() -> None:
     assert error_message(b'{"error":{"message":"too long","code":400}}') == "too long"
     assert error_message(b"plain failure") == "plain failure"
+
+
+def test_router_max_fan_out_reaches_the_router_flag() -> None:
+    owner = Owner("pd", "serving", "uid-1")
+    plain = router_render.router_args(PDClusterSpec.model_validate({"model": {"name": "m"}}), owner)
+    assert not any(a.startswith("--max-fan-out") for a in plain)
+    default = parser().parse_args(["--decode", "http://127.0.0.1:1"]).max_fan_out
+    assert default == PDClusterSpec.model_validate({"model": {"name": "m"}}).router.max_fan_out == 16
+    spec = PDClusterSpec.model_validate({"model": {"name": "m"}, "router": {"maxFanOut": 4}})
+    args = router_render.router_args(spec, owner)
+    assert "--max-fan-out=4" in args
+    assert parser().parse_args(["--decode", "http://127.0.0.1:1", "--max-fan-out=4"]).max_fan_out == 4
+    with pytest.raises(ValueError, match=r"maxFanOut|max_fan_out"):
+        PDClusterSpec.model_validate({"model": {"name": "m"}, "router": {"maxFanOut": 0}})

@@ -81,13 +81,11 @@ class FanOut:
             self.failure = failure
             self.stopped.set()
 
-    async def run(self, jobs: list[Awaitable[Response | Stream]], timeout_s: float) -> Response | Stream:
+    async def run(self, jobs: list[Awaitable[Response | Stream]]) -> Response | Stream:
+        """The merged answer; the flows still running are cancelled once it is known."""
         tasks = [asyncio.ensure_future(job) for job in jobs]
         try:
-            async with asyncio.timeout(timeout_s):
-                return await self._until_done(tasks)
-        except TimeoutError:
-            return await self._fail(504, f"no answer within {timeout_s:g} s")
+            return await self._until_done(tasks)
         finally:
             for task in tasks:
                 task.cancel()
@@ -101,7 +99,7 @@ class FanOut:
             while pending:
                 await asyncio.wait((*pending, stopped), return_when=asyncio.FIRST_COMPLETED)
                 if self.stopped.is_set():
-                    return await self._fail(502, self.failure or "the client left")
+                    return await self.fail(502, self.failure or "the client left")
                 for k, task in enumerate(tasks):
                     if task in pending and task.done():
                         pending.discard(task)
@@ -109,7 +107,7 @@ class FanOut:
                         if isinstance(answer, Response):
                             if answer.status != 200:
                                 label = self.flows[k].label
-                                return await self._fail(answer.status, f"{label}: {error_message(answer.body)}")
+                                return await self.fail(answer.status, f"{label}: {error_message(answer.body)}")
                             answers[k] = answer
         finally:
             stopped.cancel()
@@ -121,11 +119,11 @@ class FanOut:
                 payloads = [orjson.loads(answers[k].body) for k in range(len(self.flows))]
                 merged = merge_bodies(self.flows, payloads, self.response_id)
             except (orjson.JSONDecodeError, AttributeError, TypeError) as e:
-                return await self._fail(502, f"an engine's answer is not a completion: {e}")
+                return await self.fail(502, f"an engine's answer is not a completion: {e}")
             return Response(body=orjson.dumps(merged), content_type=JSON)
         unfinished = self.merge.unfinished
         if unfinished:  # a flow's stream was cut short with nothing to resume it
-            return await self._fail(502, f"{unfinished[0].label}: the stream ended early")
+            return await self.fail(502, f"{unfinished[0].label}: the stream ended early")
         if self.response is None:
             self.response = self.request.stream(200, SSE_HEADERS)
         with contextlib.suppress(ConnectionError):
@@ -133,7 +131,7 @@ class FanOut:
             await self.response.write_eof()
         return self.response
 
-    async def _fail(self, status: int, message: str) -> Response | Stream:
+    async def fail(self, status: int, message: str) -> Response | Stream:
         """The request's error answer: an error event ending the stream once one started."""
         self.stopped.set()
         message = f"one of the request's {len(self.flows)} flows failed: {message}"

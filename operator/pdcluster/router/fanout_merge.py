@@ -91,7 +91,7 @@ def _add_usage(total: dict[str, Any], usage: dict[str, Any], with_prompt: bool) 
 def merged_usage(flows: list[Flow], usages: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The request's usage from its flows' (by flow position): a prompt's tokens once,
     from its first flow that reported usage; every flow's completion tokens."""
-    total: dict[str, Any] = {"prompt_tokens": 0, "total_tokens": 0, "completion_tokens": 0}
+    total: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     counted: set[int] = set()
     for k, flow in enumerate(flows):
         usage = usages.get(k)
@@ -198,5 +198,5 @@ class StreamMerge:
         """What ends the stream once every flow is done: the summed usage, then [DONE]."""
         if not self.usages:
             return DONE
-        usage = {**self.head, "id": self.response_id, "choices": [], "usage": merged_usage(self.flows, self.usages)}
+        usage = {"id": self.response_id, **self.head, "choices": [], "usage": merged_usage(self.flows, self.usages)}
         return b"data: " + orjson.dumps(usage) + b"\n\n" + DONE

@@ -307,7 +307,15 @@ class Router:
             job = Job(self.services, fan.sink(k), path, chat, flow.body, flow_id, started, trace)
             jobs.append(job.run(planned.route, planned.prompt_tokens, self._reroute))
         with self._in_flight():
-            return await fan.run(jobs, self.config.request_timeout_s)
+            try:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    return await fan.run(jobs)
+            except TimeoutError:
+                self.metrics.requests["timeout"].inc()
+                return await fan.fail(504, f"no answer within {self.config.request_timeout_s:g} s")
+            except asyncio.CancelledError:
+                self.metrics.requests["cancelled"].inc()
+                raise
 
     # ------------------------------------------------------------------ routing
     async def _plan(self, body: dict[str, Any], chat: bool, now: float) -> _Planned | Response:
