@@ -231,3 +231,23 @@ async def test_a_client_leaving_cancels_every_flow() -> None:
                 return True
 
             await wait_until(engines_idle, timeout=30, interval=0.05, message="the engines aborted every flow")
+
+
+async def test_a_prompts_choices_are_prefilled_from_its_first_choices_cache() -> None:
+    prompt = "A long shared prompt for every choice. " * 40
+    caching = ("--sim-time-scale", "0.1", "--enable-prefix-caching")  # prefills that take time
+    async with cluster(prefill_args=caching) as c, aiohttp.ClientSession() as http:
+        client = openai.AsyncOpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)
+
+        async def prefix_hits() -> float:
+            async with http.get(f"http://127.0.0.1:{c.prefill.config.port}/metrics") as resp:
+                return counter(await resp.text(), obs.VLLM_PREFIX_HITS + "_total")
+
+        before = await prefix_hits()
+        answer = await client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=4)
+        hits = await prefix_hits() - before
+        await client.close()
+    assert len(answer.choices) == 4 and answer.usage is not None
+    # The three later choices find the prompt's whole blocks in prefill's cache.
+    whole_blocks = answer.usage.prompt_tokens // 16 * 16
+    assert hits >= 3 * whole_blocks - 3 * 16, f"{hits} prompt tokens hit prefill's cache"

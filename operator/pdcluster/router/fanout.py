@@ -2,13 +2,22 @@
 route, retries and resumed stream as a request of its own has (attempt.py), their
 answers merged. A flow that fails after its retries fails the request: an error answer
 naming the flow when nothing was sent yet, else an error event and [DONE] ending the
-stream; the other flows are cancelled, which aborts their engines' requests."""
+stream; the other flows are cancelled, which aborts their engines' requests.
+
+A prompt is computed once where the engines allow it: a prompt's first choice starts
+at once, its other choices once that choice's prefill has succeeded (or its flow has
+ended, or it went to an engine that prefills it itself). They are routed only then, so
+the policy has seen the first one: a prefix-aware policy sends them to the same prefill,
+whose prefix cache now holds the prompt (vLLM caches a request's blocks once computed,
+so choices prefilled side by side would each compute it), and the least-loaded decode
+policy counts the flows already running."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -17,6 +26,13 @@ from pdcluster.router.failures import JSON, error
 from pdcluster.router.fanout_merge import Flow, StreamMerge, error_message, merge_bodies
 from pdcluster.router.http_messages import Request, Response, Stream
 from pdcluster.router.relay import SSE_HEADERS
+
+if TYPE_CHECKING:
+    from pdcluster.router.attempt import Job
+    from pdcluster.router.routing import Route
+
+# A flow's work: route, then run its job.
+Start = Callable[[], Awaitable[Response | Stream]]
 
 
 class _FlowRequest:
@@ -60,6 +76,18 @@ class FanOut:
         self.response: Stream | None = None  # the client's, once a flow has sent an event
         self.failure: str | None = None
         self.stopped = asyncio.Event()  # a flow failed, or the client left
+        # Per prompt: its first choice's prefill has succeeded, or that flow is over.
+        self.prefilled = {flow.prompt: asyncio.Event() for flow in flows}
+
+    def started(self, flow: Flow, job: Job, route: Route) -> None:
+        """A flow's job is about to run on `route`: the first choice's tells the others
+        when its prompt has been prefilled."""
+        if flow.choice != 0:
+            return
+        if route.prefill is None:
+            self.prefilled[flow.prompt].set()  # its engine prefills it: nothing to wait for
+        else:
+            job.prefilled = self.prefilled[flow.prompt]
 
     def sink(self, k: int) -> Request:
         """Flow k's request, as its job uses it: `stream()` gives the flow's sink."""
@@ -81,15 +109,25 @@ class FanOut:
             self.failure = failure
             self.stopped.set()
 
-    async def run(self, jobs: list[Awaitable[Response | Stream]]) -> Response | Stream:
+    async def run(self, starts: list[Start]) -> Response | Stream:
         """The merged answer; the flows still running are cancelled once it is known."""
-        tasks = [asyncio.ensure_future(job) for job in jobs]
+        tasks = [asyncio.ensure_future(self._flow(flow, start)) for flow, start in zip(self.flows, starts, strict=True)]
         try:
             return await self._until_done(tasks)
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _flow(self, flow: Flow, start: Start) -> Response | Stream:
+        prefilled = self.prefilled[flow.prompt]
+        if flow.choice != 0:
+            await prefilled.wait()
+            return await start()
+        try:
+            return await start()
+        finally:
+            prefilled.set()
 
     async def _until_done(self, tasks: list[asyncio.Future[Response | Stream]]) -> Response | Stream:
         answers: dict[int, Response] = {}
@@ -106,8 +144,8 @@ class FanOut:
                         answer = task.result()
                         if isinstance(answer, Response):
                             if answer.status != 200:
-                                label = self.flows[k].label
-                                return await self.fail(answer.status, f"{label}: {error_message(answer.body)}")
+                                message = f"{self.flows[k].label}: {error_message(answer.body)}"
+                                return await self.fail(answer.status, message, answer.headers[1:])
                             answers[k] = answer
         finally:
             stopped.cancel()
@@ -131,12 +169,15 @@ class FanOut:
             await self.response.write_eof()
         return self.response
 
-    async def fail(self, status: int, message: str) -> Response | Stream:
-        """The request's error answer: an error event ending the stream once one started."""
+    async def fail(
+        self, status: int, message: str, headers: list[tuple[str, str]] | None = None
+    ) -> Response | Stream:
+        """The request's error answer (with a flow's own headers, such as Retry-After): an
+        error event ending the stream once one started."""
         self.stopped.set()
         message = f"one of the request's {len(self.flows)} flows failed: {message}"
         if self.response is None:
-            return error(status, message)
+            return error(status, message, headers=headers)
         with contextlib.suppress(ConnectionError):
             await self.response.write(b"data: " + openai.error_body(status, message) + b"\n\n" + b"data: [DONE]\n\n")
             await self.response.write_eof()

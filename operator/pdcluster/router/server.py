@@ -17,7 +17,7 @@ import hmac
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,7 @@ from pdcluster.router import openai
 from pdcluster.router.attempt import Job, Services, ids
 from pdcluster.router.failures import JSON, error
 from pdcluster.router.fanout import FanOut
-from pdcluster.router.fanout_merge import fan_out_size, split
+from pdcluster.router.fanout_merge import Flow, fan_out_size, split
 from pdcluster.router.http_messages import Request, Response, Stream
 from pdcluster.router.kvevents import block_id
 from pdcluster.router.membership import Upstream
@@ -286,26 +286,29 @@ class Router:
         self, request: Request, path: str, chat: bool, body: dict[str, Any], started: float,
         trace: RequestTrace | None,
     ) -> Response | Stream:  # fmt: skip
-        """`n` > 1 or several prompts: one job per prompt and choice, each routed and
-        retried as a request of its own, their answers merged (fanout.py)."""
+        """`n` > 1 or several prompts: one job per prompt and choice, each routed when it
+        starts and retried as a request of its own, their answers merged (fanout.py)."""
         flows = split(body, chat)
-        plans = []
-        for flow in flows:
-            planned = await self._plan(flow.body, chat, started)
-            if isinstance(planned, Response):
-                return planned
-            plans.append(planned)
         request_id = _request_id(request)
         if trace is not None:
             trace.root.set_attribute("pdcluster.request_id", request_id)
             trace.root.set_attribute("pdcluster.flows", len(flows))
         fan = FanOut(request, flows, ("chatcmpl-" if chat else "cmpl-") + request_id, bool(body.get("stream")))
-        jobs = []
-        for k, (flow, planned) in enumerate(zip(flows, plans, strict=True)):
-            self.metrics.prompt_tokens.inc(planned.prompt_tokens)
-            flow_id = f"{request_id}-{flow.index}"  # the engines' request id: one per flow
-            job = Job(self.services, fan.sink(k), path, chat, flow.body, flow_id, started, trace)
-            jobs.append(job.run(planned.route, planned.prompt_tokens, self._reroute))
+
+        def flow_of(k: int, flow: Flow) -> Callable[[], Awaitable[Response | Stream]]:
+            async def run() -> Response | Stream:
+                planned = await self._plan(flow.body, chat, time.monotonic())
+                if isinstance(planned, Response):
+                    return planned
+                self.metrics.prompt_tokens.inc(planned.prompt_tokens)
+                flow_id = f"{request_id}-{flow.index}"  # the engines' request id: one per flow
+                job = Job(self.services, fan.sink(k), path, chat, flow.body, flow_id, started, trace)
+                fan.started(flow, job, planned.route)
+                return await job.run(planned.route, planned.prompt_tokens, self._reroute)
+
+            return run
+
+        jobs = [flow_of(k, flow) for k, flow in enumerate(flows)]
         with self._in_flight():
             try:
                 async with asyncio.timeout(self.config.request_timeout_s):
