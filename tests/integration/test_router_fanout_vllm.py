@@ -78,7 +78,9 @@ def vllm_engines(runtime: Path, log_dir: Path) -> Iterator[tuple[Vllm, Vllm]]:
 
 
 @pytest.fixture(scope="module")
-async def pd(vllm_runtime: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[str, Vllm]]:
+async def pd(
+    vllm_runtime: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[str, Vllm, Vllm]]:
     log_dir = tmp_path_factory.mktemp("fanout-vllm")
     with vllm_engines(vllm_runtime, log_dir) as (prefill, decode):
         async with aiohttp.ClientSession() as http:
@@ -94,16 +96,20 @@ async def pd(vllm_runtime: Path, tmp_path_factory: pytest.TempPathFactory) -> As
                 await wait_until(healthy, timeout=STARTUP_S, interval=1, message="vLLM healthy")
         flags = ("--prefill", f"{prefill.url}#bootstrap={prefill.bootstrap}", "--decode", decode.url)
         async with router(*flags, "--model", MODEL) as service:
-            yield f"http://127.0.0.1:{service.args.port}", decode
+            yield f"http://127.0.0.1:{service.args.port}", decode, prefill
+
+
+async def _counter(engine: Vllm, name: str, **labels: str) -> float:
+    async with aiohttp.ClientSession() as http, http.get(f"{engine.url}/metrics") as resp:
+        return counter(await resp.text(), name, **labels)
 
 
 async def _external_tokens(decode: Vllm) -> float:
-    async with aiohttp.ClientSession() as http, http.get(f"{decode.url}/metrics") as resp:
-        return counter(await resp.text(), "vllm:prompt_tokens_by_source_total", **EXTERNAL)
+    return await _counter(decode, "vllm:prompt_tokens_by_source_total", **EXTERNAL)
 
 
-async def test_batch_and_n_equal_the_decode_engine_alone(pd: tuple[str, Vllm]) -> None:
-    url, decode = pd
+async def test_batch_and_n_equal_the_decode_engine_alone(pd: tuple[str, Vllm, Vllm]) -> None:
+    url, decode, _ = pd
     alone = openai.AsyncOpenAI(base_url=f"{decode.url}/v1", api_key="unused", max_retries=0)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     reference = [
@@ -132,8 +138,8 @@ async def test_batch_and_n_equal_the_decode_engine_alone(pd: tuple[str, Vllm]) -
     await client.close()
 
 
-async def test_chat_n_equals_the_decode_engine_alone(pd: tuple[str, Vllm]) -> None:
-    url, decode = pd
+async def test_chat_n_equals_the_decode_engine_alone(pd: tuple[str, Vllm, Vllm]) -> None:
+    url, decode, _ = pd
     messages = [{"role": "user", "content": "Say something about caches."}]
     alone = openai.AsyncOpenAI(base_url=f"{decode.url}/v1", api_key="unused", max_retries=0)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -147,3 +153,16 @@ async def test_chat_n_equals_the_decode_engine_alone(pd: tuple[str, Vllm]) -> No
     assert answer.usage.completion_tokens == 3 * reference.usage.completion_tokens
     await alone.close()
     await client.close()
+
+
+async def test_a_prompts_later_choices_hit_prefills_prefix_cache(pd: tuple[str, Vllm, Vllm]) -> None:
+    url, _, prefill = pd
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    prompt = "Every choice of this prompt shares its prefill. " * 25
+    before = await _counter(prefill, "vllm:prefix_cache_hits_total")
+    answer = await client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=4, temperature=0)
+    hits = await _counter(prefill, "vllm:prefix_cache_hits_total") - before
+    await client.close()
+    assert answer.usage is not None and len(answer.choices) == 3
+    # Choices 1 and 2 start once choice 0 is prefilled: its whole blocks are cached.
+    assert hits >= 2 * (answer.usage.prompt_tokens // 2), f"{hits} of 3 x {answer.usage.prompt_tokens} tokens hit"

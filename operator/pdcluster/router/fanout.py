@@ -111,7 +111,8 @@ class FanOut:
 
     async def run(self, starts: list[Start]) -> Response | Stream:
         """The merged answer; the flows still running are cancelled once it is known."""
-        tasks = [asyncio.ensure_future(self._flow(flow, start)) for flow, start in zip(self.flows, starts, strict=True)]
+        flows = zip(self.flows, starts, strict=True)
+        tasks = [asyncio.ensure_future(self._flow(flow, start)) for flow, start in flows]
         try:
             return await self._until_done(tasks)
         finally:
@@ -145,7 +146,8 @@ class FanOut:
                         if isinstance(answer, Response):
                             if answer.status != 200:
                                 message = f"{self.flows[k].label}: {error_message(answer.body)}"
-                                return await self.fail(answer.status, message, answer.headers[1:])
+                                extra = [h for h in answer.headers if h[0] != "Content-Type"]
+                                return await self.fail(answer.status, message, extra)
                             answers[k] = answer
         finally:
             stopped.cancel()
