@@ -251,3 +251,16 @@ async def test_a_prompts_choices_are_prefilled_from_its_first_choices_cache() ->
     # The three later choices find the prompt's whole blocks in prefill's cache.
     whole_blocks = answer.usage.prompt_tokens // 16 * 16
     assert hits >= 3 * whole_blocks - 3 * 16, f"{hits} prompt tokens hit prefill's cache"
+
+
+async def test_a_flow_refused_by_slo_admission_refuses_the_request_with_retry_after() -> None:
+    # As test_router_pd.py's admission test: a 2000-token prompt is admitted alone on the
+    # prefill; the second prompt's flow, routed while the first's is queued, is not.
+    admission = ("--admission-ttft-ms", "10", "--admission-reject-factor", "1", "--admission-prefill-rate", "1000")
+    async with cluster(*admission, prefill_args=("--sim-time-scale", "1")) as c, aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "prompt": ["x" * 8000, "y" * 8000], "max_tokens": 2}
+        async with http.post(f"{c.url}/v1/completions", json=body) as resp:
+            status, answer, retry_after = resp.status, await resp.json(), resp.headers.get("Retry-After")
+    assert status == 429 and answer["error"]["type"] == "RateLimitError"
+    assert "prompt 1, choice 0: predicted time to first token" in answer["error"]["message"]
+    assert retry_after is not None and int(retry_after) >= 1

@@ -6,7 +6,8 @@ decode partner, or a colocated engine), look the prompt up in the Mooncake store
 is on (a prompt whose stored prefix leaves decode little to compute goes to decode
 alone, store_hits.py), apply SLO admission, then run the request (attempt.py: the hand-off of
 handoff.py, retries on engines not tried, streams resumed on another decode) and relay
-decode's answer (relay.py). Retries route with the same function.
+decode's answer (relay.py). Retries route with the same function. A request with `n` > 1
+or several prompts runs as one such request per prompt and choice, merged (fanout.py).
 """
 
 from __future__ import annotations
