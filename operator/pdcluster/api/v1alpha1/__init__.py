@@ -57,6 +57,7 @@ from pdcluster.api.v1alpha1.status import (
     ObservedMetrics,
     PDClusterStatus,
     RoleStatus,
+    SLOStatus,
     TTFTStages,
 )
 
@@ -100,6 +101,7 @@ __all__ = [
     "RouterPolicy",
     "RouterSpec",
     "SLOSpec",
+    "SLOStatus",
     "SecretKeyRef",
     "ServingMode",
     "StartupProbe",
