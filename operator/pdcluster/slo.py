@@ -82,7 +82,7 @@ def _reading(
 def of_snapshot(auto: AutoscalingSpec, m: MetricsSnapshot | None, colocated: bool = False) -> Reading:
     """The window as the control law judges it: its own functions, on the snapshot of its
     own series table (pdcluster.series), which the operator and the demo both read."""
-    if m is None:
+    if m is None or m.request_rate <= 0:  # the law sees no traffic: no figure to judge
         return _reading(auto, ttft_name(auto), None, None, None)
     if colocated:
         name, ttft = judged_ttft(auto, m)
