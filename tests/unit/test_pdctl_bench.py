@@ -152,3 +152,11 @@ def test_pdctl_bench_prints_the_manifests(tmp_path: Path, capsys: pytest.Capture
         main(["bench", "-f", str(SIM), "--trace", str(bad)])
     with pytest.raises(SystemExit, match=r"(?i)no such file"):
         main(["bench", "-f", str(SIM), "--trace", str(tmp_path / "missing.jsonl")])
+
+
+def test_the_shipped_example_is_what_pdctl_bench_renders(capsys: pytest.CaptureFixture[str]) -> None:
+    example = ROOT / "examples" / "bench" / "aiperf-job.yaml"
+    command = next(line for line in example.read_text().splitlines() if line.startswith("# Rendered by: pdctl "))
+    args = command.removeprefix("# Rendered by: pdctl ").split()
+    assert main([a if not a.startswith("examples/") else str(ROOT / a) for a in args]) == 0
+    assert list(yaml.safe_load_all(capsys.readouterr().out)) == list(yaml.safe_load_all(example.read_text()))
