@@ -1,7 +1,7 @@
 """The apiserver's verdict on what `pdctl bench` renders (server-side dry run, nothing
 runs): the Job and its trace ConfigMap are valid objects, and the Job's pod is admitted
-where the `restricted` Pod Security level is enforced. The client itself (AIPerf, which
-pulls torch) is too heavy to run here: docs/benchmarking.md has the figures of a run."""
+where the `restricted` Pod Security level is enforced. The client itself (AIPerf, 1.2 GB
+installed) is too heavy for the tests: docs/benchmarking.md has the figures of a run."""
 
 from __future__ import annotations
 
