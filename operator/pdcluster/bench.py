@@ -23,6 +23,7 @@ DEFAULT_IMAGE = "python:3.12-slim"
 RESULTS_DIR = "/results"
 INSTALL_DIR = "/opt/aiperf"
 SITE_DIR = f"{INSTALL_DIR}/site"
+HF_CACHE_DIR = "/hf-cache"  # a Hugging Face cache (HF_HOME) from --tokenizer-claim
 TRACE_DIR = "/trace"
 TRACE_KEY = "trace.jsonl"
 # The apiserver stores objects up to 1 MiB (etcd's request limit); room left for metadata.
@@ -45,8 +46,8 @@ class BenchOptions:
     input_tokens: int = 1024  # synthetic prompt length, mean
     input_stddev: int = 0
     output_tokens: int = 128
-    tokenizer: str | None = None  # a hub id or a path; the model's name when unset
-    tokenizer_claim: str | None = None  # a PersistentVolumeClaim holding the tokenizer path
+    tokenizer: str | None = None  # a hub id (or a path in the image); the model's name when unset
+    tokenizer_claim: str | None = None  # a PersistentVolumeClaim holding a Hugging Face cache with it
     image: str = DEFAULT_IMAGE
     install: bool = True  # pip-install AIPerf at start (an image without it)
     keep_seconds: int = 600  # the pod stays this long after the run, for kubectl cp
@@ -69,8 +70,19 @@ def check(opts: BenchOptions) -> None:
         raise BenchError("the request rate and the concurrency must be positive")
     if opts.input_stddev < 0 or opts.keep_seconds < 0:
         raise BenchError("--input-stddev and --keep-seconds cannot be negative")
-    if opts.tokenizer_claim and not (opts.tokenizer or "").startswith("/"):
-        raise BenchError("--tokenizer-claim needs --tokenizer as an absolute path inside that volume")
+    if opts.tokenizer_claim and (opts.tokenizer or "").startswith("/"):
+        raise BenchError("with --tokenizer-claim, --tokenizer is the hub id in that cache, not a path")
+
+
+def check_tokenizer_for_trace(opts: BenchOptions) -> None:
+    """AIPerf 0.13.0 turns a trace's hash ids into prompts in worker processes that load
+    the tokenizer from the hub cache offline (aiperf/dataset/generator/parallel_decode.py):
+    a tokenizer given as a directory fails there."""
+    if (opts.tokenizer or "").startswith("/"):
+        raise BenchError(
+            "with --trace, give the tokenizer as a hub id (AIPerf replays a trace with the tokenizer from the "
+            "hub's cache); --tokenizer-claim mounts a local cache"
+        )
 
 
 def check_trace(text: str) -> int:
@@ -145,11 +157,13 @@ def script(opts: BenchOptions) -> str:
     )
 
 
-def _env(spec: PDClusterSpec) -> list[dict[str, Any]]:
+def _env(spec: PDClusterSpec, opts: BenchOptions) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
-        {"name": "HOME", "value": f"{INSTALL_DIR}/home"},  # pip's and the tokenizer's caches
+        {"name": "HOME", "value": f"{INSTALL_DIR}/home"},  # pip's cache, and the hub's unless mounted
         {"name": "PYTHONPATH", "value": SITE_DIR},
     ]
+    if opts.tokenizer_claim:  # the tokenizer from the mounted cache, never the network
+        env += [{"name": "HF_HOME", "value": HF_CACHE_DIR}, {"name": "HF_HUB_OFFLINE", "value": "1"}]
     secrets = (("ROUTER_API_KEY", spec.router.api_key_secret), ("HF_TOKEN", spec.engine.hf_token_secret))
     for name, ref in secrets:
         if ref is not None:
@@ -174,7 +188,7 @@ def _volumes(owner: Owner, opts: BenchOptions, trace: bool) -> tuple[list[dict],
     if opts.tokenizer_claim:
         claim = {"claimName": opts.tokenizer_claim, "readOnly": True}
         volumes.append({"name": "tokenizer", "persistentVolumeClaim": claim})
-        mounts.append({"name": "tokenizer", "mountPath": opts.tokenizer or "", "readOnly": True})
+        mounts.append({"name": "tokenizer", "mountPath": HF_CACHE_DIR, "readOnly": True})
     return volumes, mounts
 
 
@@ -193,15 +207,18 @@ def render(
     check(opts)
     if trace is not None:
         check_trace(trace)
+        check_tokenizer_for_trace(opts)
     volumes, mounts = _volumes(owner, opts, trace is not None)
     container = {
         "name": "aiperf",
         "image": opts.image,
         "command": ["sh", "-c", script(opts), "aiperf"],
         "args": aiperf_args(spec, owner, opts, trace is not None),
-        "env": _env(spec),
+        "env": _env(spec, opts),
         "volumeMounts": mounts,
-        "resources": {"requests": {"cpu": "2", "memory": "4Gi", "ephemeral-storage": "4Gi"}},  # AIPerf: 1.2 GB installed
+        "resources": {
+            "requests": {"cpu": "2", "memory": "4Gi", "ephemeral-storage": "4Gi"}
+        },  # AIPerf: 1.2 GB installed
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     pod = {

@@ -174,7 +174,9 @@ def _bench_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--output-tokens", type=int, default=d.output_tokens, help="tokens per answer")
     sp.add_argument("--trace", help="replay a Mooncake-format trace (JSON lines) instead of a synthetic mix")
     sp.add_argument("--tokenizer", help="hub id or path (default: spec.model.name)")
-    sp.add_argument("--tokenizer-claim", help="PersistentVolumeClaim mounted at --tokenizer (a local copy)")
+    sp.add_argument(
+        "--tokenizer-claim", help="PersistentVolumeClaim holding a Hugging Face cache (HF_HOME) with the tokenizer"
+    )
     sp.add_argument("--image", default=d.image, help="the client's image")
     sp.add_argument(
         "--no-install", dest="install", action="store_false", help=f"the image has aiperf {bench.AIPERF_VERSION}"

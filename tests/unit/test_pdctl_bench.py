@@ -102,17 +102,19 @@ def test_a_trace_goes_in_a_configmap_and_replaces_the_synthetic_mix() -> None:
     assert {"name": "trace", "mountPath": "/trace", "readOnly": True} in c["volumeMounts"]
 
 
-def test_a_tokenizer_copy_is_mounted_from_its_claim() -> None:
-    opts = bench.BenchOptions(tokenizer="/models/llama", tokenizer_claim="model-cache")
-    objs = bench.render(spec(), OWNER, opts)
-    pod = objs[0]["spec"]["template"]["spec"]
+def test_a_tokenizer_is_read_offline_from_a_cache_on_its_claim() -> None:
+    opts = bench.BenchOptions(tokenizer="meta-llama/Llama-3.1-8B-Instruct", tokenizer_claim="model-cache")
+    objs = bench.render(spec(), OWNER, opts, TRACE)
+    pod = objs[-1]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
     assert {
         "name": "tokenizer",
         "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True},
     } in pod["volumes"]
-    assert {"name": "tokenizer", "mountPath": "/models/llama", "readOnly": True} in pod["containers"][0][
-        "volumeMounts"
-    ]
+    assert {"name": "tokenizer", "mountPath": "/hf-cache", "readOnly": True} in c["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert (env["HF_HOME"], env["HF_HUB_OFFLINE"]) == ("/hf-cache", "1")
+    assert flags(c["args"])["--tokenizer"] == "meta-llama/Llama-3.1-8B-Instruct"
 
 
 @pytest.mark.parametrize(
@@ -121,7 +123,12 @@ def test_a_tokenizer_copy_is_mounted_from_its_claim() -> None:
         (bench.BenchOptions(rate=1.0, concurrency=2), None, "not both"),
         (bench.BenchOptions(requests=0), None, "--requests must be at least 1"),
         (bench.BenchOptions(rate=-1.0), None, "must be positive"),
-        (bench.BenchOptions(tokenizer_claim="cache"), None, "absolute path"),
+        (
+            bench.BenchOptions(tokenizer="/models/x", tokenizer_claim="cache"),
+            None,
+            "the hub id in that cache",
+        ),
+        (bench.BenchOptions(tokenizer="/models/x"), '{"input_length": 5, "output_length": 2}', "as a hub id"),
         (bench.BenchOptions(), '{"timestamp": 0, "input_length": 5}', "trace line 1: no output_length"),
         (bench.BenchOptions(), '{"input_length": 5, "output_length": 2}\nnot json', "trace line 2: not JSON"),
         (bench.BenchOptions(), "\n\n", "no requests"),
@@ -156,7 +163,9 @@ def test_pdctl_bench_prints_the_manifests(tmp_path: Path, capsys: pytest.Capture
 
 def test_the_shipped_example_is_what_pdctl_bench_renders(capsys: pytest.CaptureFixture[str]) -> None:
     example = ROOT / "examples" / "bench" / "aiperf-job.yaml"
-    command = next(line for line in example.read_text().splitlines() if line.startswith("# Rendered by: pdctl "))
+    command = next(
+        line for line in example.read_text().splitlines() if line.startswith("# Rendered by: pdctl ")
+    )
     args = command.removeprefix("# Rendered by: pdctl ").split()
     assert main([a if not a.startswith("examples/") else str(ROOT / a) for a in args]) == 0
     assert list(yaml.safe_load_all(capsys.readouterr().out)) == list(yaml.safe_load_all(example.read_text()))
