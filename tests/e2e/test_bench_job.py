@@ -39,14 +39,21 @@ async def restricted(kube: Kube) -> AsyncIterator[str]:
     await kube.delete("v1", "Namespace", name)
 
 
-@pytest.mark.parametrize("trace", [None, TRACE], ids=["synthetic", "trace"])
+CACHED = bench.BenchOptions(tokenizer="meta-llama/Llama-3.1-8B-Instruct", tokenizer_claim="model-cache")
+
+
+@pytest.mark.parametrize(
+    ("trace", "opts"),
+    [(None, bench.BenchOptions(tokenizer="builtin")), (TRACE, CACHED)],
+    ids=["synthetic", "trace-from-a-cache-claim"],
+)
 async def test_the_bench_job_validates_against_the_apiserver(
-    kube: Kube, restricted: str, trace: str | None
+    kube: Kube, restricted: str, trace: str | None, opts: bench.BenchOptions
 ) -> None:
     raw = yaml.safe_load((ROOT / "examples" / "pdcluster-sim.yaml").read_text())["spec"]
     raw["router"] = {**raw.get("router", {}), "apiKeySecret": {"name": "router-key", "key": "token"}}
     spec = PDClusterSpec.model_validate(raw)
-    objs = bench.render(spec, Owner("demo", restricted, ""), bench.BenchOptions(tokenizer="builtin"), trace)
+    objs = bench.render(spec, Owner("demo", restricted, ""), opts, trace)
     for obj in objs:
         applied = await kube.apply(obj, field_manager="pdctl-bench-test", dry_run=True)
         assert applied["metadata"]["name"] == obj["metadata"]["name"]
