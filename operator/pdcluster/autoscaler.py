@@ -15,7 +15,7 @@ from typing import NamedTuple
 import aiohttp
 
 from pdcluster import constants as C
-from pdcluster import metrics, perf
+from pdcluster import metrics, perf, slo
 from pdcluster.api.v1alpha1 import (
     AutoscalingMode,
     AutoscalingState,
@@ -23,6 +23,7 @@ from pdcluster.api.v1alpha1 import (
     PDClusterSpec,
     PDClusterStatus,
     RoleStatus,
+    ServingMode,
 )
 from pdcluster.control import MetricsSnapshot, Observed, RoleObserved, decide
 from pdcluster.control.modefit import mode_fit
@@ -136,6 +137,8 @@ class PrometheusAutoscaler:
         read = await self._read_metrics(spec, owner)
         observed = await self._observed(spec, owner, status)
         new_state, decision = decide(spec, read.snapshot, state, observed, now, profile=prior)
+        reading = slo.of_snapshot(a, read.snapshot, colocated=spec.mode == ServingMode.colocated)
+        new_state = new_state.model_copy(update={"slo": reading.status()})
         condition = read.problem
         if condition is None:
             recommend = "recommend: " if a.mode == AutoscalingMode.recommend else ""

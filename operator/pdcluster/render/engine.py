@@ -151,6 +151,11 @@ def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
     # The usage of every answer says how many prompt tokens were cached (vLLM 0.32,
     # entrypoints/openai/completion/serving.py): the router reports the prefill leg's.
     args.append("--enable-prompt-tokens-details")
+    if role in (C.ROLE_PREFILL, C.ROLE_FLEXIBLE):
+        # Each prefill answer carries the prompt's own compute (metrics.time_to_first_token_ms;
+        # vLLM 0.32 entrypoints/generate/base/serving.py): the router's TTFT beyond prefill.
+        # vLLM refuses it beside --disable-log-stats (entrypoints/launchers/cli_args.py).
+        args.append("--enable-per-request-metrics")
     if spec.tracing.enabled:
         # Over OTLP/HTTP (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL in engine_env), as the router.
         args += ["--otlp-traces-endpoint", spec.tracing.traces_url]

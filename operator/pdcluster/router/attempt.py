@@ -223,7 +223,9 @@ class Attempt:
     """One attempt on one route: prefill and decode exchanges, or decode alone (the
     prompt's prefix is stored, or no prefill is left), or a colocated engine."""
 
-    __slots__ = ("decode", "job", "lease", "prefill", "prefill_cached", "prefilled_at", "services")
+    __slots__ = (
+        "decode", "job", "lease", "prefill", "prefill_cached", "prefill_compute_s", "prefilled_at", "services",
+    )  # fmt: skip
 
     def __init__(self, job: Job, route: Route, prompt_tokens: int):
         self.job = job
@@ -232,6 +234,7 @@ class Attempt:
         self.decode = route.decode
         self.prefilled_at: float | None = None
         self.prefill_cached: int | None = None  # the prefill leg's cached prompt tokens, reported to the client
+        self.prefill_compute_s: float | None = None  # the prefill engine's own compute for the prompt
         output_tokens = openai.max_tokens_of(job.body, job.sends_chat) or DEFAULT_OUTPUT_TOKENS
         self.lease = Lease(route, prompt_tokens, output_tokens, self.services.admission)
 
@@ -326,6 +329,7 @@ class Attempt:
         if status == 200:
             self.prefilled_at = time.monotonic()
             self.prefill_cached = openai.cached_tokens(payload)
+            self.prefill_compute_s = openai.prefill_compute_s(payload)
             prefill.succeeded()
             self.lease.prefill_done(ok=True)
             if self.job.prefilled is not None:

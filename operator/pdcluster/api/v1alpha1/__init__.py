@@ -62,6 +62,7 @@ from pdcluster.api.v1alpha1.status import (
     ObservedMetrics,
     PDClusterStatus,
     RoleStatus,
+    SLOStatus,
     TTFTStages,
 )
 
@@ -110,6 +111,7 @@ __all__ = [
     "RouterPolicy",
     "RouterSpec",
     "SLOSpec",
+    "SLOStatus",
     "SecretKeyRef",
     "ServingMode",
     "StartupProbe",

@@ -95,6 +95,7 @@ class AutoscalingSpec(Model):
     )
     ttft_includes_prefill: bool = Field(
         True,
-        description="When false, `slo.ttftMs` bounds TTFT minus the prompt's own prefill time (queueing, KV "
-        "transfer, first decode step): for long prompts whose prefill alone exceeds any fixed target.",
+        description="When false, `slo.ttftMs` bounds the TTFT beyond prefill: TTFT less the prompt's own prefill "
+        "compute (queueing, KV transfer, first decode step remain), measured per request by the router: for long "
+        "prompts whose prefill alone exceeds any fixed target.",
     )
