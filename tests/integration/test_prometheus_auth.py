@@ -13,10 +13,9 @@ import datetime
 import ipaddress
 import ssl
 import subprocess
-import time
 import urllib.request
 import warnings
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -26,7 +25,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from loopback import PROMETHEUS, free_port
+from loopback import PROMETHEUS, free_port, wait_until
 
 from pdcluster.io.prometheus import Prometheus, PrometheusUnavailable
 from pdcluster.io.prometheus_auth import CredentialsUnavailable, OperatorCredentials
@@ -58,7 +57,9 @@ def _write_tls(root: Path) -> None:
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(hours=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )
         .sign(ca_key, hashes.SHA256())
     )
     server = (
@@ -69,7 +70,9 @@ def _write_tls(root: Path) -> None:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
@@ -83,7 +86,7 @@ def _write_tls(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+async def secured(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[str, Path]]:
     """Prometheus over https with basic auth; its URL and the directory with ca.crt."""
     root = tmp_path_factory.mktemp("prometheus-auth")
     _write_tls(root)
@@ -107,28 +110,25 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
     )
     url = f"https://{address}"
     try:
-        _wait_ready(url, root / "ca.crt")
+        await wait_until(
+            lambda: _ready(url, root / "ca.crt"), timeout=60, interval=0.1, message="Prometheus ready"
+        )
         yield url, root
     finally:
         proc.terminate()
         proc.wait(timeout=20)
 
 
-def _wait_ready(url: str, ca: Path) -> None:
+def _ready(url: str, ca: Path) -> bool:
     context = ssl.create_default_context(cafile=str(ca))
     opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context))
     basic = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            request = urllib.request.Request(url + "/-/ready", headers={"Authorization": basic})
-            with opener.open(request, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise AssertionError("Prometheus never became ready") from None
-            time.sleep(0.1)
+    request = urllib.request.Request(url + "/-/ready", headers={"Authorization": basic})
+    try:
+        with opener.open(request, timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 async def _ask(url: str, creds: OperatorCredentials) -> float | None:
@@ -160,7 +160,9 @@ async def test_without_the_ca_the_certificate_is_not_trusted(secured: tuple[str,
 async def test_a_wrong_password_is_refused(secured: tuple[str, Path]) -> None:
     url, root = secured
     f = _files(root, user2=USER, password2="not-it")
-    creds = OperatorCredentials(username_file=f["user2"], password_file=f["password2"], ca_file=root / "ca.crt")
+    creds = OperatorCredentials(
+        username_file=f["user2"], password_file=f["password2"], ca_file=root / "ca.crt"
+    )
     with pytest.raises(PrometheusUnavailable, match="401"):
         await _ask(url, creds)
 

@@ -33,7 +33,12 @@ OWNER = Owner("c", "ns", "uid")
 
 def secret(name: str, **data: str) -> dict[str, Any]:
     encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": "ns"}, "data": encoded}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": "ns"},
+        "data": encoded,
+    }
 
 
 def test_bearer_token_and_tenant_header() -> None:
