@@ -13,7 +13,7 @@ from pathlib import Path
 import kopf
 import prometheus_client
 
-from pdcluster import add_version_flag
+from pdcluster import add_version_flag, images
 from pdcluster.autoscaler import PrometheusAutoscaler
 from pdcluster.children import Children
 from pdcluster.controller import Controller
@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Prometheus for autoscaling",
     )
     _prometheus_auth_flags(p)
+    _image_flags(p)
     p.add_argument(
         "--resync-seconds", type=float, default=30.0, help="reconcile every cluster at least this often"
     )
@@ -75,6 +76,32 @@ def _prometheus_auth_flags(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=VALUE",
         help="extra header for Prometheus, e.g. X-Scope-OrgID=tenant-1 (repeatable)",
+    )
+
+
+def _image_flags(p: argparse.ArgumentParser) -> None:
+    """What a PDCluster that names no image runs (the chart sets these from its values)."""
+    for kind in (images.ENGINE, images.ENGINE_SIM, images.ROUTER, images.MOONCAKE):
+        variable = f"PDCLUSTER_{kind.upper().replace('-', '_')}_IMAGE"
+        p.add_argument(
+            f"--{kind}-image",
+            default=os.environ.get(variable),
+            help=f"default {kind} image (env {variable}; built in: {images.BUILT_IN[kind]})",
+        )
+    p.add_argument(
+        "--image-pull-secret",
+        action="append",
+        default=[s for s in os.environ.get("PDCLUSTER_IMAGE_PULL_SECRETS", "").split(",") if s],
+        metavar="NAME",
+        help="Secret for pulling images on every pod a PDCluster without imagePullSecrets runs "
+        "(repeatable; env PDCLUSTER_IMAGE_PULL_SECRETS, comma-separated)",
+    )
+
+
+def configure_images(args: argparse.Namespace) -> None:
+    kinds = (images.ENGINE, images.ENGINE_SIM, images.ROUTER, images.MOONCAKE)
+    images.configure(
+        {kind: getattr(args, f"{kind.replace('-', '_')}_image") for kind in kinds}, args.image_pull_secret
     )
 
 
@@ -137,6 +164,7 @@ async def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    configure_images(args)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -24,7 +24,8 @@ from pdcluster.render.names import (
 
 API_KEY_DIR = "/etc/pdcluster/api-key"
 ENGINE_KEY_DIR = "/etc/pdcluster/engine-api-key"
-HOSTNAME_KEY = "kubernetes.io/hostname"  # the well-known node label
+HOSTNAME_KEY = "kubernetes.io/hostname"
+PRE_STOP_SLEEP_S = 5  # the well-known node label
 # Guaranteed CPU for the relay loop, no CPU limit (throttling stalls every stream a
 # router relays); memory capped well above what 4096 open streams hold.
 DEFAULT_RESOURCES: dict[str, Any] = {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
@@ -154,6 +155,9 @@ def deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, An
                 "env": router_env(spec),
                 "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
                 "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
+                # Serve on while the Service takes this pod out of its endpoints (kube-proxy
+                # lags the deletion by a moment); SIGTERM, and the drain, come after.
+                "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SLEEP_S)]}}},
                 "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
                 "resources": r.resources.wire() if r.resources is not None else DEFAULT_RESOURCES,
                 "securityContext": restricted_container(),

@@ -7,6 +7,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from pdcluster import constants as C
+from pdcluster import images
 from pdcluster.api.base import FreeForm, Model, Port
 from pdcluster.api.v1alpha1.common import Resources, SecretKeyRef, section
 
@@ -125,7 +126,12 @@ class RouterSpec(Model):
         description="Router pods. Two by default, spread over nodes, with a PodDisruptionBudget of one: a "
         "node that goes takes one router and the Service sends new requests to the other.",
     )
-    image: str = Field(C.DEFAULT_ROUTER_IMAGE, min_length=1)
+    image: str = Field(
+        default_factory=images.factory(images.ROUTER),
+        min_length=1,
+        exclude_if=images.is_default(images.ROUTER),
+        description="Unset: the operator's default (chart value `images.router`).",
+    )
     image_pull_policy: str = Field(
         "IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]}
     )
