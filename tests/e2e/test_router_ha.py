@@ -12,9 +12,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from harness import OperatorProcess, Outcome, converged, is_ready, stream_completion
+from harness import OperatorProcess, Outcome, converged, counter, is_ready, stream_completion
 
 from pdcluster import constants as C
+from pdcluster import observability as obs
 from pdcluster.io.kube import Kube
 
 pytestmark = pytest.mark.cluster
@@ -66,6 +67,11 @@ async def router_pods(kube: Kube, namespace: str) -> list[dict[str, Any]]:
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
+async def requests_served(pod: dict[str, Any]) -> float:
+    async with aiohttp.ClientSession() as http, http.get(f"http://{pod['status']['podIP']}:8000/metrics") as r:
+        return counter(await r.text(), obs.ROUTER_REQUESTS + "_total")
+
+
 async def test_a_router_pod_deleted_under_load_fails_no_request(
     kube: Kube, namespace: str, operator: OperatorProcess, pdc: Any, sim_cluster: Any, wait_until: Any
 ) -> None:
@@ -91,7 +97,10 @@ async def test_a_router_pod_deleted_under_load_fails_no_request(
     load = RetryingLoad(f"http://{svc['spec']['clusterIP']}:8000")
     async with load.running():
         await wait_until(lambda: len(load.outcomes) >= 12, timeout=60, message="requests complete before")
-        victim = pods[0]["metadata"]
+        # Both routers take requests; the one deleted is the one that served the most.
+        served = {p["metadata"]["name"]: await requests_served(p) for p in pods}
+        assert all(served.values()), served
+        victim = next(p for p in pods if p["metadata"]["name"] == max(served, key=served.get))["metadata"]
         await kube.delete("v1", "Pod", victim["name"], namespace, uid=victim["uid"])
 
         async def replaced() -> bool:
