@@ -42,6 +42,8 @@ KINDS = {
     ("networking.k8s.io", "v1", "networkpolicies"): "NetworkPolicy",
     ("rbac.authorization.k8s.io", "v1", "roles"): "Role",
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): "RoleBinding",
+    # The model cache's download Job (model.source cache): its end starts the engines.
+    ("batch", "v1", "jobs"): "Job",
     # Roles spanning nodes; a cluster without the LeaderWorkerSet API answers 404 (see _watch).
     ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"): "LeaderWorkerSet",
     # HPA/KEDA scaling a role in `external` mode must take effect at once.

@@ -20,10 +20,12 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from pdcluster import constants as C
-from pdcluster import metrics
+from pdcluster import metrics, modelready
 from pdcluster.api.v1alpha1 import (
     AutoscalingMode,
     AutoscalingState,
+    ModelSource,
+    ModelStatus,
     PDClusterSpec,
     PDClusterStatus,
     ServingMode,
@@ -34,6 +36,7 @@ from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube
 from pdcluster.render import Owner, Replicas, apply_stage, mooncake, render_all
 from pdcluster.render.engine import kv_revision, workload_kind
+from pdcluster.render.model import download_job_name
 from pdcluster.render.router import state_configmap_name
 from pdcluster.render.scaler import role_scaler, scaler_status
 from pdcluster.rollout import Rollout
@@ -190,6 +193,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
 
     workloads = {_workload_role(o): live[_key(o)] for o in plan.desired if _workload_role(o) is not None}
     obs = _observation(spec, owner, plan, live, workloads, problems)
+    obs.model = await _model_cache(ctx, spec, owner, live, previous)
     status = compute_status(spec, generation, obs, previous, plan.autoscale.state, now)
     for role, scaler in plan.scalers.items():
         await _report_scale(ctx, owner, role, scaler, workloads.get(role))
@@ -318,6 +322,26 @@ def _observation(
         rollout=plan.rollout.progress,
         mode_fit=plan.autoscale.mode_fit,
     )
+
+
+async def _model_cache(
+    ctx: Context,
+    spec: PDClusterSpec,
+    owner: Owner,
+    live: dict[tuple[str, str], dict[str, Any] | None],
+    previous: PDClusterStatus,
+) -> tuple[modelready.ConditionFields, ModelStatus] | None:
+    """The download Job's progress (model.source cache); its pods are read only when they
+    hold news: the report of a success, or the error of another failed attempt."""
+    if spec.model.source != ModelSource.cache:
+        return None
+    name = download_job_name(spec, owner)
+    job = live.get(("Job", name))
+    pods = None
+    if modelready.needs_pods(job, previous.model):
+        selector = f"{C.LABEL_JOB_NAME}={name}"
+        pods = await ctx.kube.list("v1", "Pod", owner.namespace, label_selector=selector)
+    return modelready.observe(name, job, pods, previous.model)
 
 
 async def _emit_events(

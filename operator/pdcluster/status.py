@@ -13,6 +13,9 @@ Conditions follow Kubernetes conventions and are what GitOps tools read:
 - ModeFit:     present when autoscaling sees traffic and its profile ships a crossover
                sweep; False when the other serving mode would serve that traffic clearly
                better per GPU (control/modefit.py).
+- ModelReady:  present with model.source cache; True once the download Job has filled the
+               cache (its size and time in the message and in status.model), False while it
+               runs or after it failed (with the error its pod ended with: modelready.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pdcluster.api.v1alpha1 import (
     AutoscalingState,
     ComponentStatus,
     Condition,
+    ModelStatus,
     PDClusterSpec,
     PDClusterStatus,
     RoleStatus,
@@ -55,6 +59,7 @@ class Observation:
     kv_verdicts: dict[str, str] | None = None  # the router-state ConfigMap's data
     rollout: str | None = None  # a coordinated rollout's progress (rollout.py)
     mode_fit: tuple[bool, str, str] | None = None  # (fits, reason, message)
+    model: tuple[ConditionFields, ModelStatus] | None = None  # the model cache (modelready.py)
 
 
 def kv_transfer(verdicts: dict[str, str] | None) -> ConditionFields | None:
@@ -164,6 +169,7 @@ def compute_status(
         ttft_p99_ms=ttft if ttft is not None else previous.ttft_p99_ms,
         itl_p99_ms=itl if itl is not None else previous.itl_p99_ms,
         autoscaling=autoscaling,
+        model=obs.model[1] if obs.model is not None else None,
         rollout=obs.rollout,
     )
 
@@ -222,6 +228,7 @@ def _conditions(
         ("Autoscaling", obs.autoscaling),
         ("ModeFit", obs.mode_fit),
         ("KVTransfer", kv_transfer(obs.kv_verdicts)),
+        ("ModelReady", obs.model[0] if obs.model is not None else None),
     )
     judged += [(type_, fields) for type_, fields in optional if fields is not None]
     return [

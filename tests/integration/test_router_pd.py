@@ -387,8 +387,8 @@ async def test_api_key(http: aiohttp.ClientSession, tmp_path: Path) -> None:
         (b"[]", 400),
         (b'{"prompt": 5}', 400),
         (b'{"prompt": "x", "max_tokens": -1}', 400),
-        (b'{"prompt": "x", "n": 2}', 400),
-        (b'{"prompt": ["a", "b"]}', 400),
+        (b'{"prompt": "x", "n": 0}', 400),
+        (b'{"prompt": ["a", "b"], "n": 9}', 400),  # 18 flows: past --max-fan-out
         (b'{"prompt": "x", "model": "other"}', 404),
     ],
 )

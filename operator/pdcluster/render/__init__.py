@@ -9,6 +9,7 @@ from typing import Any
 from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingState, PDClusterSpec
 from pdcluster.render.engine import build_role
+from pdcluster.render.model import build_model
 from pdcluster.render.mooncake import build_mooncake
 from pdcluster.render.names import Owner
 from pdcluster.render.network import build_network_policies
@@ -64,7 +65,7 @@ def render_all(
 ) -> list[dict[str, Any]]:
     """Every child of one PDCluster, in apply order (config and services before workloads).
     `partitions`: the engine StatefulSets' rollout partitions (rollout.py), 0 if absent."""
-    objects = build_mooncake(spec, owner, suspended=spec.suspend)
+    objects = build_model(spec, owner) + build_mooncake(spec, owner, suspended=spec.suspend)
     for role in spec.engine_roles:
         objects += build_role(spec, owner, role, replicas.of(role), (partitions or {}).get(role, 0))
     objects += build_router(spec, owner, suspended=spec.suspend)
@@ -100,6 +101,7 @@ _STAGES = {
     "Service": 3,
     "PodDisruptionBudget": 4,
     "NetworkPolicy": 4,
+    "PersistentVolumeClaim": 4,  # before the Job and the engines that mount it
 }
 
 

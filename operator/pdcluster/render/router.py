@@ -7,7 +7,7 @@ from typing import Any
 
 from pdcluster import constants as C
 from pdcluster import flexible
-from pdcluster.api.v1alpha1 import PDClusterSpec, RouterPolicy, ServingMode
+from pdcluster.api.v1alpha1 import PDClusterSpec, RouterPolicy, RouterSpec, ServingMode
 from pdcluster.render.engine import disruption_budget
 from pdcluster.render.names import (
     TRACES_HEADERS_ENV,
@@ -24,8 +24,8 @@ from pdcluster.render.names import (
 
 API_KEY_DIR = "/etc/pdcluster/api-key"
 ENGINE_KEY_DIR = "/etc/pdcluster/engine-api-key"
-HOSTNAME_KEY = "kubernetes.io/hostname"
-PRE_STOP_SLEEP_S = 5  # the well-known node label
+HOSTNAME_KEY = "kubernetes.io/hostname"  # the well-known node label
+PRE_STOP_SLEEP_S = 5
 # Guaranteed CPU for the relay loop, no CPU limit (throttling stalls every stream a
 # router relays); memory capped well above what 4096 open streams hold.
 DEFAULT_RESOURCES: dict[str, Any] = {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
@@ -53,6 +53,8 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     args += [f"--max-attempts={retries.max_attempts}", f"--prefill-timeout={retries.prefill_timeout_seconds}"]
     if not retries.resume_streams:
         args.append("--no-resume-streams")
+    if r.max_fan_out != RouterSpec.model_fields["max_fan_out"].default:
+        args.append(f"--max-fan-out={r.max_fan_out}")
     args += _probe_args(spec, owner)
     if r.prefill_on_decode_below_tokens and spec.hands_off_kv:
         args.append(f"--prefill-on-decode-below={r.prefill_on_decode_below_tokens}")

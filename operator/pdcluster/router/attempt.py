@@ -116,7 +116,7 @@ class Job:
     once the client's answer has started, what it has delivered, the failures so far."""
 
     __slots__ = (
-        "body", "chat", "failures", "last_token_at", "original", "path", "request", "request_id",
+        "body", "chat", "failures", "last_token_at", "original", "path", "prefilled", "request", "request_id",
         "response", "resumed_tokens", "sends_chat", "sent", "services", "started", "tokens", "trace", "trail",
     )  # fmt: skip
 
@@ -152,6 +152,7 @@ class Job:
         self.resumed_tokens = 0
         self.failures: list[str] = []
         self.trace = trace
+        self.prefilled: asyncio.Event | None = None  # set once a prefill leg has succeeded (fanout.py)
 
     async def run(self, route: Route, prompt_tokens: int, reroute: Reroute) -> Response | Stream:
         metrics = self.services.metrics
@@ -327,6 +328,8 @@ class Attempt:
             self.prefill_cached = openai.cached_tokens(payload)
             prefill.succeeded()
             self.lease.prefill_done(ok=True)
+            if self.job.prefilled is not None:
+                self.job.prefilled.set()
             return
         if status < 500 and status not in _NOT_THE_CLIENTS:
             raise Refused(Response(status, payload, JSON))

@@ -141,6 +141,7 @@ class RouterService:
             hash_seed=args.hash_seed,
             exact_timeout_s=args.exact_timeout,
             prefill_on_decode_below=args.prefill_on_decode_below,
+            max_fan_out=max(args.max_fan_out, 1),
         )
         admission = None
         if not args.no_admission:

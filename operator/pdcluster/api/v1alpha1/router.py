@@ -163,6 +163,13 @@ class RouterSpec(Model):
         description="Seconds per request, streams and retries included; prefill engines keep KV for a decode "
         "that never pulls it for as long (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT).",
     )
+    max_fan_out: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="A request with `n` > 1 or several prompts runs as one prefill/decode flow per prompt and "
+        "choice, merged into one answer; a request needing more flows than this is refused with a 400.",
+    )
     api_key_secret: SecretKeyRef | None = Field(
         None, description="When set, clients must send this key as a Bearer token."
     )

@@ -149,6 +149,17 @@ class AutoscalingState(Model):
     decisions: int = Field(0, description="Decisions that changed replicas so far.")
 
 
+class ModelStatus(Model):
+    """The model cache's download Job (model.source cache), as the ModelReady condition says it."""
+
+    job: str = Field(description="The download Job this describes.")
+    bytes: int | None = Field(None, ge=0, description="Size of the downloaded model.")
+    files: int | None = Field(None, ge=0, description="Files downloaded.")
+    download_ms: int | None = Field(None, ge=0, description="Time the download took, in milliseconds.")
+    failed_attempts: int = Field(0, ge=0, description="Attempts of the Job that failed so far.")
+    error: str | None = Field(None, description="How the last failed attempt ended (the tail of its log).")
+
+
 class PDClusterStatus(Model):
     """Observed state, written once per reconcile."""
 
@@ -168,6 +179,7 @@ class PDClusterStatus(Model):
     ttft_p99_ms: int | None = None
     itl_p99_ms: int | None = None
     autoscaling: AutoscalingState | None = None
+    model: ModelStatus | None = None
     rollout: str | None = Field(
         None,
         description="While prefill and decode move to a new engine revision: pods updated per role, e.g. "
