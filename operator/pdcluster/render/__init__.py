@@ -70,7 +70,25 @@ def render_all(
         objects += build_role(spec, owner, role, replicas.of(role), (partitions or {}).get(role, 0))
     objects += build_router(spec, owner, suspended=spec.suspend)
     objects += build_network_policies(spec, owner)
+    _pull_secrets(objects, [{"name": ref.name} for ref in spec.image_pull_secrets])
     return sorted(objects, key=apply_stage)
+
+
+def pod_specs(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod specs of a workload: a template's, or a LeaderWorkerSet's leader and worker."""
+    spec = obj.get("spec") or {}
+    if "template" in spec:
+        return [spec["template"]["spec"]]
+    group = spec.get("leaderWorkerTemplate") or {}
+    return [t["spec"] for t in (group.get("leaderTemplate"), group.get("workerTemplate")) if t]
+
+
+def _pull_secrets(objects: list[dict[str, Any]], refs: list[dict[str, str]]) -> None:
+    """Every pod the operator renders pulls with the same secrets: one place for all kinds."""
+    if refs:
+        for obj in objects:
+            for pod in pod_specs(obj):
+                pod["imagePullSecrets"] = refs
 
 
 # What must exist before what: a Role before its binding, Services and network policies

@@ -234,6 +234,8 @@ class RouterService:
         router = self.router
         assert router is not None
         router.draining = True
+        if self._http is not None:
+            self._http.end_keepalive()
         log.info("draining %d in-flight requests (up to %g s)", router.inflight, timeout)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(router.idle.wait(), timeout)

@@ -7,7 +7,8 @@ from enum import StrEnum
 from pydantic import Field
 
 from pdcluster import constants as C
-from pdcluster.api.base import Model, Port
+from pdcluster import images
+from pdcluster.api.base import FreeForm, Model, Port
 from pdcluster.api.v1alpha1.common import Resources, SecretKeyRef, section
 
 
@@ -119,8 +120,18 @@ class ConnectionsSpec(Model):
 class RouterSpec(Model):
     """The OpenAI-compatible, PD-aware router in front of the pools."""
 
-    replicas: int = Field(1, ge=0)
-    image: str = Field(C.DEFAULT_ROUTER_IMAGE, min_length=1)
+    replicas: int = Field(
+        2,
+        ge=0,
+        description="Router pods. Two by default, spread over nodes, with a PodDisruptionBudget of one: a "
+        "node that goes takes one router and the Service sends new requests to the other.",
+    )
+    image: str = Field(
+        default_factory=images.factory(images.ROUTER),
+        min_length=1,
+        exclude_if=images.is_default(images.ROUTER),
+        description="Unset: the operator's default (chart value `images.router`).",
+    )
     image_pull_policy: str = Field(
         "IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]}
     )
@@ -165,4 +176,13 @@ class RouterSpec(Model):
     service_type: str = Field(
         "ClusterIP", json_schema_extra={"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}
     )
-    resources: Resources | None = None
+    resources: Resources | None = Field(
+        None,
+        description="Unset: requests of 1 CPU and 512Mi, a 2Gi memory limit and no CPU limit (a throttled "
+        "router adds its wait to every token it relays). `{}` leaves the router BestEffort.",
+    )
+    affinity: FreeForm | None = Field(
+        None,
+        description="Pod affinity, as in a Pod spec. Unset: routers prefer nodes without another router "
+        "of this cluster (kubernetes.io/hostname).",
+    )
