@@ -42,6 +42,8 @@ KINDS = {
     ("networking.k8s.io", "v1", "networkpolicies"): "NetworkPolicy",
     ("rbac.authorization.k8s.io", "v1", "roles"): "Role",
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): "RoleBinding",
+    # The model cache's download Job (model.source cache): its end starts the engines.
+    ("batch", "v1", "jobs"): "Job",
     # Roles spanning nodes; a cluster without the LeaderWorkerSet API answers 404 (see _watch).
     ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"): "LeaderWorkerSet",
     # HPA/KEDA scaling a role in `external` mode must take effect at once.
@@ -198,3 +200,12 @@ class Children:
                     log.warning("%s watch failed (%s); listing again in %gs", kind, e, retry)
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, MAX_RETRY_SECONDS)
+
+
+async def cluster_pods(
+    children: Children | None, kube: Kube, namespace: str, owner: str
+) -> list[dict[str, Any]]:
+    """One PDCluster's pods, from the watch cache when there is one."""
+    if children is not None and children.covers("Pod"):
+        return children.pods(namespace, owner)
+    return await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}={owner}")

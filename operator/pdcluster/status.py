@@ -19,6 +19,9 @@ Conditions follow Kubernetes conventions and are what GitOps tools read:
                `spec.progressDeadlineSeconds`, with a stuck pod's own reason (podstate.py),
                or at once on a problem that blocks the spec (a missing Secret, a refused apply).
                Never both True: kstatus takes the first True of the two in list order.
+- ModelReady:  present with model.source cache; True once the download Job has filled the
+               cache (its size and time in the message and in status.model), False while it
+               runs or after it failed (with the error its pod ended with: modelready.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pdcluster.api.v1alpha1 import (
     AutoscalingState,
     ComponentStatus,
     Condition,
+    ModelStatus,
     PDClusterSpec,
     PDClusterStatus,
     RoleStatus,
@@ -65,6 +69,7 @@ class Observation:
     mode_fit: tuple[bool, str, str] | None = None  # (fits, reason, message)
     startups: dict[str, StartupStatus | None] = field(default_factory=dict)  # role -> measured start-up
     stuck: list[Problem] = field(default_factory=list)  # why pods are not Ready (podstate.pod_problem)
+    model: tuple[ConditionFields, ModelStatus] | None = None  # the model cache (modelready.py)
 
 
 def kv_transfer(verdicts: dict[str, str] | None) -> ConditionFields | None:
@@ -181,6 +186,7 @@ def compute_status(
         itl_p99_ms=itl if itl is not None else previous.itl_p99_ms,
         autoscaling=autoscaling,
         last_progress_time=progress.last,
+        model=obs.model[1] if obs.model is not None else None,
         rollout=obs.rollout,
     )
 
@@ -286,6 +292,7 @@ def _conditions(
         ("Autoscaling", obs.autoscaling),
         ("ModeFit", obs.mode_fit),
         ("KVTransfer", kv_transfer(obs.kv_verdicts)),
+        ("ModelReady", obs.model[0] if obs.model is not None else None),
     )
     judged += [(type_, fields) for type_, fields in optional if fields is not None]
     return [
@@ -359,3 +366,17 @@ def _degraded(obs: Observation) -> ConditionFields:
     if obs.problems:
         return True, obs.problems[0].reason, "; ".join(p.message for p in obs.problems)
     return False, "AsExpected", "no problems found"
+
+
+def stalled_warning(
+    previous: PDClusterStatus, status: PDClusterStatus, problems: list[Problem]
+) -> tuple[str, str] | None:
+    """(reason, message) of the Warning event when Stalled turns True or changes reason;
+    None when Degraded's warning says the same already."""
+    stalled = next((c for c in status.conditions if c.type == "Stalled"), None)
+    if stalled is None or stalled.status != "True" or (problems and problems[0].reason == stalled.reason):
+        return None
+    before = next((c for c in previous.conditions if c.type == "Stalled"), None)
+    if before is not None and before.status == "True" and before.reason == stalled.reason:
+        return None
+    return stalled.reason, stalled.message

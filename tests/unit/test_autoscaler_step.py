@@ -40,7 +40,7 @@ def autoscaler(
     kube: FakeKube, prom: FakePrometheus | None, url: str | None = "http://prom:9090"
 ) -> PrometheusAutoscaler:
     a = PrometheusAutoscaler(kube, url)  # type: ignore[arg-type]
-    a._prometheus = lambda _url: prom  # type: ignore[assignment,method-assign,return-value]
+    a._prometheus = lambda _url, _creds: prom  # type: ignore[assignment,method-assign,return-value]
     return a
 
 

@@ -57,6 +57,8 @@ class Figures:
     stabilization_s: dict[str, int] = field(default_factory=dict)  # per role: the window waited out
     scale_up_timeout_s: int | None = None
     cooldown_s: int | None = None
+    ttft_name: str = "TTFT"  # what ttft_ms is (control.observed.ttft_name): the TTFT the target applies to
+    raw_ttft_ms: float | None = None  # the router's whole TTFT at the quantile, quoted beside it
 
 
 def _ms(value: float | None) -> str:
@@ -71,6 +73,13 @@ def _engines(f: Figures, role: str | None) -> str:
     return f"{role} needs {f.needed[role]} engines{load}, {f.ready.get(role, 0)} ready"
 
 
+def _raw(f: Figures) -> str:
+    """' (TTFT 1177 ms)': the whole TTFT beside the one the target applies to, when they differ."""
+    if f.ttft_name == "TTFT" or f.raw_ttft_ms is None:
+        return ""
+    return f" (TTFT {_ms(f.raw_ttft_ms)})"
+
+
 def _kv(f: Figures) -> str:
     used = "unseen" if f.kv_usage is None else f"{f.kv_usage:.0%}"
     return f"KV cache {used} full, limit {f.kv_limit or 0:.0%}"
@@ -83,33 +92,33 @@ def summary(
     moves = [f"{r} {current[r]} -> {target[r]}" for r in target if target[r] != current[r]]
     held = ":".join(str(current[r]) for r in target) + (" colocated" if "colocated" in target else "")
     change = ", ".join(moves) if moves else f"hold {held}"
-    q = f.quantile
+    q, tt = f.quantile, f.ttft_name
     why = {
         Cause.disabled: "autoscaling disabled",
         Cause.suspended: "cluster suspended",
         Cause.metrics_unavailable: "no metrics",
         Cause.no_traffic: "no traffic",
         Cause.scale_up_timed_out: f"{role} pods not ready within {f.scale_up_timeout_s} s",
-        Cause.ttft_over_target: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms",
-        Cause.prefill_short: f"{_engines(f, 'prefill')}; TTFT {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms",
+        Cause.ttft_over_target: f"{tt} {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms{_raw(f)}",
+        Cause.prefill_short: f"{_engines(f, 'prefill')}; {tt} {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms",
         Cause.itl_over_target: f"ITL {q} {_ms(f.itl_ms)} over {f.itl_target_ms} ms",
         Cause.kv_cache_full: f"{role if role == 'colocated' else 'decode'} {_kv(f)}",
         Cause.decode_short: f"{_engines(f, 'decode')}; ITL {q} {_ms(f.itl_ms)} of {f.itl_target_ms} ms",
-        Cause.prefill_headroom: f"TTFT {q} {_ms(f.ttft_ms)} well under {f.ttft_target_ms} ms; {_engines(f, 'prefill')}",
+        Cause.prefill_headroom: f"{tt} {q} {_ms(f.ttft_ms)} well under {f.ttft_target_ms} ms; {_engines(f, 'prefill')}",
         Cause.decode_headroom: f"ITL {q} {_ms(f.itl_ms)} well under {f.itl_target_ms} ms; {_engines(f, 'decode')}",
-        Cause.decode_wait: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, "
+        Cause.decode_wait: f"{tt} {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, "
         f"{_ms(f.decode_wait_ms)} of it waiting for a decode step",
-        Cause.kv_handoff_slow: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, {_ms(f.kv_handoff_ms)} "
+        Cause.kv_handoff_slow: f"{tt} {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, {_ms(f.kv_handoff_ms)} "
         "of it in the KV hand-off: check the KV transfer network, more engines would not help",
-        Cause.rebalanced: f"both roles miss their targets (TTFT {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms, "
+        Cause.rebalanced: f"both roles miss their targets ({tt} {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms, "
         f"ITL {q} {_ms(f.itl_ms)} of {f.itl_target_ms} ms): GPUs moved to {role}",
         Cause.budget_full: f"{_engines(f, role)} and the GPU budget of {f.budget} is full",
         Cause.stabilizing: f"{role} change waits out its {f.stabilization_s.get(role or '', 0)} s stabilization window",
         Cause.cooling_down: f"cooling down: {f.cooldown_s} s after the last change",
         Cause.scale_up_blocked: f"{role} scale-up blocked after a timeout",
-        Cause.within_targets: f"TTFT {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms, ITL {q} {_ms(f.itl_ms)} "
+        Cause.within_targets: f"{tt} {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms{_raw(f)}, ITL {q} {_ms(f.itl_ms)} "
         f"of {f.itl_target_ms} ms: within targets",
-        Cause.pool_headroom: f"TTFT {q} {_ms(f.ttft_ms)} and ITL {q} {_ms(f.itl_ms)} well under "
+        Cause.pool_headroom: f"{tt} {q} {_ms(f.ttft_ms)} and ITL {q} {_ms(f.itl_ms)} well under "
         f"{f.ttft_target_ms} and {f.itl_target_ms} ms",
     }[cause]
     return f"{change}: {why}"

@@ -12,7 +12,7 @@ from pdcluster.control.cause import Cause, Figures
 from pdcluster.control.context import ROLES, Context, Role
 from pdcluster.control.needs import Need, prefill_latency
 from pdcluster.control.notes import Note, worded
-from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms
+from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms, ttft_name
 from pdcluster.control.stabilise import Settled
 from pdcluster.control.types import MetricsSnapshot, TTFTBreakdown
 
@@ -59,6 +59,11 @@ def cause_of(current: Counts, a: Analysis) -> Verdict:
         return Verdict(Cause.stabilizing, wanted[0])
     if a.fit.budget_full is not None:
         return Verdict(Cause.budget_full, a.fit.budget_full)
+    # Held with a target missed (the model sees no count that would help): say so.
+    if a.ttft_missed:
+        return Verdict(Cause.ttft_over_target, Role.prefill)
+    if needs[Role.decode].violated:
+        return Verdict(needs[Role.decode].cause_up, Role.decode)
     return Verdict(Cause.within_targets)
 
 
@@ -81,8 +86,7 @@ def reason(ctx: Context, current: Counts, a: Analysis, notes: tuple[Note, ...]) 
     """E.g. 'TTFT p90 820 ms > 500 ms, ITL p90 15 ms (+40% headroom) at 40.00 req/s;
     model needs 10:6: +2 prefill, -2 decode (notes)'."""
     auto, m, target = ctx.auto, a.m, a.settled.target
-    ttft_name = "TTFT" if auto.ttft_includes_prefill else "TTFT less own prefill"
-    ttft = _quantile(ttft_name, prefill_latency(auto, m), auto.slo.ttft_ms, auto, ctx.tol)
+    ttft = _quantile(ttft_name(auto), prefill_latency(auto, m), auto.slo.ttft_ms, auto, ctx.tol)
     itl = _quantile("ITL", seen_itl_ms(m, m.decode), auto.slo.itl_ms, auto, ctx.tol)
     moves = [f"{target[r] - current[r]:+d} {r}" for r in ROLES if target[r] != current[r]]
     action = ", ".join(moves) if moves else f"hold {current[Role.prefill]}:{current[Role.decode]}"
@@ -99,6 +103,8 @@ def figures(ctx: Context, m: MetricsSnapshot | None, current: Counts, a: Analysi
         quantile=auto.slo.quantile.value,
         ttft_ms=None if m is None or m.request_rate <= 0 else prefill_latency(auto, m),
         ttft_target_ms=auto.slo.ttft_ms,
+        ttft_name=ttft_name(auto),
+        raw_ttft_ms=None if m is None else m.ttft_ms,
         itl_ms=None if m is None else seen_itl_ms(m, m.decode),
         itl_target_ms=auto.slo.itl_ms,
         kv_usage=None if m is None else m.decode_kv_usage,

@@ -73,8 +73,11 @@ def prefill_latency(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
     ttft = seen_ttft_ms(m, m.prefill)
     if auto.ttft_includes_prefill or ttft is None:
         return ttft
-    # Without the prompt's own prefill: the prefill wait plus what follows prefill
-    # (KV transfer, the first decode step), the router's TTFT less the engine's.
+    if m.ttft_beyond_prefill_ms is not None:
+        return m.ttft_beyond_prefill_ms  # measured per request by the router
+    # Engines that do not report their per-request timing: estimated as the prefill wait
+    # plus what follows prefill (KV transfer, the first decode step), the router's TTFT
+    # less the engine's.
     wait, engine = wait_quantile(auto, m), m.prefill.ttft_ms
     if wait is None or engine is None:
         return ttft  # errs towards more engines

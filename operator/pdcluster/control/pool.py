@@ -5,7 +5,7 @@ for TTFT, ITL and the KV cache at once. The law is feedback, as a Horizontal Pod
 Autoscaler's is, on the same signals and guards as the prefill:decode law:
 
 - pressure: the largest of TTFT / its target, ITL / its target and KV usage / the KV
-  limit (the observed quantiles; TTFT less the prompt's own prefill is the engines'
+  limit (the observed quantiles; without the prompt's own prefill, TTFT is the engines'
   queue time at the quantile when `ttftIncludesPrefill` is off);
 - above target x (1 + tol), or KV above its limit: ceil(engines x pressure), at least
   one more (more engines lower each one's share of the load in proportion); while a
@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from datetime import datetime
 
-from pdcluster.api.v1alpha1 import AutoscalingState, Decision, PDClusterSpec
+from pdcluster.api.v1alpha1 import AutoscalingSpec, AutoscalingState, Decision, PDClusterSpec
 from pdcluster.control import models
 from pdcluster.control.cause import Cause, Figures, summary
 from pdcluster.control.context import Context, Role, Timer, Timers, context
@@ -38,6 +38,8 @@ from pdcluster.control.outcome import Outcome, action, next_state, pending_from_
 from pdcluster.control.stabilise import step, time_out
 from pdcluster.control.types import MetricsSnapshot, Observed
 from pdcluster.timestamps import time_ms
+
+POOL_WAIT = "prefill wait"  # the colocated engines' queue time: what precedes a prompt's own prefill
 
 ROLE = Role.colocated
 Signals = dict[str, float | None]  # ttft, itl, kv: each as a share of its target (None when unseen)
@@ -109,15 +111,21 @@ def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot
 def _signals(ctx: Context, m: MetricsSnapshot) -> Signals:
     """Each signal as a share of its target (None when unseen)."""
     pool, slo = m.colocated, ctx.auto.slo
-    ttft = seen_ttft_ms(m, pool)
-    if not ctx.auto.ttft_includes_prefill and pool.queue_time_q_ms is not None:
-        ttft = pool.queue_time_q_ms  # what precedes the prompt's own (chunked) prefill
+    _, ttft = judged_ttft(ctx.auto, m)
     itl = seen_itl_ms(m, pool)
     return {
         "ttft": None if ttft is None else ttft / slo.ttft_ms,
         "itl": None if itl is None else itl / slo.itl_ms,
         "kv": None if pool.kv_usage is None else pool.kv_usage / models.KV_LIMIT,
     }
+
+
+def judged_ttft(auto: AutoscalingSpec, m: MetricsSnapshot) -> tuple[str, float | None]:
+    """The TTFT the target applies to, named: the whole, or without the prompt's own
+    prefill the engines' queue time at the quantile (what precedes its own chunked prefill)."""
+    if not auto.ttft_includes_prefill and m.colocated.queue_time_q_ms is not None:
+        return POOL_WAIT, m.colocated.queue_time_q_ms
+    return "TTFT", seen_ttft_ms(m, m.colocated)
 
 
 def _backlog(m: MetricsSnapshot) -> float | None:
@@ -196,7 +204,7 @@ def _reason(
     notes: tuple[Note, ...],
 ) -> str:
     slo, q = ctx.auto.slo, ctx.auto.slo.quantile.value
-    ttft_name = "TTFT" if ctx.auto.ttft_includes_prefill else "TTFT less own prefill"
+    ttft_name, _ = judged_ttft(ctx.auto, m)
     goals = {
         "ttft": (ttft_name, slo.ttft_ms, " ms"),
         "itl": ("ITL", slo.itl_ms, " ms"),
@@ -223,10 +231,13 @@ def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, want: int | 
         if (want or 0) > current
         else auto.scale_down_stabilization_seconds
     )
+    ttft_name, ttft = ("TTFT", None) if m is None else judged_ttft(auto, m)
     return Figures(
         quantile=slo.quantile.value,
-        ttft_ms=None if m is None else seen_ttft_ms(m, m.colocated),
+        ttft_ms=ttft,
         ttft_target_ms=slo.ttft_ms,
+        ttft_name=ttft_name,
+        raw_ttft_ms=None if m is None else seen_ttft_ms(m, m.colocated),
         itl_ms=None if m is None else seen_itl_ms(m, m.colocated),
         itl_target_ms=slo.itl_ms,
         kv_usage=None if m is None else m.colocated.kv_usage,

@@ -45,6 +45,7 @@ class MetricsSnapshot:
     request_rate_before: float | None = None  # the same over the window before this one
     ttft_ms: float | None = None
     itl_ms: float | None = None
+    ttft_beyond_prefill_ms: float | None = None  # the router's TTFT beyond prefill quantile
     mean_input_tokens: float | None = None
     mean_output_tokens: float | None = None
     prefill_queue: float | None = None  # requests WAITING, summed over prefill engines (window mean)
@@ -140,6 +141,7 @@ def assemble(
     prefix_queries_rate: float | None = None,
     prefix_hits_rate: float | None = None,
     ttft_ms: float | None = None,
+    ttft_beyond_prefill_ms: float | None = None,
     ttft_mean_ms: float | None = None,
     router_prefill_ms: float | None = None,
     router_after_prefill_ms: float | None = None,
@@ -190,6 +192,7 @@ def assemble(
         request_rate_before=None if prompt_tokens_rate_before is None else prompt_tokens_rate_before / isl,
         ttft_ms=ttft_ms,
         itl_ms=itl_ms,
+        ttft_beyond_prefill_ms=ttft_beyond_prefill_ms,
         mean_input_tokens=isl,
         mean_output_tokens=generated_tokens_rate / finished_rate if finished_rate > 0 else None,
         prefill_queue=prefill_queue,

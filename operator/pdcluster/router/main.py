@@ -141,6 +141,7 @@ class RouterService:
             hash_seed=args.hash_seed,
             exact_timeout_s=args.exact_timeout,
             prefill_on_decode_below=args.prefill_on_decode_below,
+            max_fan_out=max(args.max_fan_out, 1),
         )
         admission = None
         if not args.no_admission:
@@ -233,6 +234,8 @@ class RouterService:
         router = self.router
         assert router is not None
         router.draining = True
+        if self._http is not None:
+            self._http.end_keepalive()
         log.info("draining %d in-flight requests (up to %g s)", router.inflight, timeout)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(router.idle.wait(), timeout)

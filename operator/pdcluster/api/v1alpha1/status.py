@@ -59,6 +59,9 @@ class ObservedMetrics(Model):
 
     ttft_ms: int | None = None
     itl_ms: int | None = None
+    ttft_beyond_prefill_ms: int | None = Field(
+        None, description="The router's TTFT beyond prefill (TTFT less the prompt's own prefill compute)."
+    )
     request_rate_milli: int | None = Field(None, description="Requests per second x 1000.")
     mean_input_tokens: int | None = None
     mean_output_tokens: int | None = None
@@ -135,6 +138,30 @@ class TTFTStages(Model):
     decode_wait_ms: int = Field(description="The decode engine's wait for its first step.")
 
 
+class SLOStatus(Model):
+    """The SLO as the last metrics window showed it, judged as the control law judges it
+    (above the target x (1 + tolerancePercent) is missed); docs/metrics.md names each figure."""
+
+    verdict: str = Field(
+        json_schema_extra={"enum": ["met", "missed", "unseen"]},
+        description="Both targets met, one missed, or a figure unseen (no traffic, no metrics).",
+    )
+    quantile: str = Field(description="The SLO quantile every figure is taken at, e.g. `p90`.")
+    ttft_name: str = Field(
+        description="What `slo.ttftMs` bounds: `TTFT beyond prefill` (`ttftIncludesPrefill` false), `TTFT`, "
+        "or `prefill wait` (colocated engines)."
+    )
+    ttft_beyond_prefill_ms: int | None = Field(
+        None, description="The router's TTFT beyond prefill at the quantile, when the target applies to it."
+    )
+    prefill_wait_ms: int | None = Field(
+        None, description="The colocated engines' queue time at the quantile, when the target applies to it."
+    )
+    ttft_ms: int | None = Field(None, description="The router's whole TTFT at the quantile.")
+    itl_ms: int | None = Field(None, description="The router's ITL at the quantile.")
+    summary: str = Field("", description="The figures against their targets, in one line.")
+
+
 class AutoscalingState(Model):
     """Control-law memory, kept in status so a restarted operator continues where it stopped."""
 
@@ -166,8 +193,20 @@ class AutoscalingState(Model):
     )
     capacity: LearnedCapacity | None = None
     ttft_stages: TTFTStages | None = None
+    slo: SLOStatus | None = None
     last_decision: Decision | None = None
     decisions: int = Field(0, description="Decisions that changed replicas so far.")
+
+
+class ModelStatus(Model):
+    """The model cache's download Job (model.source cache), as the ModelReady condition says it."""
+
+    job: str = Field(description="The download Job this describes.")
+    bytes: int | None = Field(None, ge=0, description="Size of the downloaded model.")
+    files: int | None = Field(None, ge=0, description="Files downloaded.")
+    download_ms: int | None = Field(None, ge=0, description="Time the download took, in milliseconds.")
+    failed_attempts: int = Field(0, ge=0, description="Attempts of the Job that failed so far.")
+    error: str | None = Field(None, description="How the last failed attempt ended (the tail of its log).")
 
 
 class PDClusterStatus(Model):
@@ -194,6 +233,7 @@ class PDClusterStatus(Model):
         description="While a workload is short of its desired state: when one last came closer to it (a pod "
         "created, updated or Ready). `spec.progressDeadlineSeconds` counts from here.",
     )
+    model: ModelStatus | None = None
     rollout: str | None = Field(
         None,
         description="While prefill and decode move to a new engine revision: pods updated per role, e.g. "
