@@ -126,8 +126,10 @@ async def test_create_update_drift_delete(
         "PREFILL",
         "DECODE",
         "RATIO",
-        "TTFT-P99",
-        "ITL-P99",
+        "SLO",
+        "TTFT-BEYOND-PREFILL",
+        "TTFT",
+        "ITL",
         "ROLLOUT",
         "AGE",
     ]
