@@ -105,6 +105,9 @@ class RoleObserved:
     replicas: int  # pods that exist
     ready: int  # pods that are ready
     unschedulable: int = 0  # pods Pending with reason Unschedulable
+    # Seconds from a pod's creation to Ready, as measured (None: not measured yet); how far
+    # ahead of a ramp a scale-up must start.
+    startup_s: float | None = None
 
 
 @dataclass(frozen=True)

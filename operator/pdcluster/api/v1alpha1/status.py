@@ -73,6 +73,18 @@ class LoadSample(Model):
     )
 
 
+class SeasonalMemory(Model):
+    """One role's demand by time of day, learned online from what the law has seen (its
+    seasonal forecast; the same units as LoadSample's)."""
+
+    profile: list[int] = Field(
+        description="The smoothed demand of each 10-minute bucket of the day (UTC), -1 where none was seen yet."
+    )
+    bucket: int | None = Field(None, description="The bucket being filled: seconds since the epoch / 600.")
+    total: int = Field(0, ge=0, description="The demand summed over the bucket being filled.")
+    samples: int = Field(0, ge=0, description="Runs in the bucket being filled.")
+
+
 class DecodeSample(Model):
     """One window's mean decode step on one engine, with the load it ran at."""
 
@@ -144,6 +156,9 @@ class AutoscalingState(Model):
         None, description="Demand seen by the runs of the last metrics window, oldest first."
     )
     capacity: LearnedCapacity | None = None
+    forecast: dict[str, SeasonalMemory] | None = Field(
+        None, description="Per role, the demand by time of day the law has learned (its seasonal forecast)."
+    )
     ttft_stages: TTFTStages | None = None
     last_decision: Decision | None = None
     decisions: int = Field(0, description="Decisions that changed replicas so far.")
