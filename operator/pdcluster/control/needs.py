@@ -149,7 +149,7 @@ def sized(ctx: Context, view: View, role: Role, base: Model, fewest, most: int) 
     model = _grown(ctx, view, base, role)
     up = engines(model, ctx.tol, most)
     peak = replace(model, rate=model.rate * view.peak.get(role, 1.0))
-    down = max(engines(peak, -ctx.tol, up), up)
+    down = max(engines(peak, -ctx.tol, most), up)
     floor = down if down > max(engines(model, -ctx.tol, up), up) else None
     driver = None
     if view.backlog.get(role, 0.0) > 0 and up > engines(

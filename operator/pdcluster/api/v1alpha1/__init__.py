@@ -54,10 +54,10 @@ from pdcluster.api.v1alpha1.status import (
     DecodeSample,
     LearnedCapacity,
     LoadSample,
-    SeasonalMemory,
     ObservedMetrics,
     PDClusterStatus,
     RoleStatus,
+    SeasonalMemory,
     TTFTStages,
 )
 
@@ -79,7 +79,6 @@ __all__ = [
     "KvProbeSpec",
     "LearnedCapacity",
     "LoadSample",
-    "SeasonalMemory",
     "MasterHASpec",
     "ModelSpec",
     "MooncakeSpec",
@@ -102,6 +101,7 @@ __all__ = [
     "RouterPolicy",
     "RouterSpec",
     "SLOSpec",
+    "SeasonalMemory",
     "SecretKeyRef",
     "ServingMode",
     "StartupProbe",
