@@ -178,7 +178,9 @@ def _run(ctx: Context, start: _Start, m: MetricsSnapshot | None, prior: perf.Pro
     prefill_demand, decode_demand = demand(m)
     demands = {Role.prefill: prefill_demand, Role.decode: decode_demand}
     forecasts = observed(ctx, forecasts, demands)
-    capacity = learn.update(ctx.prev.capacity, m)
+    traffic_s = ctx.since(history[0].time) if history else 0.0
+    whole = learn.whole_window(m, ctx.seen(Role.decode).ready, traffic_s)
+    capacity = learn.update(ctx.prev.capacity, m, whole)
     view = View(
         None,
         current,

@@ -95,6 +95,13 @@ class DecodeSample(Model):
     )
 
 
+class PrefillSample(Model):
+    """One metrics window's prefill steps (the per-step fit's input)."""
+
+    tokens_per_step: int = Field(ge=0, description="Prompt tokens computed per engine step.")
+    step_us: int = Field(ge=0, description="Engine-microseconds per step.")
+
+
 class LearnedCapacity(Model):
     """What the control law has learned of one engine of each role from the engines' metrics.
 
@@ -107,6 +114,11 @@ class LearnedCapacity(Model):
         description="Engine-nanoseconds per prompt token computed (not served from the prefix cache).",
     )
     prefill_windows: int = Field(0, ge=0, description="Metrics windows the prefill estimate is made of.")
+    prefill_samples: list[PrefillSample] | None = Field(
+        None,
+        description="The last windows' prefill steps, oldest first: a step's fixed cost and its cost per "
+        "token are fitted from them once their batches differ enough.",
+    )
     decode_samples: list[DecodeSample] | None = Field(
         None, description="The last windows' decode steps, oldest first (the step-time fit's input)."
     )
