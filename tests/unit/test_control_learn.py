@@ -381,3 +381,15 @@ def test_without_a_prior_a_fitted_step_replaces_the_linear_cost() -> None:
     c = c.model_copy(update={"prefill_samples": _steps([7360, 5400, 1485, 1300, 1250])})
     fitted = learn.knowledge(c, None, m).profile.prefill_coef
     assert fitted[:2] == pytest.approx((16.5, 0.0152), rel=0.01)
+
+
+def test_a_long_calm_keeps_the_one_large_batch_the_fit_needs() -> None:
+    learned = None
+    busy = window(tokens=150_000.0, isl=1200.0, prefill_ms=130.0, steps=20.0, engines=5.0)  # 7,500 a step
+    calm = window(tokens=150_000.0, isl=1200.0, prefill_ms=35.0, steps=110.0, engines=5.0)  # ~1,360 a step
+    learned = learn.update(learned, busy)
+    for _ in range(3 * learn.PREFILL_SAMPLES):
+        learned = learn.update(learned, calm)
+    samples = learned.prefill_samples
+    assert len(samples) == learn.PREFILL_SAMPLES
+    assert max(s.tokens_per_step for s in samples) == 7500

@@ -35,7 +35,7 @@ class Cause(StrEnum):
     pool_headroom = "PoolHeadroom"  # colocated: fewer engines keep every target
     forecast_ramp = "ForecastRamp"  # the seasonal forecast sees a ramp one start-up ahead: more now
     queue_backlog = "QueueBacklog"  # a queue to drain within a window needs more engines
-    queue_growing = "QueueGrowing"  # while a queue grows, a step larger than maxStep
+    queue_growing = "QueueGrowing"  # while a queue grows, a step of several maxSteps
     peak_floor = "RecentPeakFloor"  # a scale-down held at what the recent peak needed
 
 

@@ -242,7 +242,9 @@ def _analyse(
             need = prefill_need(ctx, m, view) if role == Role.prefill else decode_need(ctx, m, view)
         needs[role], wants[role] = _want(ctx, current, role, need)
     fit = fit_budget(ctx, current, wants, needs)
-    surge = frozenset(r for r in ROLES if view.backlog[r] > 0 and queue_growing(m, r))
+    # Bigger steps only into free GPUs: at a full budget they would come from the other role.
+    free = ctx.auto.gpu_budget is None or gpu_total(ctx, current) < ctx.auto.gpu_budget
+    surge = frozenset(r for r in ROLES if free and view.backlog[r] > 0 and queue_growing(m, r))
     settled = stabilise(ctx, timers, current, fit.wants, fit.donor, surge)
     return Analysis(m, view, needs, fit.wants, fit, settled, ttft_missed(ctx, m))
 

@@ -88,6 +88,21 @@ def prefill_point(m: MetricsSnapshot) -> PrefillSample | None:
     return PrefillSample(tokens_per_step=round(busy[1] / steps), step_us=round(busy[0] * 1e6 / steps))
 
 
+def _kept(samples: list[PrefillSample]) -> list[PrefillSample]:
+    """The newest PREFILL_SAMPLES, and the largest batch of the older ones when it is larger
+    than any kept: a calm pool runs one prompt a step for hours, and without one large
+    batch the fit could not tell a step's fixed cost from its tokens any more."""
+    kept, older = samples[-(PREFILL_SAMPLES - 1) :], samples[: -(PREFILL_SAMPLES - 1)]
+    if not older:
+        return kept
+    largest = max(older, key=lambda s: s.tokens_per_step)
+    return (
+        [largest, *kept]
+        if largest.tokens_per_step > max(s.tokens_per_step for s in kept)
+        else kept[-PREFILL_SAMPLES:]
+    )
+
+
 def fit_prefill(samples: list[PrefillSample]) -> tuple[float, float] | None:
     """A step's fixed cost (ms) and cost per token (ms) by least squares over the samples,
     the newest weighing most; None until their batches are PREFILL_SPREAD apart (one batch
@@ -146,7 +161,7 @@ def update(
         out.prefill_windows = c.prefill_windows + 1
     step = prefill_point(m)
     if step is not None:
-        out.prefill_samples = [*(c.prefill_samples or []), step][-PREFILL_SAMPLES:]
+        out.prefill_samples = _kept([*(c.prefill_samples or []), step])
     point = decode_point(m) if decode_whole else None
     if point is not None:
         sample = DecodeSample(
