@@ -1,6 +1,6 @@
 """The colocated pool law with the prefill:decode law's forecast and burst handling:
-a ramp seen yesterday met a start-up ahead, none on the first day, the recent peak's
-floor and a growing queue's step past maxStep."""
+a ramp seen yesterday met a start-up ahead, none on the first day, and a growing
+queue's step past maxStep within the cooldown."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import timedelta
 
 from tests.unit.test_control_pool import T0, fleet, pool, spec
 
-from pdcluster.api.v1alpha1 import AutoscalingState, LoadSample
+from pdcluster.api.v1alpha1 import AutoscalingState
 from pdcluster.control import Observed, RoleMetrics, RoleObserved, decide, decide_outcome
 from pdcluster.control.cause import Cause
 from pdcluster.timestamps import time_ms
@@ -55,27 +55,6 @@ def test_the_pool_scales_ahead_of_a_ramp_seen_yesterday_and_not_on_the_first_day
     assert led and led[0][0] < ramp + DAY
     at_ramp = [next(n for at, n, _ in steps if at >= ramp + k * DAY) for k, steps in enumerate((day1, day2))]
     assert at_ramp[1] > at_ramp[0]
-
-
-def test_a_pool_scale_down_keeps_what_the_recent_peak_needed():
-    s = spec(8, cooldownSeconds=0)
-    m = fleet(2.0, 8)  # far under its targets: the signals want fewer engines
-
-    def state(burst: bool) -> AutoscalingState:
-        tokens = round(2.0 * 1000 * (6 if burst else 1))
-        return AutoscalingState(
-            colocated=8,
-            last_run_time=time_ms(T0 - timedelta(seconds=30)),
-            down_wanted_since={"colocated": time_ms(T0 - timedelta(minutes=10))},
-            history=[LoadSample(time=time_ms(T0 - timedelta(seconds=90)), prefill=tokens, decode=1)],
-        )
-
-    calm = decide_outcome(s, m, state(False), pool(8), T0)
-    assert calm.decision.colocated < 8
-    held = decide_outcome(s, m, state(True), pool(8), T0)
-    assert held.decision.colocated > calm.decision.colocated
-    assert held.decision.cause in (Cause.peak_floor.value, Cause.pool_headroom.value)
-    assert held.figures.peak["colocated"] == 6.0
 
 
 def test_a_growing_pool_queue_steps_past_max_step_within_the_cooldown():

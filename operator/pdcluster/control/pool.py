@@ -38,7 +38,7 @@ from pdcluster.control.observed import seen_itl_ms, seen_ttft_ms
 from pdcluster.control.outcome import Outcome, action, next_state, pending_from_now
 from pdcluster.control.seasonal import Forecasts, ahead, forecast_status, horizon_s, load_forecasts, observed
 from pdcluster.control.stabilise import step, time_out
-from pdcluster.control.trend import History, demand, history_status, load_history, peak_span_s, peaks, record
+from pdcluster.control.trend import demand
 from pdcluster.control.types import MetricsSnapshot, Observed
 from pdcluster.timestamps import time_ms
 
@@ -77,7 +77,6 @@ class _End:
     notes: tuple[Note, ...]
     timers: Timers
     want: int | None = None  # what the signals ask for (the summary quotes it)
-    history: History = ()
     forecasts: Forecasts | None = None
     burst: Burst | None = None
 
@@ -99,10 +98,9 @@ def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot
         return _End(current, cause, f"{why}: {hold}", notes, timers)
     signals = _signals(ctx, m)
     want, wanting, starting = _want(ctx, current, m, signals)
-    history = record(ctx, load_history(ctx), m)
     demand_now = {ROLE: demand(m)[0]}  # prompt tokens per second
     forecasts = observed(ctx, load_forecasts(ctx, (ROLE,)), demand_now)
-    burst = _burst(ctx, current, m, signals, want, ahead(ctx, forecasts, demand_now)[ROLE], peaks(history))
+    burst = _burst(ctx, current, m, signals, want, ahead(ctx, forecasts, demand_now)[ROLE])
     want = burst.want
     moved = step(ctx, timers, ROLE, current, want, ctx.auto.scale_down_stabilization_seconds, burst.surge)
     target, notes = moved.target, (*notes, *wanting, *((moved.note,) if moved.note else ()))
@@ -122,7 +120,6 @@ def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot
         notes,
         moved.timers,
         want,
-        history,
         forecasts,
         burst,
     )
@@ -133,19 +130,19 @@ class Burst:
     """The signals' wish with the forecast, the queue and the recent peak, and why."""
 
     want: int
-    driver: Cause | None = None  # forecast_ramp, queue_backlog or peak_floor, where one moved it
+    driver: Cause | None = None  # forecast_ramp or queue_backlog, where one moved it
     surge: bool = False  # the queue grows: a scale-up goes all the way
     ahead: float = 1.0  # the forecast's load one start-up ahead / today's
-    peak: float = 1.0  # the recent peak's load / today's
     queue: float | None = None  # requests waiting
 
 
 def _burst(
-    ctx: Context, current: int, m: MetricsSnapshot, signals: Signals, want: int, ahead_by: float, peak: dict
+    ctx: Context, current: int, m: MetricsSnapshot, signals: Signals, want: int, ahead_by: float
 ) -> Burst:
     """As the prefill:decode law does (needs.py): a queue of more than one request per
-    engine is drained within a window, a ramp the forecast sees is met a start-up ahead,
-    and a scale-down keeps what the peak of the scale-down span needed."""
+    engine is drained within a window, and a ramp the forecast sees is met a start-up
+    ahead. Not the recent peak's floor: on the colocated benchmark it held 11 engines
+    after the burst for no attainment (docs/benchmarks.md, "Colocated pool")."""
     low, high = _bounds(ctx)
     measured = m.colocated.ready or ctx.seen(ROLE).ready or 1
     pressure = max((v for v in signals.values() if v is not None), default=0.0)
@@ -160,22 +157,15 @@ def _burst(
             wanted, driver = queued, Cause.queue_backlog
     if ahead_by > 1.0 and pressure > 0 and math.ceil(measured * pressure * ahead_by) > wanted:
         wanted, driver = math.ceil(measured * pressure * ahead_by), Cause.forecast_ramp
-    top = peak[Role.prefill]
-    if wanted < current and top > 1.0:
-        floor = math.ceil(current * pressure * top / (1.0 - ctx.tol))
-        if floor > wanted:
-            wanted, driver = min(floor, current), Cause.peak_floor
     wanted = min(max(wanted, low), high)
-    return Burst(wanted, driver, surge, ahead_by, top, waiting)
+    return Burst(wanted, driver, surge, ahead_by, waiting)
 
 
 def _burst_cause(ctx: Context, burst: Burst, current: int, target: int) -> Cause | None:
     if burst.surge and target - current > ctx.auto.max_step:
         return Cause.queue_growing
-    if burst.driver in (Cause.queue_backlog, Cause.forecast_ramp) and target > current:
+    if burst.driver is not None and target > current:
         return burst.driver
-    if burst.driver == Cause.peak_floor and target == current:
-        return Cause.peak_floor
     return None
 
 
@@ -316,9 +306,6 @@ def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, end: _End) -
         queue={} if burst is None or burst.queue is None else {ROLE.value: burst.queue},
         drain_s=auto.window_seconds,
         max_step=auto.max_step,
-        peak={} if burst is None else {ROLE.value: burst.peak},
-        peak_span_s=peak_span_s(ctx),
-        floor={ROLE.value: burst.want} if burst is not None and burst.driver == Cause.peak_floor else {},
     )
 
 
@@ -342,7 +329,6 @@ def _finish(ctx: Context, current: int, m: MetricsSnapshot | None, end: _End) ->
             applied,
             decision,
             colocated=end.target,
-            history=history_status(end.history),
             forecast=None if end.forecasts is None else forecast_status(end.forecasts),
         ),
         decision,
