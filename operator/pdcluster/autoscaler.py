@@ -27,7 +27,6 @@ from pdcluster.api.v1alpha1 import (
 )
 from pdcluster.control import MetricsSnapshot, Observed, RoleObserved, decide
 from pdcluster.control.modefit import mode_fit
-from pdcluster.control.types import DEFAULT_STARTUP_S
 from pdcluster.io.kube import Kube
 from pdcluster.io.prometheus import NO_CREDENTIALS, Credentials, Prometheus, PrometheusUnavailable
 from pdcluster.io.prometheus_auth import CredentialsUnavailable, OperatorCredentials, from_spec
@@ -114,7 +113,7 @@ class PrometheusAutoscaler:
                 replicas=s.replicas,
                 ready=s.ready,
                 unschedulable=_unschedulable(pods),
-                startup_s=float(s.startup.median_seconds) if s.startup else DEFAULT_STARTUP_S,
+                startup_s=float(s.startup.median_seconds) if s.startup else None,
             )
         return Observed(**roles)
 

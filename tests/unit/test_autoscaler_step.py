@@ -14,7 +14,6 @@ from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import Condition, PDClusterSpec, PDClusterStatus, RoleStatus, StartupStatus
 from pdcluster.autoscaler import PrometheusAutoscaler
 from pdcluster.control import MetricsSnapshot, RoleMetrics
-from pdcluster.control.types import DEFAULT_STARTUP_S
 from pdcluster.io.prometheus import PrometheusUnavailable
 from pdcluster.perf import PROFILE_KEY, load, to_json
 from pdcluster.render import Owner
@@ -187,4 +186,4 @@ async def test_the_law_gets_the_measured_start_up_or_the_default() -> None:
         spec(), OWNER, PDClusterStatus(decode=RoleStatus(startup=measured))
     )
     assert observed.decode.startup_s == 240.0
-    assert observed.prefill.startup_s == DEFAULT_STARTUP_S  # nothing measured yet
+    assert observed.prefill.startup_s is None  # nothing measured yet: the law assumes its default

@@ -33,6 +33,10 @@ class Cause(StrEnum):
     scale_up_blocked = "ScaleUpBlocked"  # an earlier scale-up timed out
     within_targets = "WithinTargets"
     pool_headroom = "PoolHeadroom"  # colocated: fewer engines keep every target
+    forecast_ramp = "ForecastRamp"  # the seasonal forecast sees a ramp one start-up ahead: more now
+    queue_backlog = "QueueBacklog"  # a queue to drain within a window needs more engines
+    queue_growing = "QueueGrowing"  # while a queue grows, a step of several maxSteps
+    peak_floor = "RecentPeakFloor"  # a scale-down held at what the recent peak needed
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,14 @@ class Figures:
     cooldown_s: int | None = None
     ttft_name: str = "TTFT"  # what ttft_ms is (control.observed.ttft_name): the TTFT the target applies to
     raw_ttft_ms: float | None = None  # the router's whole TTFT at the quantile, quoted beside it
+    ahead: dict[str, float] = field(default_factory=dict)  # per role: the forecast's load / today's
+    horizon_s: dict[str, int] = field(default_factory=dict)  # per role: how far ahead it looks
+    queue: dict[str, float] = field(default_factory=dict)  # per role: requests waiting
+    drain_s: int | None = None  # the window a queue is drained within
+    max_step: int | None = None
+    peak: dict[str, float] = field(default_factory=dict)  # per role: the recent peak's load / today's
+    peak_span_s: int | None = None
+    floor: dict[str, int] = field(default_factory=dict)  # per role: engines the recent peak needs
 
 
 def _ms(value: float | None) -> str:
@@ -69,7 +81,9 @@ def _engines(f: Figures, role: str | None) -> str:
     """'needs 6 engines, 4 ready' (with the load where the model has one)."""
     if role is None or role not in f.needed:
         return "engine need unknown"
-    load = f" (load of {f.prefill_load:.1f} engines)" if role == "prefill" and f.prefill_load is not None else ""
+    load = (
+        f" (load of {f.prefill_load:.1f} engines)" if role == "prefill" and f.prefill_load is not None else ""
+    )
     return f"{role} needs {f.needed[role]} engines{load}, {f.ready.get(role, 0)} ready"
 
 
@@ -120,5 +134,13 @@ def summary(
         f"of {f.itl_target_ms} ms: within targets",
         Cause.pool_headroom: f"{tt} {q} {_ms(f.ttft_ms)} and ITL {q} {_ms(f.itl_ms)} well under "
         f"{f.ttft_target_ms} and {f.itl_target_ms} ms",
+        Cause.forecast_ramp: f"{_engines(f, role)} for the load forecast {f.horizon_s.get(role or '', 0)} s "
+        f"ahead, {f.ahead.get(role or '', 1.0):.2f}x today's (this time yesterday, with today's trend)",
+        Cause.queue_backlog: f"{role} queue of {f.queue.get(role or '', 0.0):.0f} requests to drain within "
+        f"{f.drain_s} s; {_engines(f, role)}",
+        Cause.queue_growing: f"{role} queue of {f.queue.get(role or '', 0.0):.0f} requests growing: a step "
+        f"past maxStep {f.max_step}; {_engines(f, role)}",
+        Cause.peak_floor: f"{role} scale-down held at {f.floor.get(role or '', 0)} engines, what the peak of "
+        f"the last {f.peak_span_s} s needs ({f.peak.get(role or '', 1.0):.2f}x today's load)",
     }[cause]
     return f"{change}: {why}"

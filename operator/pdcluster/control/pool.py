@@ -32,10 +32,13 @@ from pdcluster.api.v1alpha1 import AutoscalingSpec, AutoscalingState, Decision, 
 from pdcluster.control import models
 from pdcluster.control.cause import Cause, Figures, summary
 from pdcluster.control.context import Context, Role, Timer, Timers, context
+from pdcluster.control.needs import backlog_rate
 from pdcluster.control.notes import Note, NoteKind, note, worded
 from pdcluster.control.observed import seen_itl_ms, seen_ttft_ms
 from pdcluster.control.outcome import Outcome, action, next_state, pending_from_now
+from pdcluster.control.seasonal import Forecasts, ahead, forecast_status, horizon_s, load_forecasts, observed
 from pdcluster.control.stabilise import step, time_out
+from pdcluster.control.trend import demand
 from pdcluster.control.types import MetricsSnapshot, Observed
 from pdcluster.timestamps import time_ms
 
@@ -76,6 +79,8 @@ class _End:
     notes: tuple[Note, ...]
     timers: Timers
     want: int | None = None  # what the signals ask for (the summary quotes it)
+    forecasts: Forecasts | None = None
+    burst: Burst | None = None
 
 
 def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot | None) -> _End:
@@ -95,17 +100,75 @@ def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot
         return _End(current, cause, f"{why}: {hold}", notes, timers)
     signals = _signals(ctx, m)
     want, wanting, starting = _want(ctx, current, m, signals)
-    moved = step(ctx, timers, ROLE, current, want, ctx.auto.scale_down_stabilization_seconds)
+    demand_now = {ROLE: demand(m)[0]}  # prompt tokens per second
+    forecasts = observed(ctx, load_forecasts(ctx, (ROLE,)), demand_now)
+    burst = _burst(ctx, current, m, signals, want, ahead(ctx, forecasts, demand_now)[ROLE])
+    want = burst.want
+    moved = step(ctx, timers, ROLE, current, want, ctx.auto.scale_down_stabilization_seconds, burst.surge)
     target, notes = moved.target, (*notes, *wanting, *((moved.note,) if moved.note else ()))
-    cooling = target != current and ctx.cooling
+    # The cooldown keeps the law from flapping; a queue that grows is no flap.
+    cooling = target != current and ctx.cooling and not (burst.surge and target > current)
     if cooling:
         notes, target = (*notes, note(NoteKind.cooling_down, since=ctx.prev.last_change_time)), current
     blocked = ROLE in timers.blocked and want > current
     held = Cause.cooling_down if cooling else Cause.scale_up_blocked if blocked else None
-    cause = _cause(signals, current, target, want, held, starting)
-    return _End(
-        target, cause, _reason(ctx, m, signals, current, want, target, notes), notes, moved.timers, want
+    cause = _burst_cause(ctx, burst, current, target) or _cause(
+        signals, current, target, want, held, starting
     )
+    return _End(
+        target,
+        cause,
+        _reason(ctx, m, signals, current, want, target, notes),
+        notes,
+        moved.timers,
+        want,
+        forecasts,
+        burst,
+    )
+
+
+@dataclass(frozen=True)
+class Burst:
+    """The signals' wish with the forecast, the queue and the recent peak, and why."""
+
+    want: int
+    driver: Cause | None = None  # forecast_ramp or queue_backlog, where one moved it
+    surge: bool = False  # the queue grows: a scale-up goes all the way
+    ahead: float = 1.0  # the forecast's load one start-up ahead / today's
+    queue: float | None = None  # requests waiting
+
+
+def _burst(
+    ctx: Context, current: int, m: MetricsSnapshot, signals: Signals, want: int, ahead_by: float
+) -> Burst:
+    """As the prefill:decode law does (needs.py): a queue of more than one request per
+    engine is drained within a window, and a ramp the forecast sees is met a start-up
+    ahead. Not the recent peak's floor: on the colocated benchmark it held 11 engines
+    after the burst for no attainment (docs/benchmarks.md, "Colocated pool")."""
+    low, high = _bounds(ctx)
+    measured = m.colocated.ready or ctx.seen(ROLE).ready or 1
+    pressure = max((v for v in signals.values() if v is not None), default=0.0)
+    served, isl, waiting = m.colocated.tokens_per_s, m.mean_input_tokens or 0.0, m.colocated.waiting
+    drain = backlog_rate(ctx, waiting, measured)
+    arriving = m.request_rate * isl
+    surge = drain > 0 and served is not None and arriving > served
+    driver, wanted = None, want
+    if drain > 0 and served and isl:
+        queued = math.ceil(measured * (m.request_rate + drain) * isl / served)
+        if queued > wanted:
+            wanted, driver = queued, Cause.queue_backlog
+    if ahead_by > 1.0 and pressure > 0 and math.ceil(measured * pressure * ahead_by) > wanted:
+        wanted, driver = math.ceil(measured * pressure * ahead_by), Cause.forecast_ramp
+    wanted = min(max(wanted, low), high)
+    return Burst(wanted, driver, surge, ahead_by, waiting)
+
+
+def _burst_cause(ctx: Context, burst: Burst, current: int, target: int) -> Cause | None:
+    if burst.surge and target - current > ctx.auto.max_step:
+        return Cause.queue_growing
+    if burst.driver is not None and target > current:
+        return burst.driver
+    return None
 
 
 def _signals(ctx: Context, m: MetricsSnapshot) -> Signals:
@@ -224,7 +287,8 @@ def _reason(
     return f"{', '.join(parts)} at {m.request_rate:.2f} req/s; wants {want}: {act}{said}"
 
 
-def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, want: int | None) -> Figures:
+def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, end: _End) -> Figures:
+    want, burst = end.want, end.burst
     auto, slo = ctx.auto, ctx.auto.slo
     wait = (
         auto.scale_up_stabilization_seconds
@@ -248,6 +312,11 @@ def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, want: int | 
         stabilization_s={ROLE.value: wait},
         scale_up_timeout_s=auto.scale_up_timeout_seconds,
         cooldown_s=auto.cooldown_seconds,
+        ahead={} if burst is None else {ROLE.value: burst.ahead},
+        horizon_s={ROLE.value: round(horizon_s(ctx, ROLE))},
+        queue={} if burst is None or burst.queue is None else {ROLE.value: burst.queue},
+        drain_s=auto.window_seconds,
+        max_step=auto.max_step,
     )
 
 
@@ -255,7 +324,7 @@ def _finish(ctx: Context, current: int, m: MetricsSnapshot | None, end: _End) ->
     stored, target = {ROLE.value: ctx.stored(ROLE)}, {ROLE.value: end.target}
     act, applied = action(ctx, stored, target)
     timers = pending_from_now(ctx, end.timers, {ROLE: end.target}, applied)
-    figs = _figures(ctx, m, current, end.want)
+    figs = _figures(ctx, m, current, end)
     decision = Decision(
         time=time_ms(ctx.now),
         colocated=end.target,
@@ -265,5 +334,15 @@ def _finish(ctx: Context, current: int, m: MetricsSnapshot | None, end: _End) ->
         reason=end.reason,
     )
     return Outcome(
-        next_state(ctx, timers, applied, decision, colocated=end.target), decision, figs, end.notes
+        next_state(
+            ctx,
+            timers,
+            applied,
+            decision,
+            colocated=end.target,
+            forecast=None if end.forecasts is None else forecast_status(end.forecasts),
+        ),
+        decision,
+        figs,
+        end.notes,
     )

@@ -98,10 +98,6 @@ def breakdown(m: MetricsSnapshot) -> TTFTBreakdown | None:
     return TTFTBreakdown(router, queue, compute, handoff, after - handoff)
 
 
-# Engine start-up (pod created to Ready) assumed until one is measured: the simulator's figure.
-DEFAULT_STARTUP_S = 60.0
-
-
 @dataclass(frozen=True)
 class RoleObserved:
     """One StatefulSet as the operator sees it."""
@@ -110,7 +106,9 @@ class RoleObserved:
     replicas: int  # pods that exist
     ready: int  # pods that are ready
     unschedulable: int = 0  # pods Pending with reason Unschedulable
-    startup_s: float = DEFAULT_STARTUP_S  # engine start-up, the median of the role's recent pods
+    # Seconds from a pod's creation to Ready, as measured (None: not measured yet); how far
+    # ahead of a ramp a scale-up must start.
+    startup_s: float | None = None
 
 
 @dataclass(frozen=True)

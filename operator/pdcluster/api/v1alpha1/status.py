@@ -97,6 +97,18 @@ class LoadSample(Model):
     )
 
 
+class SeasonalMemory(Model):
+    """One role's demand by time of day, learned online from what the law has seen (its
+    seasonal forecast; the same units as LoadSample's)."""
+
+    profile: list[int] = Field(
+        description="The smoothed demand of each 10-minute bucket of the day (UTC), -1 where none was seen yet."
+    )
+    bucket: int | None = Field(None, description="The bucket being filled: seconds since the epoch / 600.")
+    total: int = Field(0, ge=0, description="The demand summed over the bucket being filled.")
+    samples: int = Field(0, ge=0, description="Runs in the bucket being filled.")
+
+
 class DecodeSample(Model):
     """One window's mean decode step on one engine, with the load it ran at."""
 
@@ -105,6 +117,13 @@ class DecodeSample(Model):
     step_us: int = Field(
         ge=0, description="Mean step time (running sequences / tokens per second), microseconds."
     )
+
+
+class PrefillSample(Model):
+    """One metrics window's prefill steps (the per-step fit's input)."""
+
+    tokens_per_step: int = Field(ge=0, description="Prompt tokens computed per engine step.")
+    step_us: int = Field(ge=0, description="Engine-microseconds per step.")
 
 
 class LearnedCapacity(Model):
@@ -119,6 +138,11 @@ class LearnedCapacity(Model):
         description="Engine-nanoseconds per prompt token computed (not served from the prefix cache).",
     )
     prefill_windows: int = Field(0, ge=0, description="Metrics windows the prefill estimate is made of.")
+    prefill_samples: list[PrefillSample] | None = Field(
+        None,
+        description="The last windows' prefill steps, oldest first: a step's fixed cost and its cost per "
+        "token are fitted from them once their batches differ enough.",
+    )
     decode_samples: list[DecodeSample] | None = Field(
         None, description="The last windows' decode steps, oldest first (the step-time fit's input)."
     )
@@ -192,6 +216,9 @@ class AutoscalingState(Model):
         None, description="Demand seen by the runs of the last metrics window, oldest first."
     )
     capacity: LearnedCapacity | None = None
+    forecast: dict[str, SeasonalMemory] | None = Field(
+        None, description="Per role, the demand by time of day the law has learned (its seasonal forecast)."
+    )
     ttft_stages: TTFTStages | None = None
     slo: SLOStatus | None = None
     last_decision: Decision | None = None
