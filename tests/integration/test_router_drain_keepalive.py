@@ -2,7 +2,7 @@
 connection is closed at once, a stream in flight finishes and then its connection
 closes, and an answer begun after SIGTERM says `Connection: close`. Behind a Service the
 client's next request so opens a new connection, which reaches a router that stays,
-instead of being refused on the old one (tests/e2e/test_router_ha.py, in a cluster)."""
+instead of being refused on the old one (tests/e2e/test_router_pod_loss.py, in a cluster)."""
 
 from __future__ import annotations
 

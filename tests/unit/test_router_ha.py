@@ -1,6 +1,6 @@
 """The router survives a node by default: two replicas spread over nodes, a budget that
 lets a drain take one at a time, and resources that make it Guaranteed CPU, not
-BestEffort. tests/e2e/test_router_ha.py deletes a router pod under load."""
+BestEffort. tests/e2e/test_router_pod_loss.py deletes a router pod under load."""
 
 from __future__ import annotations
 
