@@ -26,6 +26,8 @@ import pytest
 import yaml
 from markdown_it import MarkdownIt
 
+from pdcluster import constants as C
+
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,6 +154,30 @@ def shell(vllm_cluster: Any, tmp_path: Path) -> Iterator[Shell]:
         sh.run(f"kubectl delete pods -n {namespace} --all --wait=true", timeout=180)
 
 
+def pods(shell: Shell, selector: str, namespace: str = "") -> list[dict[str, Any]]:
+    where = f"-n {namespace}" if namespace else ""
+    return json.loads(shell.run(f"kubectl get pods {where} -l {selector} -o json"))["items"]
+
+
+def check_what_the_doc_says_of_the_pods(shell: Shell) -> None:
+    """The doc's comments: two operator replicas, one holding the Lease; images from the
+    chart's values; two routers."""
+    operators = pods(shell, "app.kubernetes.io/instance=pdcluster-operator", OPERATOR_NAMESPACE)
+    assert len(operators) == 2
+    lease = json.loads(shell.run(f"kubectl get lease pdcluster-operator -n {OPERATOR_NAMESPACE} -o json"))
+    assert any(lease["spec"]["holderIdentity"].startswith(p["metadata"]["name"]) for p in operators), lease
+    assert all(p["spec"]["containers"][0]["image"].startswith(PLACEHOLDERS["<registry>/<project>"]) for p in operators)
+    by_role: dict[str, list[str]] = {}
+    for pod in pods(shell, f"{C.LABEL_CLUSTER}=llama-tcp"):
+        role = pod["metadata"]["labels"].get(C.LABEL_ROLE, "")
+        by_role.setdefault(role, []).append(pod["spec"]["containers"][0]["image"])
+    engine = f"{PLACEHOLDERS['<registry>/<project>']}/engine:0.1.0"
+    assert by_role[C.ROLE_PREFILL] == [engine] and by_role[C.ROLE_DECODE] == [engine], by_role
+    routers = by_role[C.ROLE_ROUTER]
+    assert len(routers) == 2 and all(i.startswith(f"{PLACEHOLDERS['<registry>/<project>']}/router:") for i in routers)
+
+
+@pytest.mark.timeout(READY_TIMEOUT_S + 300)
 def test_install_doc_line_by_line_up_to_a_serving_pdcluster(shell: Shell) -> None:
     markdown = DOC.read_text()
     steps = [c for s in SECTIONS for b in shell_blocks(markdown, s) for c in commands(b)]
@@ -166,6 +192,7 @@ def test_install_doc_line_by_line_up_to_a_serving_pdcluster(shell: Shell) -> Non
         else:
             answer = shell.run(step)
     assert steps[-1].startswith("curl"), "the doc ends with its request"
+    check_what_the_doc_says_of_the_pods(shell)
     body, status = answer.rstrip("\n").rsplit("\n", 1)  # the status line is the .curlrc's
     assert status == "200", answer
     completion = json.loads(body)
