@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "install.md"
 SECTIONS = ("Install the operator", "A first PDCluster on one 8-GPU node")
-PLACEHOLDERS = {"<registry>/<project>": "localhost:5000/pdcluster", "<token>": "hf_dummy_token"}
+REGISTRY_PATH = "localhost:5000/pdcluster"  # the pod runner ignores the registry host
+PLACEHOLDERS = {"<registry>/<project>": REGISTRY_PATH, "<token>": "hf_dummy_token"}
 COMMAND_TIMEOUT_S = 120
 READY_TIMEOUT_S = 900  # two engines start in about 90 s each on two cores, longer beside other work
 OPERATOR_NAMESPACE = "pdcluster-system"  # the doc's `helm install --namespace`
@@ -90,14 +91,14 @@ class Shell:
         self.env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PATH": path, "CURL_HOME": str(home)}
         self.rewrites: dict[str, str] = {}
 
-    def run(self, command: str, timeout: float = COMMAND_TIMEOUT_S) -> str:
+    def run(self, command: str, timeout: float = COMMAND_TIMEOUT_S, echo: bool = True) -> str:
         for old, new in self.rewrites.items():
             command = command.replace(old, new)
         print(f"$ {command}")
         out = subprocess.run(
             ["bash", "-c", command], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout
         )
-        print(out.stdout + out.stderr)
+        print(out.stdout + out.stderr if echo else out.stderr)
         assert out.returncode == 0, f"{command}\n{out.stdout}{out.stderr}"
         return out.stdout
 
@@ -156,25 +157,30 @@ def shell(vllm_cluster: Any, tmp_path: Path) -> Iterator[Shell]:
 
 def pods(shell: Shell, selector: str, namespace: str = "") -> list[dict[str, Any]]:
     where = f"-n {namespace}" if namespace else ""
-    return json.loads(shell.run(f"kubectl get pods {where} -l {selector} -o json"))["items"]
+    return json.loads(shell.run(f"kubectl get pods {where} -l {selector} -o json", echo=False))["items"]
 
 
 def check_what_the_doc_says_of_the_pods(shell: Shell) -> None:
     """The doc's comments: two operator replicas, one holding the Lease; images from the
-    chart's values; two routers."""
+    chart's values; one GPU per engine pod; two routers."""
     operators = pods(shell, "app.kubernetes.io/instance=pdcluster-operator", OPERATOR_NAMESPACE)
     assert len(operators) == 2
-    lease = json.loads(shell.run(f"kubectl get lease pdcluster-operator -n {OPERATOR_NAMESPACE} -o json"))
+    lease = json.loads(
+        shell.run(f"kubectl get lease pdcluster-operator -n {OPERATOR_NAMESPACE} -o json", echo=False)
+    )
     assert any(lease["spec"]["holderIdentity"].startswith(p["metadata"]["name"]) for p in operators), lease
-    assert all(p["spec"]["containers"][0]["image"].startswith(PLACEHOLDERS["<registry>/<project>"]) for p in operators)
+    assert all(p["spec"]["containers"][0]["image"].startswith(REGISTRY_PATH) for p in operators)
     by_role: dict[str, list[str]] = {}
     for pod in pods(shell, f"{C.LABEL_CLUSTER}=llama-tcp"):
         role = pod["metadata"]["labels"].get(C.LABEL_ROLE, "")
-        by_role.setdefault(role, []).append(pod["spec"]["containers"][0]["image"])
-    engine = f"{PLACEHOLDERS['<registry>/<project>']}/engine:0.1.0"
+        container = pod["spec"]["containers"][0]
+        by_role.setdefault(role, []).append(container["image"])
+        if role in C.ENGINE_ROLES:
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == "1", container["resources"]
+    engine = f"{REGISTRY_PATH}/engine:0.1.0"
     assert by_role[C.ROLE_PREFILL] == [engine] and by_role[C.ROLE_DECODE] == [engine], by_role
     routers = by_role[C.ROLE_ROUTER]
-    assert len(routers) == 2 and all(i.startswith(f"{PLACEHOLDERS['<registry>/<project>']}/router:") for i in routers)
+    assert len(routers) == 2 and all(i.startswith(f"{REGISTRY_PATH}/router:") for i in routers)
 
 
 @pytest.mark.timeout(READY_TIMEOUT_S + 300)
