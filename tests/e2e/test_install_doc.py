@@ -130,10 +130,11 @@ class Shell:
             proc.wait()
 
     def instead_of_port_forward(self, command: str) -> None:
-        """The pod runner serves no kubelet API (no port-forward, logs or exec: e2e/local/README.md),
-        and kwok's nodes have no kubelet behind their addresses; the router Service is reached at
-        its ClusterIP, which the pod runner proxies, as the other e2e tests do. The doc's
-        `localhost:<port>` then means that address."""
+        """The pod runner serves no kubelet API (no port-forward, logs or exec: e2e/local/README.md).
+        Making it work is not cheap: the apiserver would need a kubelet endpoint over TLS at every
+        fake node's address (kwok's own server has one listen address, `--server-address`) that
+        forwards to each pod's IP. So the router Service is reached at its ClusterIP, which the pod
+        runner proxies, as the other e2e tests do; the doc's `localhost:<port>` means that address."""
         m = re.search(r"port-forward\s+(?:svc|service)/(\S+)\s+(\d+):(\d+)", command)
         assert m, command
         service, local, remote = m.groups()
