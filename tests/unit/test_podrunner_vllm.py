@@ -72,6 +72,13 @@ def test_environment_pod_values_win_but_nothing_goes_online() -> None:
     assert env["VLLM_CACHE_ROOT"] == "/pods/p/vllm-cache"
 
 
+def test_a_max_model_len_meant_for_the_real_model_starts_the_tiny_one() -> None:
+    env = vllm.environment({}, pod_ip="p", cache_dir=Path("c"))
+    assert env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] == "1"
+    strict = vllm.environment({"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "0"}, pod_ip="p", cache_dir=Path("c"))
+    assert strict["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] == "0"  # a pod that says otherwise wins
+
+
 def test_engines_are_not_bound_to_cores_unless_the_pod_says_so() -> None:
     env = vllm.environment({}, pod_ip="p", cache_dir=Path("c"))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "1"

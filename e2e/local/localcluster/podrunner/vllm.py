@@ -18,7 +18,8 @@ a few things differ from the image, and each is supplied here, never in the mani
   core binding (`VLLM_CPU_OMP_THREADS_BIND=nobind`, `OMP_NUM_THREADS=1`): with more
   engines than cores, an engine bound to a core whose other engine is busy starved (KV
   transfers to a decode engine just started timed out after 30 s), while unbound threads
-  go to whichever core is free; `VLLM_HOST_IP` (the pod IP, when the pod sets none),
+  go to whichever core is free; `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`, so a `--max-model-len`
+  meant for the real model (above the tiny model's 2048 positions) starts; `VLLM_HOST_IP` (the pod IP, when the pod sets none),
   offline Hugging Face and no usage reports, a vLLM cache directory per pod. A pod's own
   env wins over all but the offline switches, which only `vllm serve` gets: another
   command of the image (the model cache's download Job) reaches the hub its env names.
@@ -92,6 +93,9 @@ def environment(env: dict[str, str], *, pod_ip: str, cache_dir: Path, serves: bo
         "VLLM_HOST_IP": pod_ip,
         "VLLM_DP_MASTER_IP": pod_ip,
         "VLLM_CACHE_ROOT": str(cache_dir),
+        # The tiny model has 2048 positions; a manifest written for the real model (Llama
+        # 3.1: 131072) asks for more, which vLLM refuses without this (vllm/config/model.py).
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
     }
     forced = {
         "PATH": f"{root / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
