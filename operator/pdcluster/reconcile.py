@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from pdcluster import constants as C
-from pdcluster import metrics, modelready
+from pdcluster import flexible, metrics, modelready
 from pdcluster.api.v1alpha1 import (
     AutoscalingMode,
     AutoscalingState,
@@ -368,6 +368,8 @@ async def _emit_events(
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
     if (warning := stalled_warning(previous, status, problems)) is not None:
         await ctx.events.warning(body, *warning)
+    if (flip := flexible.flip_event(previous.roles, status.roles)) is not None:
+        await ctx.events.normal(body, *flip)
     handoff = next((c for c in status.conditions if c.type == "KVTransfer"), None)
     before = next((c for c in previous.conditions if c.type == "KVTransfer"), None)
     if (

@@ -169,7 +169,7 @@ def compute_status(
     prefill = seen.pools.get(C.ROLE_PREFILL, (RoleStatus(), True))[0]
     decode = seen.pools.get(C.ROLE_DECODE, (RoleStatus(), True))[0]
     colocated = seen.pools[C.ROLE_COLOCATED][0] if C.ROLE_COLOCATED in seen.pools else None
-    flexible = seen.pools[C.ROLE_FLEXIBLE][0] if C.ROLE_FLEXIBLE in seen.pools else None
+    flexible_pool = seen.pools[C.ROLE_FLEXIBLE][0] if C.ROLE_FLEXIBLE in seen.pools else None
     ttft, itl = obs.latency_p99_ms
     progress = _progress(spec, generation, obs, seen, previous, now)
     return PDClusterStatus(
@@ -178,8 +178,9 @@ def compute_status(
         prefill=prefill,
         decode=decode,
         colocated=colocated,
-        flexible=flexible,
-        ratio=_ratio(spec, prefill, decode, colocated, flexible),
+        flexible=flexible_pool,
+        roles=flexible.record_flip(spec, previous.roles, time_s(now)) if flexible_pool is not None else None,
+        ratio=_ratio(spec, prefill, decode, colocated, flexible_pool),
         router=ComponentStatus(replicas=seen.router.replicas, ready=seen.router.ready),
         mooncake=ComponentStatus(replicas=seen.master.replicas, ready=seen.master.ready),
         ttft_p99_ms=ttft if ttft is not None else previous.ttft_p99_ms,

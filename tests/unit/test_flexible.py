@@ -124,3 +124,21 @@ def test_pod_settings_that_differ_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="differ in args, nodeSelector"):
         PDClusterSpec.model_validate(spec)
     assert problems(DOC) == []
+
+
+def test_a_flip_counts_the_engines_that_change_role_either_way() -> None:
+    spec = PDClusterSpec.model_validate(
+        {"model": {"name": "m"}, "mode": "flexible", "prefill": {"replicas": 1}, "decode": {"replicas": 3}}
+    )
+    first = flexible.record_flip(spec, None, "t0")
+    assert (first.prefill_engines, first.flips, first.last_flip) == (1, 0, None)
+    assert flexible.record_flip(spec, first, "t1") is first  # no change, nothing recorded
+    assert flexible.flip_event(first, first) is None
+
+    more_prefill = spec.model_copy(update={"prefill": spec.prefill.model_copy(update={"replicas": 3})})
+    moved = flexible.record_flip(more_prefill, first, "t2")
+    assert (moved.prefill_engines, moved.flips, moved.last_flip_time) == (3, 2, "t2")
+    assert moved.last_flip == "2 engines decode -> prefill: prefill engines 1 -> 3 of 6"
+    back = flexible.record_flip(spec, moved, "t3")
+    assert (back.flips, back.last_flip) == (4, "2 engines prefill -> decode: prefill engines 3 -> 1 of 4")
+    assert flexible.flip_event(moved, back) == ("RolesFlipped", back.last_flip)

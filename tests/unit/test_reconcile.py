@@ -359,3 +359,24 @@ async def test_the_store_with_an_engine_image_known_to_crash_is_degraded_and_war
     assert len(events) == (1 if warned else 0)
     # Warned, not held back: the engines are applied.
     assert ("apply", "StatefulSet", "c-prefill") in kube.writes
+
+
+async def test_a_flexible_split_change_is_a_flip_in_status_and_one_event() -> None:
+    kube = FakeKube()
+    body = pdcluster(kube, mode="flexible", prefill={"replicas": 1}, decode={"replicas": 2})
+    body = await run(kube, body)
+    assert body["status"]["roles"] == {"prefillEngines": 1, "flips": 0}  # the first assignment moves none
+    assert not [e for e in kube.list_sync("Event") if e["reason"] == "RolesFlipped"]
+
+    body["spec"]["prefill"]["replicas"], body["spec"]["decode"]["replicas"] = 2, 1
+    body = await run(kube, kube.put(body))
+    roles = body["status"]["roles"]
+    assert (roles["prefillEngines"], roles["flips"]) == (2, 1)
+    assert roles["lastFlip"] == "1 engine decode -> prefill: prefill engines 1 -> 2 of 3"
+    assert roles["lastFlipTime"] == "2026-12-01T12:00:00Z"
+    flips = [e for e in kube.list_sync("Event") if e["reason"] == "RolesFlipped"]
+    assert [(e["type"], e["message"]) for e in flips] == [("Normal", roles["lastFlip"])]
+
+    await run(kube, body)  # level-based: the same spec again is no new flip
+    assert kube.live(C.KIND, "c")["status"]["roles"]["flips"] == 1
+    assert len([e for e in kube.list_sync("Event") if e["reason"] == "RolesFlipped"]) == 1

@@ -49,6 +49,15 @@ class RoleStatus(Model):
     )
 
 
+class RoleFlips(Model):
+    """The flexible pool's role assignment and the flips that changed it."""
+
+    prefill_engines: int = Field(0, description="Engines the routers are told to use as prefill (the rest decode).")
+    flips: int = Field(0, description="Engines moved between prefill and decode since the PDCluster was created.")
+    last_flip: str | None = Field(None, description="The last change, e.g. `1 engine decode -> prefill: prefill engines 1 -> 2 of 3`.")
+    last_flip_time: str | None = None
+
+
 class ComponentStatus(Model):
     replicas: int = 0
     ready: int = 0
@@ -245,6 +254,7 @@ class PDClusterStatus(Model):
     decode: RoleStatus = Field(default_factory=RoleStatus)
     colocated: RoleStatus | None = Field(None, description="The engine pool in colocated mode.")
     flexible: RoleStatus | None = Field(None, description="The engine pool in flexible mode.")
+    roles: RoleFlips | None = Field(None, description="Flexible mode: the role assignment and its flips.")
     ratio: str | None = Field(
         None,
         description="Ready prefill:decode pods, e.g. `2:3` (in flexible mode: ready engines acting as each "
