@@ -229,7 +229,8 @@ class RouterService:
             self.router.forget(backend_id)
 
     async def drain(self, timeout: float) -> None:
-        """Refuse new requests (readiness fails) and wait for the in-flight ones."""
+        """Fail readiness (no new connections come) and wait for the requests in flight;
+        those arriving on open connections meanwhile are served, each closing its own."""
         router = self.router
         assert router is not None
         router.draining = True
