@@ -309,6 +309,7 @@ async def run_chaos(
         )
         stop.set()
         await watcher
+        watch.converged_at.append(time.monotonic())  # for faults that ended after its last poll
         body = await kube.get(C.API_VERSION, C.KIND, name, namespace)
         final = await convergence_problems(kube, body) if body else ["the PDCluster is gone"]
     finally:
