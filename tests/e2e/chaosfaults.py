@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from chaosload import MixedLoad, Verdicts, judge, prompts, references
 from harness import (
     OperatorProcess,
@@ -27,7 +28,9 @@ from harness import (
 )
 
 from localcluster import State, restart, start_component, stop_component
+from localcluster.ports import free_port
 from pdcluster import constants as C
+from pdcluster import observability as obs
 from pdcluster.io.kube import Kube
 
 # Every kind of fault, each once in the short run.
@@ -44,6 +47,8 @@ KINDS = (
 )
 PROMETHEUS_DOWN_S = 60.0
 OPERATOR_DOWN_S = (2.0, 8.0)  # how long the operator stays dead: a pod's restart, roughly
+NOTICE_S = 10.0  # a divergence this soon after a fault is the fault's (pods take a moment to fail)
+OPERATOR_DECISIONS = obs.OPERATOR_DECISIONS + "_total"
 
 
 @dataclass(frozen=True)
@@ -70,33 +75,36 @@ class Injected:
     target: str
     started: float  # time.monotonic()
     ended: float  # the fault is over (a component is back, a replacement asked for)
-    converged_after: float | None = None  # seconds from `ended` to the PDCluster converged
+    converged_after: float | None = None  # seconds from `ended` to converged again (0: never diverged)
 
 
 @dataclass
 class Watch:
-    """Polls the PDCluster and its pods: when a role had no ready engine, when all was
-    converged. Convergence is the full check (harness.convergence_problems)."""
+    """Polls the PDCluster, its pods and the operator: when a role had no ready engine,
+    when all was converged (the full check, harness.convergence_problems), how many times
+    the autoscaler decided (the operator's counter, summed over its restarts)."""
 
     kube: Kube
     namespace: str
     name: str
+    operator: Callable[[], OperatorProcess]
     no_engine_at: list[float] = field(default_factory=list)
-    converged_at: list[float] = field(default_factory=list)
-    autoscaler_runs: set[str] = field(default_factory=set)
-    errors: int = 0  # polls that failed (the apiserver restarting)
+    polls: list[tuple[float, bool]] = field(default_factory=list)  # (when, converged)
+    decisions: float = 0.0
+    _last_count: float = 0.0
 
     async def run(self, stop: asyncio.Event, interval: float = 1.0) -> None:
         while not stop.is_set():
+            now = time.monotonic()
             try:
-                await self._poll()
+                self.polls.append((now, await self._poll(now)))
             except Exception:  # the apiserver may be down: keep watching
-                self.errors += 1
+                self.polls.append((now, False))
+            await self._count_decisions()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
 
-    async def _poll(self) -> None:
-        now = time.monotonic()
+    async def _poll(self, now: float) -> bool:
         selector = f"{C.LABEL_CLUSTER}={self.name}"
         pods = await self.kube.list("v1", "Pod", self.namespace, label_selector=selector)
         ready = {role: 0 for role in C.ENGINE_ROLES}
@@ -107,14 +115,25 @@ class Watch:
         if 0 in ready.values():
             self.no_engine_at.append(now)
         body = await self.kube.get(C.API_VERSION, C.KIND, self.name, self.namespace)
-        run = (((body or {}).get("status") or {}).get("autoscaling") or {}).get("lastRunTime")
-        if run:
-            self.autoscaler_runs.add(run)
-        if body and settled(body) and not await convergence_problems(self.kube, body):
-            self.converged_at.append(now)
+        return bool(body and settled(body) and not await convergence_problems(self.kube, body))
 
-    def first_converged_after(self, t: float) -> float | None:
-        return next((c - t for c in self.converged_at if c >= t), None)
+    async def _count_decisions(self) -> None:
+        try:
+            count = await self.operator().metric(OPERATOR_DECISIONS, pdcluster=self.name)
+        except (aiohttp.ClientError, OSError):
+            return  # the operator is down
+        # A restarted operator counts from zero again.
+        self.decisions += count - self._last_count if count >= self._last_count else count
+        self._last_count = count
+
+    def recovered_after(self, t: float) -> float | None:
+        """Seconds from `t` (a fault's end) until converged again, counting the first
+        divergence seen within NOTICE_S of it; 0.0 when none was seen."""
+        later = [(at, ok) for at, ok in self.polls if at >= t]
+        diverged = next((i for i, (at, ok) in enumerate(later) if not ok and at <= t + NOTICE_S), None)
+        if diverged is None:
+            return 0.0
+        return next((at - t for at, ok in later[diverged:] if ok), None)
 
 
 class Injector:
@@ -250,7 +269,7 @@ class Run:
     tracebacks: list[str]
     errors: list[str]
     operator_restarts: int
-    autoscaler_runs: int
+    autoscaler_decisions: int
     final_problems: list[str]
 
     def lines(self) -> list[str]:
@@ -262,7 +281,7 @@ class Run:
             )
         out.append(
             f"operator: {len(self.tracebacks)} tracebacks, {len(self.errors)} ERROR lines, "
-            f"{self.operator_restarts} restarts; autoscaler runs seen: {self.autoscaler_runs}; "
+            f"{self.operator_restarts} restarts; autoscaler decisions: {self.autoscaler_decisions}; "
             f"at the end: {self.final_problems or 'matches the spec, no orphans'}"
         )
         return out
@@ -284,13 +303,17 @@ async def run_chaos(
     schedule's faults land, and waits for the cluster to converge once more."""
 
     def operator() -> OperatorProcess:
-        return start_operator(state.kubeconfig, namespace, log, f"--prometheus-url={state.prometheus_url}")
+        port = free_port()
+        extra = (f"--prometheus-url={state.prometheus_url}", f"--metrics-port={port}")
+        op = start_operator(state.kubeconfig, namespace, log, *extra)
+        op.metrics_port = port
+        return op
 
     doc = {"apiVersion": C.API_VERSION, "kind": C.KIND, **chaos_spec(name)}
     doc["metadata"] = {**doc["metadata"], "namespace": namespace}
     await kube.apply(doc, field_manager="chaos")
     injector = Injector(kube, state, namespace, name, operator, seed)
-    watch = Watch(kube, namespace, name)
+    watch = Watch(kube, namespace, name, lambda: injector.operator)
     stop = asyncio.Event()
     try:
         await wait_until(lambda: _converged(kube, namespace, name), timeout=240, interval=1, message="Ready")
@@ -309,14 +332,14 @@ async def run_chaos(
         )
         stop.set()
         await watcher
-        watch.converged_at.append(time.monotonic())  # for faults that ended after its last poll
+        watch.polls.append((time.monotonic(), True))  # for faults that ended after its last poll
         body = await kube.get(C.API_VERSION, C.KIND, name, namespace)
         final = await convergence_problems(kube, body) if body else ["the PDCluster is gone"]
     finally:
         stop.set()
         injector.operator.kill(signal.SIGTERM)
     for i in injected:
-        i.converged_after = watch.first_converged_after(i.ended)
+        i.converged_after = watch.recovered_after(i.ended)
     tracebacks, errors = operator_failures(log)
     return Run(
         injected,
@@ -324,7 +347,7 @@ async def run_chaos(
         tracebacks,
         errors,
         len(injector.operators) - 1,
-        len(watch.autoscaler_runs),
+        int(watch.decisions),
         final,
     )
 

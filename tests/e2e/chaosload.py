@@ -75,6 +75,7 @@ class Verdicts:
     """What became of the requests, by kind of outcome."""
 
     sent: int = 0
+    streamed: int = 0  # of those sent, streamed ones
     whole: int = 0
     no_engine: int = 0  # 503 while a role had no engine at all: not counted as lost
     duplicated: int = 0  # more tokens than asked, or a token repeated
@@ -88,7 +89,7 @@ class Verdicts:
     def line(self) -> str:
         why = ", ".join(f"{n} {reason}" for reason, n in self.failed.most_common()) or "none"
         return (
-            f"{self.sent} sent, {self.whole} whole, {self.lost} lost ({why}), {self.duplicated} duplicated, "
+            f"{self.sent} sent ({self.streamed} streamed), {self.whole} whole, {self.lost} lost ({why}), {self.duplicated} duplicated, "
             f"{self.tokens_lost} tokens lost, {self.no_engine} answered 503 while a role had no engine"
         )
 
@@ -98,7 +99,7 @@ def judge(
 ) -> Verdicts:
     """Each answer against its prompt's reference answer. `no_engine_at`: the times at
     which some role had no ready engine."""
-    v = Verdicts(sent=len(answers))
+    v = Verdicts(sent=len(answers), streamed=sum(a.stream for a in answers))
     for a in answers:
         words, reference = a.text.split(), references[a.prompt].split()
         if not a.error and a.status == 200 and words == reference:

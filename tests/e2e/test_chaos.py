@@ -34,10 +34,12 @@ async def test_chaos_under_load(
     assert sorted(i.fault.kind for i in run.injected) == sorted(KINDS)
     missed = [i.target for i in run.injected if i.target.startswith(("no ready", "not injected"))]
     assert not missed, missed
+    assert 0 < v.streamed < v.sent, "streamed and whole completions both"
     assert v.whole > 0 and v.sent == v.whole + v.no_engine + v.lost + v.duplicated
     assert v.lost == 0, v.line()
     assert v.duplicated == 0 and v.tokens_lost == 0, v.line()
     assert run.tracebacks == [], run.tracebacks[:3]
     assert run.operator_restarts == 1
-    assert run.autoscaler_runs >= 2, "the autoscaler did not keep running"
+    # One decision every 5 s when the operator is up: it kept deciding through the faults.
+    assert run.autoscaler_decisions >= 5, "the autoscaler did not keep running"
     assert run.final_problems == []
