@@ -114,6 +114,9 @@ class Watch:
                 ready[role] += 1
         if 0 in ready.values():
             self.no_engine_at.append(now)
+        # Healed means every pod Ready and none terminating, besides the children as rendered.
+        if any(not is_ready(p) or p["metadata"].get("deletionTimestamp") for p in pods):
+            return False
         body = await self.kube.get(C.API_VERSION, C.KIND, self.name, self.namespace)
         return bool(body and settled(body) and not await convergence_problems(self.kube, body))
 
@@ -277,12 +280,12 @@ class Run:
         for i in self.injected:
             after = "not seen" if i.converged_after is None else f"{i.converged_after:.1f}s"
             out.append(
-                f"  t={i.fault.at:6.1f}s {i.fault.kind:24} {i.target}; converged {after} after it ended"
+                f"  t={i.fault.at:6.1f}s {i.fault.kind:24} {i.target}; converged again {after} after it ended"
             )
         out.append(
             f"operator: {len(self.tracebacks)} tracebacks, {len(self.errors)} ERROR lines, "
             f"{self.operator_restarts} restarts; autoscaler decisions: {self.autoscaler_decisions}; "
-            f"at the end: {self.final_problems or 'matches the spec, no orphans'}"
+            f"at the end, after a spec change: {self.final_problems or 'matches the spec, no orphans'}"
         )
         return out
 
@@ -333,8 +336,7 @@ async def run_chaos(
         stop.set()
         await watcher
         watch.polls.append((time.monotonic(), True))  # for faults that ended after its last poll
-        body = await kube.get(C.API_VERSION, C.KIND, name, namespace)
-        final = await convergence_problems(kube, body) if body else ["the PDCluster is gone"]
+        final = await _acts_on_a_spec_change(kube, doc)
     finally:
         stop.set()
         injector.operator.kill(signal.SIGTERM)
@@ -350,6 +352,23 @@ async def run_chaos(
         int(watch.decisions),
         final,
     )
+
+
+async def _acts_on_a_spec_change(kube: Kube, doc: dict[str, Any]) -> list[str]:
+    """After the faults, the operator still follows its PDClusters (kopf's watch survived
+    the apiserver restarts): a change of the spec converges. What still differs, if not."""
+    namespace, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
+    doc["spec"]["router"]["requestTimeoutSeconds"] = 300
+    await kube.apply(doc, field_manager="chaos")
+    with contextlib.suppress(AssertionError):  # what still differs is reported below
+        await wait_until(
+            lambda: _converged(kube, namespace, name), timeout=180, interval=1, message="changed"
+        )
+    body = await kube.get(C.API_VERSION, C.KIND, name, namespace)
+    if not body:
+        return ["the PDCluster is gone"]
+    problems = await convergence_problems(kube, body)
+    return problems if settled(body) else [*problems, "not settled on the changed spec"]
 
 
 async def _converged(kube: Kube, namespace: str, name: str) -> bool:
