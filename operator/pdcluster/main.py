@@ -17,6 +17,7 @@ from pdcluster import add_version_flag
 from pdcluster.autoscaler import PrometheusAutoscaler
 from pdcluster.children import Children
 from pdcluster.controller import Controller
+from pdcluster.follow import follow
 from pdcluster.handlers import register
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import Kube, KubeConfig
@@ -81,7 +82,10 @@ async def run(args: argparse.Namespace) -> None:
         register(registry, controller, config)
         stop = asyncio.Event()
         _stop_on_signals(stop)
-        tasks = [asyncio.create_task(children.run(watcher, args.namespace, controller.wake))]
+        tasks = [
+            asyncio.create_task(children.run(watcher, args.namespace, controller.wake)),
+            asyncio.create_task(follow(watcher, args.namespace, controller)),
+        ]
         if elector:
             tasks.append(asyncio.create_task(elector.run()))
         for task in tasks:  # one that fails stops the operator (its error is raised below)
