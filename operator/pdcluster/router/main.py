@@ -37,6 +37,7 @@ from pdcluster.router.upstream import UpstreamPool
 if TYPE_CHECKING:
     from pdcluster.router.tracing import Tracing
 
+_DRAIN_POLL_S = 0.1
 log = logging.getLogger("pdcluster.router")
 
 
@@ -235,10 +236,17 @@ class RouterService:
         assert router is not None
         router.draining = True
         log.info("draining %d in-flight requests (up to %g s)", router.inflight, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(router.idle.wait(), timeout)
         if router.inflight:
             log.warning("drain timeout: dropping %d requests", router.inflight)
+        # Then the connections clients keep alive: each ends with its next answer or the
+        # client's own idle timeout. Closing one here could cut a request already sent on
+        # it, which the client would see as a disconnect with no answer.
+        while self._http is not None and self._http.connections and loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
 
     async def stop(self) -> None:
         if self._http is not None:  # the drain has waited for in-flight requests: cut the rest
