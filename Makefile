@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 ENGINE ?= sim
 
-.PHONY: demo demo-down kind test test-unit lint generate verify bench deps vllm-runtime cluster-up cluster-down
+.PHONY: demo demo-down kind test test-unit lint generate verify bench deps vllm-runtime cluster-up cluster-down images
 
 demo: $(STAMP) ## Local cluster "demo", operator from the Helm chart, a PD cluster (ENGINE=sim or vllm), workload replay, live view
 	$(BIN)/python e2e/local/demo.py check --engine $(ENGINE)
@@ -62,3 +62,23 @@ cluster-up: deps
 
 cluster-down:
 	$(BIN)/python e2e/local/cluster down
+
+# Every image in images/, as the chart's values name them (REGISTRY/<name>:TAG).
+IMAGES    := operator router mooncake engine engine-sim
+REGISTRY  ?=
+TAG       ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+CONTAINER ?= $(shell command -v docker >/dev/null 2>&1 && echo docker || echo podman)
+PUSH      ?= 1
+
+images: ## Build and push every image: make images REGISTRY=<registry>/<project> TAG=<tag> [CONTAINER=podman] [PUSH=0]
+	@test -n "$(REGISTRY)" || { echo "make images: set REGISTRY=<registry>/<project>" >&2; exit 2; }
+	set -e; for image in $(IMAGES); do \
+	  $(CONTAINER) build -f images/$$image/Dockerfile --build-arg VERSION=$(TAG) -t $(REGISTRY)/$$image:$(TAG) . ; \
+	  if [ "$(PUSH)" = 1 ]; then $(CONTAINER) push $(REGISTRY)/$$image:$(TAG); fi; \
+	done
+	@echo "helm values for these images:"
+	@echo "  --set image.repository=$(REGISTRY)/operator,image.tag=$(TAG)"
+	@echo "  --set images.router.repository=$(REGISTRY)/router,images.router.tag=$(TAG)"
+	@echo "  --set images.mooncake.repository=$(REGISTRY)/mooncake,images.mooncake.tag=$(TAG)"
+	@echo "  --set images.engine.repository=$(REGISTRY)/engine,images.engine.tag=$(TAG)"
+	@echo "  --set images.engineSim.repository=$(REGISTRY)/engine-sim,images.engineSim.tag=$(TAG)"

@@ -5,6 +5,7 @@
 #   etcd (go.etcd.io/etcd/server/v3), kwok (sigs.k8s.io/kwok), helm (helm.sh/helm/v3),
 #   the LeaderWorkerSet controller (sigs.k8s.io/lws) with its CRDs and webhook manifests,
 #   a minimal OpenTelemetry Collector (gomod/otelcol: OTLP receiver, file exporter)
+#   kstatus (gomod/kstatus: sigs.k8s.io/cli-utils pkg/kstatus's verdict on one object)
 # Prints the bin directory on stdout; progress goes to stderr.
 set -euo pipefail
 
@@ -82,6 +83,16 @@ if [ ! -x "$otelcol/otelcol" ]; then
   (cd "$here/gomod/otelcol" && go build -trimpath -ldflags "-s -w -X main.version=$OTELCOL_VERSION" \
     -o "$otelcol.tmp/otelcol" .) >&2
   rm -rf "$otelcol" && mv "$otelcol.tmp" "$otelcol"
+fi
+
+# kstatus's verdict on an object (Current, InProgress, Failed ...), as Flux and
+# kstatus-based tools compute it, for tests of the PDCluster's conditions.
+kstatus="$bin/kstatus-$KSTATUS_VERSION"
+if [ ! -x "$kstatus/kstatus" ]; then
+  log "building kstatus (sigs.k8s.io/cli-utils $KSTATUS_VERSION)"
+  mkdir -p "$kstatus.tmp"
+  (cd "$here/gomod/kstatus" && go build -trimpath -ldflags "-s -w" -o "$kstatus.tmp/kstatus" .) >&2
+  rm -rf "$kstatus" && mv "$kstatus.tmp" "$kstatus"
 fi
 
 # kwok v0.8 ships no default stages; the harness writes its own, but keep the

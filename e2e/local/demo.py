@@ -54,7 +54,7 @@ import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from pdcluster import constants as C  # noqa: E402
-from pdcluster.api.v1alpha1 import Quantile  # noqa: E402
+from pdcluster.api.v1alpha1 import AutoscalingSpec  # noqa: E402
 from pdcluster.io.kube import ApiError, Kube, KubeConfig  # noqa: E402
 from pdcluster.sim.trace import TraceError  # noqa: E402
 from pddemo import workload  # noqa: E402
@@ -137,19 +137,12 @@ async def run_and_watch(
     console: Console, target: Target, args: argparse.Namespace
 ) -> tuple[Outcomes, Observer, float]:
     run = plan_replay(args)
-    slo = {"quantile": "p90", "ttftMs": 2000, "itlMs": 25, **run.spec["autoscaling"].get("slo", {})}
-    window_s = int(run.spec["autoscaling"].get("windowSeconds", 30))
+    auto = AutoscalingSpec.model_validate(run.spec["autoscaling"])
     async with Kube(KubeConfig.from_file(target.kubeconfig)) as kube:
         url = await _router_url(kube, target)
         model = run.spec["model"].get("servedModelName") or run.spec["model"]["name"]
-        observer = Observer(
-            kube,
-            target.prometheus_url,
-            target.namespace,
-            target.name,
-            Quantile(slo["quantile"]).fraction,
-            window_s,
-        )
+        colocated = run.spec.get("mode") == "colocated"
+        observer = Observer(kube, target.prometheus_url, target.namespace, target.name, auto, colocated)
         title = (
             f"PDCluster {target.namespace}/{target.name}: {workload.source(args.trace)} from minute "
             f"{args.start_minute:g}, {workload.describe_phases(run.phases)}: {len(run.requests)} requests via {url}"
@@ -157,7 +150,7 @@ async def run_and_watch(
         step(console, title)
         started = time.monotonic()
         try:
-            with View(console, title, slo, len(run.requests), args.plain) as view:
+            with View(console, title, len(run.requests), args.plain) as view:
                 out = await replay_while_watching(url, model, run, observer, view, args.cooldown)
         finally:
             await observer.close()

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import aiohttp
 
 from pdcluster import constants as C
-from pdcluster import metrics, perf
+from pdcluster import metrics, perf, slo
 from pdcluster.api.v1alpha1 import (
     AutoscalingMode,
     AutoscalingState,
@@ -23,11 +23,13 @@ from pdcluster.api.v1alpha1 import (
     PDClusterSpec,
     PDClusterStatus,
     RoleStatus,
+    ServingMode,
 )
 from pdcluster.control import MetricsSnapshot, Observed, RoleObserved, decide
 from pdcluster.control.modefit import mode_fit
 from pdcluster.io.kube import Kube
-from pdcluster.io.prometheus import Prometheus, PrometheusUnavailable
+from pdcluster.io.prometheus import NO_CREDENTIALS, Credentials, Prometheus, PrometheusUnavailable
+from pdcluster.io.prometheus_auth import CredentialsUnavailable, OperatorCredentials, from_spec
 from pdcluster.reconcile import AutoscaleResult
 from pdcluster.render import Owner
 from pdcluster.timestamps import parse
@@ -64,20 +66,36 @@ class ProfileError(Exception):
 
 
 class PrometheusAutoscaler:
-    def __init__(self, kube: Kube, default_url: str | None, *, timeout_s: float = 5.0):
+    def __init__(
+        self,
+        kube: Kube,
+        default_url: str | None,
+        *,
+        timeout_s: float = 5.0,
+        default_credentials: OperatorCredentials | None = None,
+    ):
         self.kube = kube
         self.default_url = default_url
         self.timeout_s = timeout_s
+        self.default_credentials = default_credentials or OperatorCredentials()
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
-    def _prometheus(self, url: str) -> Prometheus:
+    def _prometheus(self, url: str, creds: Credentials) -> Prometheus:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession()
-        return Prometheus(url, self._session, timeout_s=self.timeout_s)
+        return Prometheus(url, self._session, timeout_s=self.timeout_s, creds=creds)
+
+    async def _credentials(self, spec: PDClusterSpec, owner: Owner) -> Credentials:
+        """The spec's own; else the operator's, for the operator's URL only
+        (io/prometheus_auth.py says why)."""
+        a = spec.autoscaling
+        if a.prometheus_auth is not None:
+            return await from_spec(self.kube, owner.namespace, a.prometheus_auth)
+        return NO_CREDENTIALS if a.prometheus_url else self.default_credentials.load()
 
     async def _observed(self, spec: PDClusterSpec, owner: Owner, status: PDClusterStatus) -> Observed:
         none = RoleObserved(0, 0, 0)
@@ -91,7 +109,11 @@ class PrometheusAutoscaler:
             )
             s = getattr(status, role) or RoleStatus()
             roles[role] = RoleObserved(
-                desired=s.desired, replicas=s.replicas, ready=s.ready, unschedulable=_unschedulable(pods)
+                desired=s.desired,
+                replicas=s.replicas,
+                ready=s.ready,
+                unschedulable=_unschedulable(pods),
+                startup_s=float(s.startup.median_seconds) if s.startup else None,
             )
         return Observed(**roles)
 
@@ -136,6 +158,8 @@ class PrometheusAutoscaler:
         read = await self._read_metrics(spec, owner)
         observed = await self._observed(spec, owner, status)
         new_state, decision = decide(spec, read.snapshot, state, observed, now, profile=prior)
+        reading = slo.of_snapshot(a, read.snapshot, colocated=spec.mode == ServingMode.colocated)
+        new_state = new_state.model_copy(update={"slo": reading.status()})
         condition = read.problem
         if condition is None:
             recommend = "recommend: " if a.mode == AutoscalingMode.recommend else ""
@@ -159,7 +183,12 @@ class PrometheusAutoscaler:
                     "set spec.autoscaling.prometheusUrl or the operator's --prometheus-url",
                 ),
             )
-        prom = self._prometheus(url)
+        try:
+            creds = await self._credentials(spec, owner)
+        except CredentialsUnavailable as e:
+            problem = (False, "PrometheusCredentials", f"{e}; holding replicas")
+            return _MetricsRead(None, (None, None), problem)
+        prom = self._prometheus(url, creds)
         snapshot = None
         try:
             snapshot = await prom.snapshot(

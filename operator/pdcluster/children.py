@@ -42,10 +42,15 @@ KINDS = {
     ("networking.k8s.io", "v1", "networkpolicies"): "NetworkPolicy",
     ("rbac.authorization.k8s.io", "v1", "roles"): "Role",
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): "RoleBinding",
+    # The model cache's download Job (model.source cache): its end starts the engines.
+    ("batch", "v1", "jobs"): "Job",
     # Roles spanning nodes; a cluster without the LeaderWorkerSet API answers 404 (see _watch).
     ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"): "LeaderWorkerSet",
     # HPA/KEDA scaling a role in `external` mode must take effect at once.
     (C.GROUP, C.VERSION, C.SCALER_PLURAL): C.SCALER_KIND,
+    # Not rendered (the workloads' own children), never pruned: read for engine start-up
+    # times and for why a pod is stuck (podstate.py).
+    ("", "v1", "pods"): "Pod",
 }
 API_VERSIONS = {
     kind: f"{group}/{version}" if group else version for (group, version, _), kind in KINDS.items()
@@ -57,7 +62,9 @@ MAX_RETRY_SECONDS = 30.0
 Index = dict[str, dict[tuple[str, str], dict[str, bytes]]]
 
 
-def owner_of(body: Mapping[str, Any]) -> str | None:
+def owner_of(body: Mapping[str, Any], kind: str | None = None) -> str | None:
+    if kind == "Pod":  # owned by its workload; the cluster label names the PDCluster
+        return ((body["metadata"].get("labels") or {}).get(C.LABEL_CLUSTER)) or None
     for ref in body["metadata"].get("ownerReferences") or []:
         if ref.get("kind") == C.KIND and ref.get("apiVersion", "").startswith(f"{C.GROUP}/"):
             return str(ref["name"])
@@ -69,6 +76,8 @@ def entry(kind: str, body: Mapping[str, Any]) -> bytes:
     with its kind (the items of a list carry none; status reads a StatefulSet's)."""
     meta = {key: value for key, value in body["metadata"].items() if key != "managedFields"}
     typed = {"apiVersion": API_VERSIONS[kind], "kind": kind, **body, "metadata": meta}
+    if kind == "Pod":
+        typed.pop("spec", None)  # an engine pod's spec is most of it, and only status is read
     return zlib.compress(orjson.dumps(typed), 1)
 
 
@@ -86,17 +95,23 @@ class Children:
         return None if found is None else orjson.loads(zlib.decompress(found))
 
     def owned(self, namespace: str, owner: str) -> list[tuple[str, str, str]]:
-        """(kind, name, apiVersion) of every cached child of one PDCluster."""
+        """(kind, name, apiVersion) of every cached child of one PDCluster, its pods aside."""
         return [
             (kind, name, API_VERSIONS[kind])
             for kind, index in self.indexes.items()
+            if kind != "Pod"
             for name in index.get((namespace, owner), {})
         ]
+
+    def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
+        """The pods of one PDCluster's workloads (metadata and status)."""
+        found = self.indexes["Pod"].get((namespace, owner), {})
+        return [orjson.loads(zlib.decompress(body)) for body in found.values()]
 
     # ------------------------------------------------------------------ writes
     def put(self, kind: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
         """Cache one child; returns its owner's key (None: not a PDCluster's)."""
-        owner = owner_of(body)
+        owner = owner_of(body, kind)
         if owner is None:
             return None
         key = (body["metadata"]["namespace"], owner)
@@ -104,7 +119,7 @@ class Children:
         return key
 
     def drop(self, kind: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
-        owner = owner_of(body)
+        owner = owner_of(body, kind)
         if owner is None:
             return None
         key = (body["metadata"]["namespace"], owner)
@@ -185,3 +200,12 @@ class Children:
                     log.warning("%s watch failed (%s); listing again in %gs", kind, e, retry)
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, MAX_RETRY_SECONDS)
+
+
+async def cluster_pods(
+    children: Children | None, kube: Kube, namespace: str, owner: str
+) -> list[dict[str, Any]]:
+    """One PDCluster's pods, from the watch cache when there is one."""
+    if children is not None and children.covers("Pod"):
+        return children.pods(namespace, owner)
+    return await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}={owner}")

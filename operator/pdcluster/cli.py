@@ -6,6 +6,7 @@ pdctl render -f cluster.yaml  print the children a PDCluster becomes
 pdctl validate -f cluster.yaml
 pdctl plan --trace FILE ...   compare autoscaling policies on a real trace
 pdctl profile --url URL --name NAME   measure an engine's latency profile (a ConfigMap)
+pdctl bench -f cluster.yaml   print a Job that benchmarks the cluster with AIPerf
 """
 
 from __future__ import annotations
@@ -130,6 +131,62 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pdcluster import bench
+    from pdcluster.render import Owner
+
+    trace = None
+    if args.trace:
+        try:
+            trace = Path(args.trace).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"pdctl: {args.trace}: {getattr(e, 'strerror', None) or e}") from None
+    opts = bench.BenchOptions(
+        requests=args.requests, concurrency=args.concurrency, rate=args.rate, input_tokens=args.input_tokens,
+        input_stddev=args.input_stddev, output_tokens=args.output_tokens, tokenizer=args.tokenizer,
+        tokenizer_claim=args.tokenizer_claim, image=args.image, install=args.install,
+        keep_seconds=args.keep_seconds, seed=args.seed, name=args.name,
+    )  # fmt: skip
+    out = []
+    for doc in _load_clusters(args.filename):
+        spec, meta = _spec(doc), doc["metadata"]
+        owner = Owner(meta["name"], args.namespace or meta.get("namespace", "default"), meta.get("uid", ""))
+        try:
+            out += bench.render(spec, owner, opts, trace)
+        except bench.BenchError as e:
+            raise SystemExit(f"pdctl bench: {e}") from None
+    yaml.safe_dump_all(out, sys.stdout, sort_keys=False, width=120)
+    return 0
+
+
+def _bench_arguments(sp: argparse.ArgumentParser) -> None:
+    from pdcluster import bench
+
+    d = bench.BenchOptions()
+    sp.add_argument("-f", "--filename", required=True, help="PDCluster YAML, or - for stdin")
+    sp.add_argument("-n", "--namespace", help="the PDCluster's namespace (default: the object's, else default)")
+    load = sp.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, help="requests in flight (default 4 without --rate)")
+    load.add_argument("--rate", type=float, help="requests per second instead of a concurrency")
+    sp.add_argument("--requests", type=int, default=d.requests, help="requests of a synthetic mix")
+    sp.add_argument("--input-tokens", type=int, default=d.input_tokens, help="synthetic prompt length, mean")
+    sp.add_argument("--input-stddev", type=int, default=d.input_stddev, help="its standard deviation")
+    sp.add_argument("--output-tokens", type=int, default=d.output_tokens, help="tokens per answer")
+    sp.add_argument("--trace", help="replay a Mooncake-format trace (JSON lines) instead of a synthetic mix")
+    sp.add_argument("--tokenizer", help="hub id or path (default: spec.model.name)")
+    sp.add_argument(
+        "--tokenizer-claim", help="PersistentVolumeClaim holding a Hugging Face cache (HF_HOME) with the tokenizer"
+    )
+    sp.add_argument("--image", default=d.image, help="the client's image")
+    sp.add_argument(
+        "--no-install", dest="install", action="store_false", help=f"the image has aiperf {bench.AIPERF_VERSION}"
+    )
+    sp.add_argument("--keep-seconds", type=int, default=d.keep_seconds, help="keep the pod for kubectl cp")
+    sp.add_argument("--seed", type=int, default=d.seed, help="AIPerf's random seed")
+    sp.add_argument("--name", help="the Job's name (default: <cluster>-bench)")
+    sp.set_defaults(func=cmd_bench)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from pdcluster.sim import plan_cli
 
@@ -171,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             sp.add_argument("--server", action="store_true", help="a server-side dry-run against the cluster")
             sp.add_argument("--kubeconfig", help="with --server (default: $KUBECONFIG, in-cluster, ~/.kube/config)")
         sp.set_defaults(func=func)
+    _bench_arguments(sub.add_parser("bench", help="print a Job that benchmarks the cluster with AIPerf"))
     plan_parser = sub.add_parser("plan", help="compare autoscaling policies on a trace (fleet simulator)")
     from pdcluster.sim import plan_cli
 

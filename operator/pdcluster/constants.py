@@ -26,6 +26,8 @@ FIELD_MANAGER: Final = "pdcluster-operator"
 # autoscaler's PromQL all select on these.
 LABEL_CLUSTER: Final = f"{GROUP}/cluster"
 LABEL_ROLE: Final = f"{GROUP}/role"
+# Set by the Job controller on the pods of a Job (Kubernetes 1.27+).
+LABEL_JOB_NAME: Final = "batch.kubernetes.io/job-name"
 # On engine pods: what prefill and decode must share to exchange KV (rollout.py).
 LABEL_KV_REVISION: Final = f"{GROUP}/kv-revision"
 # On each child: a hash of what the operator rendered for it (drift.stamp).

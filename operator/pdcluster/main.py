@@ -8,12 +8,13 @@ import contextlib
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import kopf
 import prometheus_client
 
-from pdcluster import add_version_flag
+from pdcluster import add_version_flag, images
 from pdcluster.autoscaler import PrometheusAutoscaler
 from pdcluster.children import Children
 from pdcluster.controller import Controller
@@ -22,6 +23,7 @@ from pdcluster.handlers import register
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import Kube, KubeConfig
 from pdcluster.io.lease import LeaderElector
+from pdcluster.io.prometheus_auth import OperatorCredentials, parse_header
 from pdcluster.reconcile import Context
 
 log = logging.getLogger("pdcluster")
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("PDCLUSTER_PROMETHEUS_URL"),
         help="Prometheus for autoscaling",
     )
+    _prometheus_auth_flags(p)
+    _image_flags(p)
     p.add_argument(
         "--resync-seconds", type=float, default=30.0, help="reconcile every cluster at least this often"
     )
@@ -67,6 +71,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _prometheus_auth_flags(p: argparse.ArgumentParser) -> None:
+    """Credentials for --prometheus-url (never sent to a URL a PDCluster names itself)."""
+    env = os.environ.get
+    for flag, what in (
+        ("bearer-token-file", "a bearer token, re-read at every query round"),
+        ("username-file", "basic auth: the user name"),
+        ("password-file", "basic auth: the password"),
+        ("ca-file", "PEM CA bundle to verify an https Prometheus with"),
+    ):
+        variable = "PDCLUSTER_PROMETHEUS_" + flag.upper().replace("-", "_")
+        p.add_argument(f"--prometheus-{flag}", default=env(variable), help=f"{what} (env {variable})")
+    p.add_argument(
+        "--prometheus-header",
+        action="append",
+        type=parse_header,
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra header for Prometheus, e.g. X-Scope-OrgID=tenant-1 (repeatable)",
+    )
+
+
+def _image_flags(p: argparse.ArgumentParser) -> None:
+    """What a PDCluster that names no image runs (the chart sets these from its values)."""
+    for kind in (images.ENGINE, images.ENGINE_SIM, images.ROUTER, images.MOONCAKE):
+        variable = f"PDCLUSTER_{kind.upper().replace('-', '_')}_IMAGE"
+        p.add_argument(
+            f"--{kind}-image",
+            default=os.environ.get(variable),
+            help=f"default {kind} image (env {variable}; built in: {images.BUILT_IN[kind]})",
+        )
+    p.add_argument(
+        "--image-pull-secret",
+        action="append",
+        default=[s for s in os.environ.get("PDCLUSTER_IMAGE_PULL_SECRETS", "").split(",") if s],
+        metavar="NAME",
+        help="Secret for pulling images on every pod a PDCluster without imagePullSecrets runs "
+        "(repeatable; env PDCLUSTER_IMAGE_PULL_SECRETS, comma-separated)",
+    )
+
+
+def configure_images(args: argparse.Namespace) -> None:
+    kinds = (images.ENGINE, images.ENGINE_SIM, images.ROUTER, images.MOONCAKE)
+    images.configure(
+        {kind: getattr(args, f"{kind.replace('-', '_')}_image") for kind in kinds}, args.image_pull_secret
+    )
+
+
+def operator_credentials(args: argparse.Namespace) -> OperatorCredentials:
+    def path(value: str | None) -> Path | None:
+        return Path(value) if value else None
+
+    return OperatorCredentials(
+        bearer_token_file=path(args.prometheus_bearer_token_file),
+        username_file=path(args.prometheus_username_file),
+        password_file=path(args.prometheus_password_file),
+        ca_file=path(args.prometheus_ca_file),
+        headers=dict(args.prometheus_header),
+    )
+
+
 async def run(args: argparse.Namespace) -> None:
     config = KubeConfig.load(args.kubeconfig)
     registry = kopf.OperatorRegistry()
@@ -75,7 +139,9 @@ async def run(args: argparse.Namespace) -> None:
         elector = None
         if args.leader_election:
             elector = LeaderElector(kube, args.leader_election_namespace or config.namespace)
-        autoscaler = PrometheusAutoscaler(kube, args.prometheus_url)
+        autoscaler = PrometheusAutoscaler(
+            kube, args.prometheus_url, default_credentials=operator_credentials(args)
+        )
         children = Children()
         context = Context(kube=kube, events=EventRecorder(kube), autoscaler=autoscaler, children=children)
         controller = Controller(context, resync=args.resync_seconds, elector=elector, synced=children.synced)
@@ -163,6 +229,7 @@ async def _stop(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    configure_images(args)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

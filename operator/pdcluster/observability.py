@@ -73,6 +73,10 @@ ROUTER_E2E: Final = "pdcluster_router_e2e_request_latency_seconds"
 # (KV hand-off and the decode engine's wait).
 ROUTER_PREFILL: Final = "pdcluster_router_prefill_seconds"
 ROUTER_AFTER_PREFILL: Final = "pdcluster_router_first_token_after_prefill_seconds"
+# TTFT beyond prefill: a streamed request's TTFT less its prompt's own prefill compute,
+# as the prefill engine reports it per request (docs/metrics.md); what
+# `slo.ttftMs` bounds when `ttftIncludesPrefill` is false.
+ROUTER_TTFT_BEYOND_PREFILL: Final = "pdcluster_router_ttft_beyond_prefill_seconds"
 ROUTER_REQUESTS: Final = "pdcluster_router_requests"  # counter{outcome}, exposed with _total
 ROUTER_REJECTIONS: Final = "pdcluster_router_rejections"  # counter{reason}
 ROUTER_UPSTREAM_ERRORS: Final = "pdcluster_router_upstream_errors"  # counter{role, backend}

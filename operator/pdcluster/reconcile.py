@@ -20,25 +20,29 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from pdcluster import constants as C
-from pdcluster import metrics
+from pdcluster import metrics, modelready
 from pdcluster.api.v1alpha1 import (
     AutoscalingMode,
     AutoscalingState,
+    ModelSource,
+    ModelStatus,
     PDClusterSpec,
     PDClusterStatus,
     ServingMode,
 )
-from pdcluster.children import Children
+from pdcluster.children import Children, cluster_pods
 from pdcluster.drift import in_sync, merge_patch, stamp
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube
+from pdcluster.podstate import observe_pods
 from pdcluster.render import Owner, Replicas, apply_stage, mooncake, render_all
 from pdcluster.render.engine import kv_revision, workload_kind
+from pdcluster.render.model import download_job_name
 from pdcluster.render.router import state_configmap_name
 from pdcluster.render.scaler import role_scaler, scaler_status
 from pdcluster.rollout import Rollout
 from pdcluster.rollout import plan as plan_rollout
-from pdcluster.status import Observation, Problem, compute_status
+from pdcluster.status import Observation, Problem, compute_status, stalled_warning
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +150,7 @@ async def preflight(kube: Kube, spec: PDClusterSpec, namespace: str) -> tuple[li
                 f"engine image {spec.engine.image!r} with mooncake.store.enabled hits vLLM #43828 "
                 "(MultiConnector ends the API server on the first KV hand-off): use the project's "
                 "engine image (images/engine) or a vLLM with #43836",
+                blocks=False,
             )
         )
     return problems, blocked
@@ -190,6 +195,8 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
 
     workloads = {_workload_role(o): live[_key(o)] for o in plan.desired if _workload_role(o) is not None}
     obs = _observation(spec, owner, plan, live, workloads, problems)
+    observe_pods(obs, spec, previous, await cluster_pods(ctx.children, ctx.kube, owner.namespace, owner.name))
+    obs.model = await _model_cache(ctx, spec, owner, live, previous)
     status = compute_status(spec, generation, obs, previous, plan.autoscale.state, now)
     for role, scaler in plan.scalers.items():
         await _report_scale(ctx, owner, role, scaler, workloads.get(role))
@@ -320,6 +327,26 @@ def _observation(
     )
 
 
+async def _model_cache(
+    ctx: Context,
+    spec: PDClusterSpec,
+    owner: Owner,
+    live: dict[tuple[str, str], dict[str, Any] | None],
+    previous: PDClusterStatus,
+) -> tuple[modelready.ConditionFields, ModelStatus] | None:
+    """The download Job's progress (model.source cache); its pods are read only when they
+    hold news: the report of a success, or the error of another failed attempt."""
+    if spec.model.source != ModelSource.cache:
+        return None
+    name = download_job_name(spec, owner)
+    job = live.get(("Job", name))
+    pods = None
+    if modelready.needs_pods(job, previous.model):
+        selector = f"{C.LABEL_JOB_NAME}={name}"
+        pods = await ctx.kube.list("v1", "Pod", owner.namespace, label_selector=selector)
+    return modelready.observe(name, job, pods, previous.model)
+
+
 async def _emit_events(
     ctx: Context,
     body: dict[str, Any],
@@ -339,6 +366,8 @@ async def _emit_events(
         await ctx.events.emit(body, type_, reason, message)
     if problems and not _had_condition(previous, "Degraded", problems[0].reason):
         await ctx.events.warning(body, problems[0].reason, problems[0].message)
+    if (warning := stalled_warning(previous, status, problems)) is not None:
+        await ctx.events.warning(body, *warning)
     handoff = next((c for c in status.conditions if c.type == "KVTransfer"), None)
     before = next((c for c in previous.conditions if c.type == "KVTransfer"), None)
     if (

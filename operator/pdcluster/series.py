@@ -72,6 +72,7 @@ class Series:
 SERIES: Final[tuple[Series, ...]] = (
     Series("ttft_ms", Kind.quantile, obs.ROUTER_TTFT),
     Series("ttft_mean_ms", Kind.mean, obs.ROUTER_TTFT),
+    Series("ttft_beyond_prefill_ms", Kind.quantile, obs.ROUTER_TTFT_BEYOND_PREFILL),
     Series("router_prefill_ms", Kind.mean, obs.ROUTER_PREFILL),
     Series("router_after_prefill_ms", Kind.mean, obs.ROUTER_AFTER_PREFILL),
     Series("itl_ms", Kind.quantile, obs.ROUTER_ITL),
@@ -109,11 +110,7 @@ SERIES: Final[tuple[Series, ...]] = (
 BY_FIELD: Final = {s.field: s for s in SERIES}
 # Does Prometheus hold anything of this cluster at all (the router's or any engine's)?
 PRESENCE: Final = (obs.ROUTER_PROMPT_TOKENS + "_total", obs.VLLM_WAITING)
-# What a person watching a cluster reads (the demo's live view), beside the control law's
-# table: the router's latencies at the SLO quantile and the requests it receives, whatever
-# their outcome.
-WATCHED: Final[tuple[Series, ...]] = (
-    BY_FIELD["ttft_ms"],
-    BY_FIELD["itl_ms"],
-    Series("requests_rate", Kind.rate, obs.ROUTER_REQUESTS),
-)
+# What the demo's live view reads beside the control law's table (which it reads whole,
+# to judge the SLO as the law does: pdcluster.slo): the requests the router receives,
+# whatever their outcome.
+WATCHED: Final[tuple[Series, ...]] = (Series("requests_rate", Kind.rate, obs.ROUTER_REQUESTS),)

@@ -13,6 +13,15 @@ Conditions follow Kubernetes conventions and are what GitOps tools read:
 - ModeFit:     present when autoscaling sees traffic and its profile ships a crossover
                sweep; False when the other serving mode would serve that traffic clearly
                better per GPU (control/modefit.py).
+- Reconciling, Stalled: kstatus's pair (sigs.k8s.io/cli-utils pkg/kstatus, "abnormal-true"),
+               which Flux and kstatus-based tools read: Reconciling while a workload is
+               short of its desired state; Stalled once none came closer to it for
+               `spec.progressDeadlineSeconds`, with a stuck pod's own reason (podstate.py),
+               or at once on a problem that blocks the spec (a missing Secret, a refused apply).
+               Never both True: kstatus takes the first True of the two in list order.
+- ModelReady:  present with model.source cache; True once the download Job has filled the
+               cache (its size and time in the message and in status.model), False while it
+               runs or after it failed (with the error its pod ended with: modelready.py).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdcluster import constants as C
 from pdcluster import flexible
@@ -28,11 +37,13 @@ from pdcluster.api.v1alpha1 import (
     AutoscalingState,
     ComponentStatus,
     Condition,
+    ModelStatus,
     PDClusterSpec,
     PDClusterStatus,
     RoleStatus,
+    StartupStatus,
 )
-from pdcluster.timestamps import time_s
+from pdcluster.timestamps import parse, time_s
 
 ConditionFields = tuple[bool, str, str]  # (status, reason, message)
 
@@ -41,6 +52,7 @@ ConditionFields = tuple[bool, str, str]  # (status, reason, message)
 class Problem:
     reason: str  # CamelCase, e.g. SecretNotFound
     message: str  # what to fix
+    blocks: bool = True  # the spec cannot be carried out until a person acts (not a mere warning)
 
 
 @dataclass
@@ -55,6 +67,9 @@ class Observation:
     kv_verdicts: dict[str, str] | None = None  # the router-state ConfigMap's data
     rollout: str | None = None  # a coordinated rollout's progress (rollout.py)
     mode_fit: tuple[bool, str, str] | None = None  # (fits, reason, message)
+    startups: dict[str, StartupStatus | None] = field(default_factory=dict)  # role -> measured start-up
+    stuck: list[Problem] = field(default_factory=list)  # why pods are not Ready (podstate.pod_problem)
+    model: tuple[ConditionFields, ModelStatus] | None = None  # the model cache (modelready.py)
 
 
 def kv_transfer(verdicts: dict[str, str] | None) -> ConditionFields | None:
@@ -96,7 +111,12 @@ def _role_status(obs: Observation, role: str, gpus_per_pod: int) -> tuple[RoleSt
     desired = obs.desired.get(role, 0)
     settled = seen and replicas == desired and ready == desired and updated >= desired
     return RoleStatus(
-        desired=desired, replicas=replicas, ready=ready, updated=updated, gpus=replicas * gpus_per_pod
+        desired=desired,
+        replicas=replicas,
+        ready=ready,
+        updated=updated,
+        gpus=replicas * gpus_per_pod,
+        startup=obs.startups.get(role),
     ), settled
 
 
@@ -151,9 +171,10 @@ def compute_status(
     colocated = seen.pools[C.ROLE_COLOCATED][0] if C.ROLE_COLOCATED in seen.pools else None
     flexible = seen.pools[C.ROLE_FLEXIBLE][0] if C.ROLE_FLEXIBLE in seen.pools else None
     ttft, itl = obs.latency_p99_ms
+    progress = _progress(spec, generation, obs, seen, previous, now)
     return PDClusterStatus(
         observed_generation=generation,
-        conditions=_conditions(spec, obs, seen, previous.conditions, time_s(now), generation),
+        conditions=_conditions(spec, obs, seen, previous.conditions, progress, generation),
         prefill=prefill,
         decode=decode,
         colocated=colocated,
@@ -164,8 +185,52 @@ def compute_status(
         ttft_p99_ms=ttft if ttft is not None else previous.ttft_p99_ms,
         itl_p99_ms=itl if itl is not None else previous.itl_p99_ms,
         autoscaling=autoscaling,
+        last_progress_time=progress.last,
+        model=obs.model[1] if obs.model is not None else None,
         rollout=obs.rollout,
     )
+
+
+class _Progress(NamedTuple):
+    """How far workloads came towards their desired state, for the progress deadline."""
+
+    now: str
+    moving: bool  # some workload is short of its desired state (and changes are applied)
+    last: str | None  # when one last came closer; None when none is moving
+    stalled: bool  # moving, and nothing came closer for spec.progressDeadlineSeconds
+
+
+def _marks(seen: _Components | PDClusterStatus) -> dict[str, tuple[int, ...]]:
+    """What moves when a workload comes closer to its desired state: pods desired,
+    created, updated and Ready."""
+    if isinstance(seen, _Components):
+        pools = {role: s for role, (s, _) in seen.pools.items()}
+        router, master = seen.router, seen.master
+    else:
+        pools = {role: getattr(seen, role) for role in (*C.ENGINE_ROLES, C.ROLE_COLOCATED, C.ROLE_FLEXIBLE)}
+        router, master = seen.router, seen.mooncake
+    marks = {role: (s.desired, s.replicas, s.updated, s.ready) for role, s in pools.items() if s is not None}
+    return {**marks, "router": (router.replicas, router.ready), "master": (master.replicas, master.ready)}
+
+
+def _progress(
+    spec: PDClusterSpec,
+    generation: int | None,
+    obs: Observation,
+    seen: _Components,
+    previous: PDClusterStatus,
+    now: datetime,
+) -> _Progress:
+    now_s = time_s(now)
+    moving = not spec.paused and bool(seen.unsettled() or obs.rollout)
+    if not moving:
+        return _Progress(now_s, False, None, False)
+    before = _marks(previous)
+    came_closer = any(before.get(name, mark) != mark for name, mark in _marks(seen).items())
+    if previous.last_progress_time is None or previous.observed_generation != generation or came_closer:
+        return _Progress(now_s, True, now_s, False)
+    waited = (now - parse(previous.last_progress_time)).total_seconds()
+    return _Progress(now_s, True, previous.last_progress_time, waited > spec.progress_deadline_seconds)
 
 
 @dataclass(frozen=True)
@@ -209,23 +274,29 @@ def _conditions(
     obs: Observation,
     seen: _Components,
     previous: list[Condition],
-    now_s: str,
+    progress: _Progress,
     generation: int | None,
 ) -> list[Condition]:
-    """Ready, Progressing and Degraded always; the others when there is something to say."""
+    """Ready, Progressing, Degraded, Reconciling and Stalled always; the others when there
+    is something to say."""
+    progressing = _progressing(spec, obs, seen)
+    stalled = _stalled(spec, obs, seen, progress)
     judged: list[tuple[str, ConditionFields]] = [
         ("Ready", _ready(spec, seen)),
-        ("Progressing", _progressing(spec, obs, seen)),
+        ("Progressing", progressing),
         ("Degraded", _degraded(obs)),
+        ("Reconciling", _reconciling(progressing, progress, stalled)),
+        ("Stalled", stalled),
     ]
     optional = (
         ("Autoscaling", obs.autoscaling),
         ("ModeFit", obs.mode_fit),
         ("KVTransfer", kv_transfer(obs.kv_verdicts)),
+        ("ModelReady", obs.model[0] if obs.model is not None else None),
     )
     judged += [(type_, fields) for type_, fields in optional if fields is not None]
     return [
-        _condition(previous, type_, ok, reason, message, now_s, generation)
+        _condition(previous, type_, ok, reason, message, progress.now, generation)
         for type_, (ok, reason, message) in judged
     ]
 
@@ -255,7 +326,57 @@ def _progressing(spec: PDClusterSpec, obs: Observation, seen: _Components) -> Co
     return False, "Stable", "all workloads match the desired state"
 
 
+def _reconciling(
+    progressing: ConditionFields, progress: _Progress, stalled: ConditionFields
+) -> ConditionFields:
+    """kstatus's InProgress: Progressing's verdict, False once Stalled is True."""
+    if stalled[0]:
+        return False, "Stalled", "see the Stalled condition"
+    if progress.moving:
+        return True, progressing[1], progressing[2]
+    return False, progressing[1], progressing[2]
+
+
+MAX_STUCK_NAMED = 3  # pods whose reason the Stalled message quotes
+
+
+def _stalled(
+    spec: PDClusterSpec, obs: Observation, seen: _Components, progress: _Progress
+) -> ConditionFields:
+    """kstatus's Failed: True with a stuck pod's own reason (the first found, pools first)."""
+    deadline = spec.progress_deadline_seconds
+    blocking = [p for p in obs.problems if p.blocks]
+    if blocking:  # an error, not slowness: no deadline to wait for
+        said = "; ".join(p.message for p in blocking[:MAX_STUCK_NAMED])
+        return True, blocking[0].reason, f"the spec cannot be carried out: {said}"
+    if not progress.stalled:
+        if progress.moving:
+            return False, "WithinDeadline", f"last progress at {progress.last}; the deadline is {deadline}s"
+        return False, "AsExpected", "every workload is at its desired state"
+    said = f"no progress for over {deadline}s (since {progress.last})"
+    causes = obs.stuck or obs.problems  # the pods' own reasons, else what Degraded says
+    if not causes:
+        return True, "ProgressDeadlineExceeded", f"{said}: waiting for {', '.join(seen.unsettled())}"
+    quoted = "; ".join(p.message for p in causes[:MAX_STUCK_NAMED])
+    more = len(causes) - MAX_STUCK_NAMED
+    return True, causes[0].reason, f"{said}: {quoted}" + (f"; and {more} more" if more > 0 else "")
+
+
 def _degraded(obs: Observation) -> ConditionFields:
     if obs.problems:
         return True, obs.problems[0].reason, "; ".join(p.message for p in obs.problems)
     return False, "AsExpected", "no problems found"
+
+
+def stalled_warning(
+    previous: PDClusterStatus, status: PDClusterStatus, problems: list[Problem]
+) -> tuple[str, str] | None:
+    """(reason, message) of the Warning event when Stalled turns True or changes reason;
+    None when Degraded's warning says the same already."""
+    stalled = next((c for c in status.conditions if c.type == "Stalled"), None)
+    if stalled is None or stalled.status != "True" or (problems and problems[0].reason == stalled.reason):
+        return None
+    before = next((c for c in previous.conditions if c.type == "Stalled"), None)
+    if before is not None and before.status == "True" and before.reason == stalled.reason:
+        return None
+    return stalled.reason, stalled.message

@@ -198,6 +198,8 @@ CHILD_KINDS = {
     "Role": "rbac.authorization.k8s.io/v1",
     "RoleBinding": "rbac.authorization.k8s.io/v1",
     "LeaderWorkerSet": C.LWS_API_VERSION,
+    "Job": "batch/v1",
+    "PersistentVolumeClaim": "v1",
 }
 
 

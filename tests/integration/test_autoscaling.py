@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 from typing import Any
 
@@ -103,6 +104,12 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
     # Prefill was short on TTFT; decode had the engine to give (or both missed and it moved).
     assert decision["cause"] in (Cause.ttft_over_target, Cause.prefill_short, Cause.rebalanced)
     assert decision["metrics"]["ttftMs"] > 500
+    # The same run's SLO reading, under the same name and from the same window.
+    slo = state["slo"]
+    assert (slo["quantile"], slo["ttftName"], slo["ttftMs"]) == ("p90", "TTFT", decision["metrics"]["ttftMs"])
+    if decision["cause"] == Cause.ttft_over_target:
+        assert slo["verdict"] == "missed", slo
+    await kubectl_get_shows_the_slo(kube, local_cluster, namespace)
     # The decision reaches the StatefulSets, never the spec.
     sts = {
         r: (await kube.get("apps/v1", "StatefulSet", f"slo-{r}", namespace))["spec"]["replicas"]
@@ -152,6 +159,28 @@ async def test_ttft_over_slo_moves_a_decode_replica_to_prefill(
     await wait_until(
         recovered, timeout=60, interval=1, message="Autoscaling back to True once Prometheus answers"
     )
+
+
+async def kubectl_get_shows_the_slo(kube: Kube, local_cluster: Any, namespace: str) -> None:
+    """`kubectl get pdc` (the CRD's printer columns, printed by the apiserver) shows the
+    verdict and the router's TTFT the status holds (read before and after: a run between)."""
+
+    async def reading() -> tuple[str, str]:
+        slo = (await kube.get(C.API_VERSION, C.KIND, "slo", namespace))["status"]["autoscaling"]["slo"]
+        return slo["verdict"], str(slo.get("ttftMs", ""))
+
+    before = await reading()
+    table = subprocess.run(
+        [f"{local_cluster.bin_dir}/kubectl", "--kubeconfig", local_cluster.kubeconfig, "get", "pdc", "slo", "-n", namespace],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    header, row = table[0], table[1]
+    starts = {name: header.index(name) for name in ("SLO", "TTFT-BEYOND-PREFILL", "TTFT ", "ITL")}
+    shown = (
+        row[starts["SLO"] : starts["TTFT-BEYOND-PREFILL"]].strip(),
+        row[starts["TTFT "] : starts["ITL"]].strip(),
+    )
+    assert shown in (before, await reading()), (table, before)
 
 
 async def test_a_colocated_pool_grows_when_ttft_misses_and_advice_follows_the_traffic(

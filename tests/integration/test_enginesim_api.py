@@ -87,6 +87,28 @@ async def test_completion_response(http: aiohttp.ClientSession) -> None:
     assert body["kv_transfer_params"] is None
 
 
+async def test_per_request_metrics_as_vllm_reports_them(http: aiohttp.ClientSession) -> None:
+    """--enable-per-request-metrics: a whole answer carries `metrics` (every field), a
+    stream's usage event the fields that are set; the time to first token is the engine's
+    own prefill, queue excluded, the same figure as its prefill-time histogram."""
+    body = {"prompt": "a" * 4000, "max_tokens": 1, "ignore_eos": True}
+    async with simulator("--enable-per-request-metrics") as sim:
+        status, whole = await post(http, url(sim, "/v1/completions"), body)
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        _, raw = await post(http, url(sim, "/v1/completions"), streamed)
+        metrics = await scrape(http, url(sim, "/metrics"))
+    assert status == 200 and whole["metrics"]["speculative_decoding"] is None
+    assert set(whole["metrics"]) == {
+        "time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms", "tokens_per_second",
+        "speculative_decoding",
+    }  # fmt: skip
+    usage_event = sse_events(raw)[-1]
+    assert "mean_itl_ms" not in usage_event["metrics"]  # one token: no gap, left out as vLLM leaves None out
+    prefill_s = metric(metrics, "vllm:request_prefill_time_seconds_sum")
+    own_ms = whole["metrics"]["time_to_first_token_ms"] + usage_event["metrics"]["time_to_first_token_ms"]
+    assert own_ms == pytest.approx(prefill_s * 1000.0) and own_ms > 0
+
+
 async def test_streamed_chat_with_usage(http: aiohttp.ClientSession) -> None:
     async with simulator("--sim-profile", "zero", "--served-model-name", "chat") as sim:
         request = {

@@ -32,6 +32,7 @@ CHILDREN = [
     ("ConfigMap", "mooncake"),
     ("PodDisruptionBudget", "prefill"),
     ("PodDisruptionBudget", "decode"),
+    ("PodDisruptionBudget", "router"),
     ("ServiceAccount", "router"),
     ("Role", "router"),
     ("RoleBinding", "router"),
@@ -94,7 +95,8 @@ async def test_create_update_drift_delete(
     assert status["prefill"]["ready"] == 1 and status["decode"]["ready"] == 1 and status["ratio"] == "1:1"
     assert status["observedGeneration"] == (await pdc.get("demo"))["metadata"]["generation"]
     pods = await kube.list("v1", "Pod", namespace, label_selector=f"{C.LABEL_CLUSTER}=demo")
-    assert len(pods) == 4 and all(p["status"]["podIP"].startswith("127.") for p in pods)
+    # prefill, decode, the Mooncake master and two routers (the router's default)
+    assert len(pods) == 5 and all(p["status"]["podIP"].startswith("127.") for p in pods)
 
     # A request goes through the router (its Service) to prefill and decode.
     router_svc = owned[("Service", "router")]
@@ -124,8 +126,10 @@ async def test_create_update_drift_delete(
         "PREFILL",
         "DECODE",
         "RATIO",
-        "TTFT-P99",
-        "ITL-P99",
+        "SLO",
+        "TTFT-BEYOND-PREFILL",
+        "TTFT",
+        "ITL",
         "ROLLOUT",
         "AGE",
     ]

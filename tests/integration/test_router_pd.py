@@ -388,8 +388,8 @@ async def test_api_key(http: aiohttp.ClientSession, tmp_path: Path) -> None:
         (b"[]", 400),
         (b'{"prompt": 5}', 400),
         (b'{"prompt": "x", "max_tokens": -1}', 400),
-        (b'{"prompt": "x", "n": 2}', 400),
-        (b'{"prompt": ["a", "b"]}', 400),
+        (b'{"prompt": "x", "n": 0}', 400),
+        (b'{"prompt": ["a", "b"], "n": 9}', 400),  # 18 flows: past --max-fan-out
         (b'{"prompt": "x", "model": "other"}', 404),
     ],
 )
@@ -461,3 +461,27 @@ async def test_usage_reports_the_prefill_legs_cached_tokens(http: aiohttp.Client
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < 2048  # whole blocks, the prompt's last token computed again
     assert usage[-1]["prompt_tokens_details"]["cached_tokens"] == cached
+
+
+async def test_ttft_beyond_prefill_leaves_out_the_prompts_own_compute(http: aiohttp.ClientSession) -> None:
+    """The prefill engine's answer carries its own compute for the prompt (vLLM's
+    per-request metrics); the router's TTFT beyond prefill is its TTFT less that, and
+    without the engine's figure it observes nothing rather than guess."""
+    body = {"prompt": list(range(1, 2049)), "max_tokens": 4, "ignore_eos": True, "stream": True}
+    beyond = obs.ROUTER_TTFT_BEYOND_PREFILL
+    prefill = ("--enable-per-request-metrics",)
+    async with cluster("--kv-probe-interval", "0", prefill_args=prefill, decode_args=("--sim-profile", "zero")) as c:
+        status, _, _ = await post(http, f"{c.url}/v1/completions", body)
+        router_metrics = await scrape(http, f"{c.url}/metrics")
+        prefill_metrics = await scrape(http, f"{engine_url(c.prefill)}/metrics")
+        answers = await recorded(http, c.prefill)
+    assert status == 200 and len(answers) == 1
+    own_s = metric(prefill_metrics, "vllm:request_prefill_time_seconds_sum")
+    ttft_s = metric(router_metrics, obs.ROUTER_TTFT + "_sum")
+    assert metric(router_metrics, beyond + "_count") == 1 and own_s > 0
+    assert metric(router_metrics, beyond + "_sum") == pytest.approx(ttft_s - own_s, abs=1e-6)
+    async with cluster() as c:  # engines without per-request metrics
+        await post(http, f"{c.url}/v1/completions", body)
+        router_metrics = await scrape(http, f"{c.url}/metrics")
+    assert metric(router_metrics, obs.ROUTER_TTFT + "_count") == 1
+    assert metric(router_metrics, beyond + "_count") == 0

@@ -78,7 +78,8 @@ def test_cel_rules_and_columns() -> None:
     role_rules = spec["properties"]["prefill"]["x-kubernetes-validations"]
     assert {r["fieldPath"] for r in role_rules} == {".minReplicas", ".replicas", ".gpusPerPod", ".gpusPerNode"}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Ready", "Mode", "Prefill", "Decode", "Ratio", "Colocated", "TTFT-p99", "ITL-p99", "Rollout", "Age",
+        "Ready", "Mode", "Prefill", "Decode", "Ratio", "Colocated", "SLO", "TTFT-Beyond-Prefill", "TTFT", "ITL",
+        "Quantile", "TTFT-p99", "ITL-p99", "Rollout", "Age",
     ]  # fmt: skip
     assert "autoscaling.gpuBudget must cover the GPUs of colocated.minReplicas" in messages
     assert version["subresources"] == {"status": {}}

@@ -11,7 +11,7 @@ from fakekube import FakeKube
 from test_control_law import T0, metrics, spec
 
 from pdcluster import constants as C
-from pdcluster.api.v1alpha1 import Condition, PDClusterSpec, PDClusterStatus, RoleStatus
+from pdcluster.api.v1alpha1 import Condition, PDClusterSpec, PDClusterStatus, RoleStatus, StartupStatus
 from pdcluster.autoscaler import PrometheusAutoscaler
 from pdcluster.control import MetricsSnapshot, RoleMetrics
 from pdcluster.io.prometheus import PrometheusUnavailable
@@ -39,7 +39,7 @@ def autoscaler(
     kube: FakeKube, prom: FakePrometheus | None, url: str | None = "http://prom:9090"
 ) -> PrometheusAutoscaler:
     a = PrometheusAutoscaler(kube, url)  # type: ignore[arg-type]
-    a._prometheus = lambda _url: prom  # type: ignore[assignment,method-assign,return-value]
+    a._prometheus = lambda _url, _creds: prom  # type: ignore[assignment,method-assign,return-value]
     return a
 
 
@@ -178,3 +178,12 @@ async def test_mode_advice_is_a_condition_an_event_when_it_turns_and_stands_betw
     again = await a.step(s, OWNER, before, T0 + timedelta(seconds=60))
     assert again.mode_fit is not None and not again.mode_fit[0]
     assert all(e[1] != "ModeAdvice" for e in again.events)
+
+
+async def test_the_law_gets_the_measured_start_up_or_the_default() -> None:
+    measured = StartupStatus(last_seconds=300, median_seconds=240, pods=[])
+    observed = await autoscaler(FakeKube(), None)._observed(
+        spec(), OWNER, PDClusterStatus(decode=RoleStatus(startup=measured))
+    )
+    assert observed.decode.startup_s == 240.0
+    assert observed.prefill.startup_s is None  # nothing measured yet: the law assumes its default

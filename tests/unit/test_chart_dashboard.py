@@ -24,6 +24,7 @@ VARIABLES = {
     "namespace": "serving",
     "pdcluster": "demo",
     "__rate_interval": "1m",
+    "slo_quantile": "0.9",
     "ttft_slo_ms": "500",
     "itl_slo_ms": "25",
 }

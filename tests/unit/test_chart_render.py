@@ -193,8 +193,11 @@ def test_rbac_covers_every_child_and_watch(name: str) -> None:
     assert roles
     for role in roles:
         for group, resource in _rendered_children() | {(g, p) for g, _, p in KINDS}:
-            if resource == "pdrolescalers":
-                continue  # created once, never applied: checked below
+            if resource in ("pdrolescalers", "persistentvolumeclaims"):
+                continue  # created once, never applied; a claim, never deleted: checked below
+            if resource == "pods":  # watched for start-up times and stuck pods, never written
+                assert _grants(role["rules"], group, resource) == {"get", "list", "watch"}
+                continue
             assert _grants(role["rules"], group, resource) >= VERBS_FOR_CHILDREN, (group, resource)
         # PDRoleScalers belong to HPA/KEDA after creation: the operator may not patch their spec.
         assert _grants(role["rules"], "pdcluster.io", "pdrolescalers") == {"get", "list", "watch", "create"}
@@ -203,6 +206,8 @@ def test_rbac_covers_every_child_and_watch(name: str) -> None:
         # The operator never writes a spec, and deletes only children it no longer renders.
         assert not _grants(role["rules"], "pdcluster.io", "pdclusters") & {"update", "patch", "delete"}
         assert "delete" not in _grants(role["rules"], "pdcluster.io", "pdrolescalers")
+        # The model cache's claim holds the weights: it goes with its PDCluster, not by our hand.
+        assert _grants(role["rules"], "", "persistentvolumeclaims") == {"get", "create", "patch"}
         assert all("*" not in r["verbs"] for r in role["rules"])
         children = _rendered_children()
         assert all(

@@ -46,6 +46,24 @@ def test_a_child_is_found_by_its_owner_and_name() -> None:
     assert [name for _, name, _ in children.owned("ns", "c")] == ["c-decode"]
 
 
+def test_pods_belong_to_their_cluster_label_keep_no_spec_and_are_never_pruned() -> None:
+    labels = {C.LABEL_CLUSTER: "c", C.LABEL_ROLE: C.ROLE_DECODE}
+    sts_ref = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "c-decode", "uid": "s"}
+    pod = {
+        "metadata": {"name": "c-decode-0", "namespace": "ns", "labels": labels, "ownerReferences": [sts_ref]},
+        "spec": {"containers": [{"name": "engine", "args": ["--a"] * 100}]},
+        "status": {"phase": "Running"},
+    }
+    children = Children()
+    children.put("StatefulSet", owned("StatefulSet", "c-decode"))
+    assert children.put("Pod", pod) == ("ns", "c")
+    (cached,) = children.pods("ns", "c")
+    assert "spec" not in cached and cached["status"] == pod["status"] and cached["kind"] == "Pod"
+    assert children.owned("ns", "c") == [("StatefulSet", "c-decode", "apps/v1")]  # pods are not pruned
+    assert children.pods("ns", "other") == []
+    assert children.drop("Pod", pod) == ("ns", "c") and children.pods("ns", "c") == []
+
+
 def test_a_relist_replaces_one_namespace_and_names_every_owner_it_touched() -> None:
     children = Children()
     children.put("Service", owned("Service", "a-router", owner="a"))

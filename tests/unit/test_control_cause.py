@@ -24,6 +24,14 @@ FIGURES = Figures(
     stabilization_s={"prefill": 300, "decode": 120},
     scale_up_timeout_s=600,
     cooldown_s=60,
+    ahead={"prefill": 1.8, "decode": 1.4},
+    horizon_s={"prefill": 120, "decode": 120},
+    queue={"prefill": 42.0, "decode": 17.0},
+    drain_s=120,
+    max_step=2,
+    peak={"prefill": 2.5, "decode": 1.5},
+    peak_span_s=300,
+    floor={"prefill": 7, "decode": 4},
 )
 
 # cause -> (the role it names, what its summary must quote: the driver and its threshold)
@@ -49,6 +57,10 @@ DRIVERS: dict[Cause, tuple[str | None, tuple[str, ...]]] = {
     Cause.scale_up_blocked: ("prefill", ()),
     Cause.within_targets: (None, ("1234 ms", "1000 ms", "31 ms", "25 ms")),
     Cause.pool_headroom: ("colocated", ("1234 ms", "31 ms", "1000", "25 ms")),
+    Cause.forecast_ramp: ("prefill", ("needs 6 engines", "4 ready", "120 s", "1.80x")),
+    Cause.queue_backlog: ("decode", ("17 requests", "120 s", "needs 3 engines", "5 ready")),
+    Cause.queue_growing: ("prefill", ("42 requests", "maxStep 2", "needs 6 engines")),
+    Cause.peak_floor: ("prefill", ("7 engines", "300 s", "2.50x")),
 }
 
 
@@ -62,11 +74,18 @@ def test_each_summary_quotes_its_driver_and_threshold(cause):
     line = summary(cause, FIGURES, {"prefill": 4, "decode": 5}, {"prefill": 4, "decode": 5}, role)
     for figure in quoted:
         assert figure in line, (cause, figure, line)
-    if role is not None and cause not in (Cause.ttft_over_target, Cause.itl_over_target, Cause.pool_headroom,
-                                          Cause.decode_wait, Cause.kv_handoff_slow):
+    if role is not None and cause not in (
+        Cause.ttft_over_target,
+        Cause.itl_over_target,
+        Cause.pool_headroom,
+        Cause.decode_wait,
+        Cause.kv_handoff_slow,
+    ):
         assert role in line
 
 
 def test_a_move_leads_the_summary():
-    line = summary(Cause.prefill_short, FIGURES, {"prefill": 4, "decode": 5}, {"prefill": 6, "decode": 5}, "prefill")
+    line = summary(
+        Cause.prefill_short, FIGURES, {"prefill": 4, "decode": 5}, {"prefill": 6, "decode": 5}, "prefill"
+    )
     assert line.startswith("prefill 4 -> 6: prefill needs 6 engines (load of 5.2 engines), 4 ready")

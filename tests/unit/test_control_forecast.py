@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from pdcluster.api.v1alpha1 import SeasonalMemory
 from pdcluster.control.forecast import BUCKET_S, BUCKETS, DAY_S, TREND_BAND, SeasonalForecast
 
 STEP_S = 30.0  # one law decision
@@ -82,9 +83,15 @@ def test_a_silent_bucket_and_bad_samples_leave_the_profile_usable():
 
 
 def test_status_round_trip_and_a_damaged_status_starts_empty():
-    forecast = fed(1.2)
+    def tokens(t: float) -> float:
+        return daily(t, 1000.0)  # prompt tokens per second, as the law feeds it
+
+    forecast = fed(1.2, tokens)
     back = SeasonalForecast.from_status(forecast.to_status())
     now = 1.2 * DAY_S
-    assert back.predict(now, 600, daily(now)) == pytest.approx(forecast.predict(now, 600, daily(now)), rel=1e-3)
-    for damaged in (None, {}, {"profile": [1.0]}, {"profile": [None] * BUCKETS, "bucket": "x", "total": 0}):
+    assert back.predict(now, 600, tokens(now)) == pytest.approx(
+        forecast.predict(now, 600, tokens(now)), rel=1e-3
+    )
+    assert back.bucket == forecast.bucket and back.samples == forecast.samples
+    for damaged in (None, SeasonalMemory(profile=[1]), SeasonalMemory(profile=[])):
         assert SeasonalForecast.from_status(damaged).profile == [None] * BUCKETS

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pdcluster import perf
-from pdcluster.api.v1alpha1 import DecodeSample, LearnedCapacity
+from pdcluster.api.v1alpha1 import DecodeSample, LearnedCapacity, PrefillSample
 from pdcluster.control import NoteKind, learn
 from pdcluster.control.cause import Cause
 from pdcluster.control.types import MetricsSnapshot, assemble
@@ -229,7 +229,8 @@ def test_without_a_profile_the_law_first_follows_feedback_alone() -> None:
     assert decision.decode == 4, decision.reason
     assert decision.cause == Cause.itl_over_target
     assert "decode" in _feedback_only(outcome)
-    assert state.capacity is not None and state.capacity.decode_windows == 1
+    # The law's first window is not learned from: no traffic before it (whole_window).
+    assert state.capacity is not None and state.capacity.decode_windows == 0
     decision = _law(prefill_ttft=300.0, itl=2.0).decision
     assert decision.decode == 3, decision.reason
 
@@ -338,6 +339,57 @@ def test_a_role_still_learning_lends_an_engine_at_a_full_budget(running: float) 
         )
         state, decision = outcome.state, outcome.decision
         decisions.append((decision.prefill, decision.decode))
-    assert state.capacity.decode_windows == (0 if running == 0 else 5)
+    # Nothing learned: the law saw traffic for a minute, less than the metrics' 120 s window.
+    assert state.capacity.decode_windows == 0
     assert "decode" in _feedback_only(outcome), decision.reason
     assert decisions[-1] == (2, 1), decisions
+
+
+def test_a_decode_window_is_learned_from_only_when_whole() -> None:
+    """The step is a gauge's window mean over a counter's rate; a series younger than the
+    window has too low a rate (Prometheus divides by the whole window)."""
+    m = window()  # two decode engines over a 120 s window
+    assert learn.whole_window(m, ready_now=2, traffic_s=120.0)
+    assert not learn.whole_window(m, ready_now=2, traffic_s=30.0)  # traffic began within it
+    assert not learn.whole_window(m, ready_now=3, traffic_s=600.0)  # an engine joined within it
+    young = learn.update(None, m, decode_whole=False)
+    assert young.decode_windows == 0 and young.prefill_windows == 1  # prefill's ratio of rates holds
+
+
+def _steps(tokens_per_step: list[float], fixed_ms: float = 16.5, per_token_ms: float = 0.0152):
+    return [
+        PrefillSample(tokens_per_step=round(n), step_us=round((fixed_ms + per_token_ms * n) * 1000))
+        for n in tokens_per_step
+    ]
+
+
+def test_prefill_steps_of_different_batches_tell_the_fixed_cost_from_the_per_token_cost() -> None:
+    # The H200 Llama-3.1-8B profile's step: 16.5 ms + 0.0152 ms per token.
+    fitted = learn.fit_prefill(_steps([7360, 5400, 1485, 1300, 1250]))
+    assert fitted == pytest.approx((16.5, 0.0152), rel=0.01)
+    assert learn.fit_prefill(_steps([1485, 1300, 1250])) is None  # one batch size: no split
+    assert learn.fit_prefill(_steps([7360, 1300])) is None  # too few windows
+
+
+def test_without_a_prior_a_fitted_step_replaces_the_linear_cost() -> None:
+    """Short prompts one to a step cost 0.029 ms a token; batched, 0.0152 plus the step's
+    share: the linear model would size a busy pool for the first."""
+    m = window(tokens=150_000.0, isl=1200.0, prefill_ms=35.0, steps=110.0, engines=5.0)
+    c = learn.update(None, m)
+    linear = learn.knowledge(c, None, m).profile.prefill_coef
+    assert linear[0] == 0.0 and linear[1] > 0.025
+    c = c.model_copy(update={"prefill_samples": _steps([7360, 5400, 1485, 1300, 1250])})
+    fitted = learn.knowledge(c, None, m).profile.prefill_coef
+    assert fitted[:2] == pytest.approx((16.5, 0.0152), rel=0.01)
+
+
+def test_a_long_calm_keeps_the_one_large_batch_the_fit_needs() -> None:
+    learned = None
+    busy = window(tokens=150_000.0, isl=1200.0, prefill_ms=130.0, steps=20.0, engines=5.0)  # 7,500 a step
+    calm = window(tokens=150_000.0, isl=1200.0, prefill_ms=35.0, steps=110.0, engines=5.0)  # ~1,360 a step
+    learned = learn.update(learned, busy)
+    for _ in range(3 * learn.PREFILL_SAMPLES):
+        learned = learn.update(learned, calm)
+    samples = learned.prefill_samples
+    assert len(samples) == learn.PREFILL_SAMPLES
+    assert max(s.tokens_per_step for s in samples) == 7500

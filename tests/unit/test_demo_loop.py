@@ -14,6 +14,7 @@ from rich.console import Console
 
 import demo
 from pdcluster import constants as C
+from pdcluster.api.v1alpha1 import AutoscalingSpec
 from pddemo.observe import Observer
 from pddemo.view import View
 from pddemo.workload import ENGINES, Phase, Request
@@ -81,20 +82,15 @@ async def test_the_replay_is_answered_and_the_view_shows_the_cluster() -> None:
     run = demo.ReplayPlan(engine, doc, [Phase(1, 1.0)], requests)
     console_out = io.StringIO()
     async with serving(router) as router_url, serving(prom) as prom_url:
-        observer = Observer(kube, prom_url, "demo", "demo", 0.9, 30)
+        observer = Observer(kube, prom_url, "demo", "demo", AutoscalingSpec.model_validate(doc["spec"]["autoscaling"]), False)
         try:
-            with View(
-                Console(file=console_out, width=200),
-                "demo",
-                {"quantile": "p90", "ttftMs": 2000, "itlMs": 25},
-                5,
-                True,
-            ) as view:
+            with View(Console(file=console_out, width=200), "demo", 5, True) as view:
                 out = await demo.replay_while_watching(router_url, "m", run, observer, view, cooldown_s=0)
         finally:
             await observer.close()
     assert (out.sent, out.ok, out.failed, out.rejected) == (5, 5, 0, 0), out.last_error
     assert len(out.ttft_s) == 5 and len(out.itl_s) == 5
-    assert observer.snapshot.ttft_ms == 500.0 and observer.snapshot.requests_rate == 0.5
+    reading = observer.snapshot.reading
+    assert (reading.raw_ttft_ms, reading.ttft_ms, observer.snapshot.requests_rate) == (500.0, 500.0, 0.5)
     assert [d.time for d in observer.decisions] == [DECISION["time"]]
     assert "scale at 10:11:12: prefill 2, decode 3: prefill 1 -> 2" in console_out.getvalue()

@@ -9,6 +9,9 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from pdcluster import observability as obs
+from pdcluster import slo
+from pdcluster.api.v1alpha1 import AutoscalingSpec
+from pdcluster.control import MetricsSnapshot
 from pdcluster.io.prometheus import watched_queries
 from pddemo.observe import Snapshot, is_new_scaling, read_status
 from pddemo.replay import Outcomes
@@ -55,8 +58,7 @@ def test_each_scaling_decision_counts_once_and_holds_not_at_all() -> None:
 
 def test_the_live_view_queries_the_router_of_its_cluster() -> None:
     qs = watched_queries("demo", "demo", 30, 0.9)
-    assert set(qs) == {"ttft_ms", "itl_ms", "requests_rate"}
-    assert qs["ttft_ms"].startswith(f"histogram_quantile(0.9, sum by (le) (rate({obs.ROUTER_TTFT}_bucket{{")
+    assert set(qs) == {"requests_rate"}
     assert qs["requests_rate"] == (
         f'sum(rate({obs.ROUTER_REQUESTS}_total{{{obs.PROM_LABEL_CLUSTER}="demo",namespace="demo"}}[30s]))'
     )
@@ -66,12 +68,22 @@ def test_plain_lines_show_each_decision_once() -> None:
     out = io.StringIO()
     console = Console(file=out, width=200)
     decision = read_status(status("2026-01-02T10:11:12.345Z", "scale")).last_decision
-    snapshot = Snapshot(roles={"prefill": (2, 1), "decode": (3, 3)}, ttft_ms=1234.0, last_decision=decision)
+    auto = AutoscalingSpec.model_validate({"slo": {"ttftMs": 2000, "itlMs": 25}, "ttftIncludesPrefill": False})
+    window = MetricsSnapshot(30, 1.0, ttft_ms=2500.0, ttft_beyond_prefill_ms=1234.0, itl_ms=20.0)
+    reading = slo.of_snapshot(auto, window)
+    snapshot = Snapshot(roles={"prefill": (2, 1), "decode": (3, 3)}, reading=reading, last_decision=decision)
     observer = SimpleNamespace(snapshot=snapshot, decisions=[decision])
-    slo = {"quantile": "p90", "ttftMs": 2000, "itlMs": 25}
-    with View(console, "demo", slo, total=10, plain=True) as view:
+    with View(console, "demo", total=10, plain=True) as view:
         view.update(Outcomes(sent=3, ok=2), observer, "replaying")
         view.update(Outcomes(sent=4, ok=3), observer, "replaying")
     text = out.getvalue()
     assert text.count("scale at 10:11:12: prefill 2, decode 3: prefill 1 -> 2: TTFT p90 3955 ms") == 1
-    assert "TTFT p90 1234 ms (SLO 2000 ms)" in text and "prefill 1/2  decode 3/3" in text
+    line = "TTFT beyond prefill p90 1234 ms of 2000 ms (TTFT 2500 ms), ITL p90 20 ms of 25 ms: met (operator: none yet)"
+    assert line in text and "prefill 1/2  decode 3/3" in text
+
+
+def test_the_status_carries_the_operators_slo_verdict() -> None:
+    raw = status("2026-01-02T10:11:12.345Z", "hold")
+    raw["autoscaling"]["slo"] = {"verdict": "missed", "quantile": "p90", "ttftName": "TTFT beyond prefill"}
+    assert read_status(raw).operator_slo.verdict == "missed"
+    assert read_status(status("2026-01-02T10:11:12.345Z", "hold")).operator_slo is None

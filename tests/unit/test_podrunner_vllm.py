@@ -77,3 +77,14 @@ def test_engines_are_not_bound_to_cores_unless_the_pod_says_so() -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "1"
     pinned = vllm.environment({"VLLM_CPU_OMP_THREADS_BIND": "0"}, pod_ip="p", cache_dir=Path("c"))
     assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_a_mounted_model_directory_is_served_as_rendered() -> None:
+    argv = vllm.command(["vllm", "serve", "/models/org/m/main", "--port", "8000"])
+    assert argv[argv.index("--model") + 1] == "/models/org/m/main"
+
+
+def test_only_the_engine_is_kept_offline() -> None:
+    download = vllm.environment({"HF_ENDPOINT": "http://127.0.0.1:1"}, pod_ip="p", cache_dir=Path("c"), serves=False)
+    assert "HF_HUB_OFFLINE" not in download and download["HF_ENDPOINT"] == "http://127.0.0.1:1"
+    assert download["PATH"].startswith(str(RUNTIME / "bin"))

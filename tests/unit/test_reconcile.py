@@ -264,7 +264,7 @@ async def test_a_suspended_role_keeps_no_disruption_budget() -> None:
     body = pdcluster(kube)
     await cached_run(kube, body)
     budgets = {(k, n) for (k, _, n) in kube.objects if k == "PodDisruptionBudget"}
-    assert budgets == {("PodDisruptionBudget", "c-prefill"), ("PodDisruptionBudget", "c-decode")}
+    assert budgets == {("PodDisruptionBudget", f"c-{role}") for role in ("prefill", "decode", "router")}
     kube.objects[(C.KIND, "ns", "c")].others["spec"]["suspend"] = True
     await cached_run(kube, body)
     assert not any(k == "PodDisruptionBudget" for (k, _, _) in kube.objects)

@@ -59,20 +59,25 @@ def test_children_invariants(example: Path) -> None:
     for obj in objects:
         meta = obj["metadata"]
         assert len(meta["name"]) <= 63
-        assert meta["ownerReferences"][0]["kind"] == "PDCluster"
-        assert meta["ownerReferences"][0]["controller"] is True
+        if obj["kind"] == "PersistentVolumeClaim" and "ownerReferences" not in meta:
+            assert "retain: true" in example.read_text()  # a cache claim kept past its PDCluster
+        else:
+            assert meta["ownerReferences"][0]["kind"] == "PDCluster"
+            assert meta["ownerReferences"][0]["controller"] is True
         assert meta["labels"][C.LABEL_CLUSTER] == objects[0]["metadata"]["labels"][C.LABEL_CLUSTER]
         assert meta["labels"][C.LABEL_ROLE]
         template = obj.get("spec", {}).get("template")
-        if template:
+        if template and "selector" in obj["spec"]:  # a Job chooses its own
             selector = obj["spec"]["selector"]["matchLabels"]
             assert selector.items() <= template["metadata"]["labels"].items()
 
 
 def test_longest_name_fits() -> None:
-    spec, _ = _load(EXAMPLES[0])
     owner = Owner("x" * C.MAX_CLUSTER_NAME_LEN, "ns", "uid")
-    for obj in render_all(spec, owner, Replicas(1, 1)):
+    cache, _ = _load(ROOT / "examples/pdcluster-model-cache.yaml")
+    for obj in render_all(_load(EXAMPLES[0])[0], owner, Replicas(1, 1)) + render_all(cache, owner, Replicas(1, 1)):
+        if obj["kind"] == "Job":  # its pods add "-<5 characters>"
+            assert len(obj["metadata"]["name"]) + 6 <= 63
         assert len(obj["metadata"]["name"]) <= 63
         if obj["kind"] == "StatefulSet":  # pods add "-<ordinal>", revisions "-<10-char hash>"
             assert len(obj["metadata"]["name"]) + 11 <= 63

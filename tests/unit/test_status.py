@@ -62,6 +62,8 @@ def test_healthy_cluster() -> None:
         "Ready": ("True", "AllComponentsReady"),
         "Progressing": ("False", "Stable"),
         "Degraded": ("False", "AsExpected"),
+        "Reconciling": ("False", "Stable"),
+        "Stalled": ("False", "AsExpected"),
     }
     assert status.ratio == "2:3" and status.observed_generation == 4
     assert status.prefill.gpus == 4 and status.decode.gpus == 3

@@ -441,3 +441,12 @@ def test_a_new_sleep_fails_the_rule_and_a_listed_one_does_not() -> None:
         "integration/test_autoscaling.py",
     )
     assert listed and unlisted(listed) == []
+
+
+def test_test_files_have_unique_names() -> None:
+    # pytest imports test files by their basename (no packages under tests/): two files of one
+    # name in different folders stop the whole run at collection.
+    seen: dict[str, list[str]] = {}
+    for path in TESTS.rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

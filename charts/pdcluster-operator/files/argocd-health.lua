@@ -15,6 +15,9 @@ end
 if c.Degraded ~= nil and c.Degraded.status == "True" then
   hs.status = "Degraded"
   hs.message = c.Degraded.reason .. ": " .. c.Degraded.message
+elseif c.Stalled ~= nil and c.Stalled.status == "True" then
+  hs.status = "Degraded"
+  hs.message = c.Stalled.reason .. ": " .. c.Stalled.message
 elseif c.Ready ~= nil and c.Ready.reason == "Suspended" then
   hs.status = "Suspended"
   hs.message = c.Ready.message

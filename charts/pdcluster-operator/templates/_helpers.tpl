@@ -23,3 +23,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "pdcluster.serviceAccountName" -}}
 {{- default (include "pdcluster.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{- /* An image of values.images: repository:tag, the tag defaulting to the chart's appVersion. */ -}}
+{{- define "pdcluster.image" -}}
+{{- $image := index . 0 -}}
+{{- printf "%s:%s" $image.repository ($image.tag | default (index . 1).Chart.AppVersion) -}}
+{{- end -}}

@@ -268,7 +268,7 @@ def _start(name: str, pool: nodes.NodePool, scrape_interval: str, vllm: bool, lo
         f"--bind-shim={shim}", f"--venv-bin={Path(sys.executable).parent}",
         f"--apiserver=127.0.0.1:{ports['apiserver']}", f"--listen=127.0.0.1:{ports['podrunner']}",
         *(["--vllm"] if vllm else []),
-    ], env={**os.environ, "PYTHONPATH": str(paths.LOCAL_DIR), "PYTHONUNBUFFERED": "1"})
+    ], env={**os.environ, "PYTHONPATH": f"{paths.LOCAL_DIR}:{paths.REPO_ROOT / 'operator'}", "PYTHONUNBUFFERED": "1"})
     runner_url = f"http://127.0.0.1:{ports['podrunner']}"
     prom_config = prometheus.config(targets_url=f"{runner_url}/targets", scrape_interval=scrape_interval)
     (run / "prometheus.yml").write_text(yaml.safe_dump(prom_config, sort_keys=False))

@@ -49,6 +49,7 @@ def bin_dir() -> Path:
         all(os.access(path / b, os.X_OK) for b in BINARIES)
         and lws_dir(path).is_dir()
         and os.access(otelcol_binary(path), os.X_OK)
+        and os.access(kstatus_binary(path), os.X_OK)
     ):
         return path
     out = subprocess.run([str(LOCAL_DIR / "build.sh")], check=True, stdout=subprocess.PIPE, text=True)
@@ -63,3 +64,8 @@ def lws_dir(bins: Path) -> Path:
 def otelcol_binary(bins: Path) -> Path:
     """The minimal OpenTelemetry Collector (gomod/otelcol, built by build.sh)."""
     return bins / f"otelcol-{versions()['OTELCOL_VERSION']}" / "otelcol"
+
+
+def kstatus_binary(bins: Path) -> Path:
+    """kstatus's verdict on one object, JSON in and out (gomod/kstatus, built by build.sh)."""
+    return bins / f"kstatus-{versions()['KSTATUS_VERSION']}" / "kstatus"

@@ -1,12 +1,13 @@
 """What the demo shows: a rich live view on a terminal, plain periodic lines otherwise
-(CI logs), and the summary at the end."""
+(CI logs), and the summary at the end. The SLO figures are the router's over the control
+law's window, named and judged as the law names and judges them (pdcluster.slo); the
+law's own verdict on its last window stands beside them."""
 
 from __future__ import annotations
 
 import math
 import sys
 import time
-from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -14,8 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pdcluster import constants as C
-from pdcluster import perf, timestamps
-from pdcluster.api.v1alpha1 import Decision
+from pdcluster import perf, slo, timestamps
+from pdcluster.api.v1alpha1 import Decision, SLOStatus
 from pddemo.observe import Observer, Snapshot
 from pddemo.replay import Outcomes
 
@@ -58,8 +59,8 @@ def decision_line(d: Decision) -> str:
 class View:
     """A rich live view on a terminal; plain periodic lines otherwise (CI logs)."""
 
-    def __init__(self, console: Console, title: str, slo: dict[str, Any], total: int, plain: bool) -> None:
-        self.console, self.title, self.slo, self.total = console, title, slo, total
+    def __init__(self, console: Console, title: str, total: int, plain: bool) -> None:
+        self.console, self.title, self.total = console, title, total
         self.plain = plain or not console.is_terminal
         self.started = time.monotonic()
         self._last_line = 0.0
@@ -102,12 +103,12 @@ class View:
         if time.monotonic() - self._last_line < PLAIN_LINE_EVERY_S:
             return
         self._last_line = time.monotonic()
-        s, q = observer.snapshot, self.slo["quantile"]
+        s = observer.snapshot
         self.console.print(
             f"{self._elapsed()} {phase}: sent {out.sent}/{self.total} ok {out.ok} rejected {out.rejected} "
-            f"failed {out.failed} | ready/desired {roles_line(s)} | TTFT {q} {ms(s.ttft_ms)} "
-            f"(SLO {self.slo['ttftMs']} ms) ITL {q} {ms(s.itl_ms)} (SLO {self.slo['itlMs']} ms)"
+            f"failed {out.failed} | ready/desired {roles_line(s)}"
         )
+        self.console.print(f"{' ' * 9}{slo_line(s)}")
         if s.last_decision:
             last = s.last_decision
             self.console.print(f"{' ' * 9}last decision ({last.action}): {last.summary or last.reason}")
@@ -133,19 +134,31 @@ class View:
         )
 
     def _latency_table(self, s: Snapshot, out: Outcomes) -> Table:
-        def against(value_ms: float | None, slo_ms: float) -> str:
-            if value_ms is None:
-                return "-"
-            return f"[{'green' if value_ms <= slo_ms else 'red'}]{ms(value_ms)}[/] (SLO {slo_ms:.0f} ms)"
-
-        latency = Table(title=f"router {self.slo['quantile']}, Prometheus", expand=True)
+        r = s.reading
+        latency = Table(title=f"router {r.quantile if r else ''}, Prometheus", expand=True)
         latency.add_column("metric")
         latency.add_column("value", justify="right")
-        latency.add_row("TTFT", against(s.ttft_ms, self.slo["ttftMs"]))
-        latency.add_row("ITL", against(s.itl_ms, self.slo["itlMs"]))
+        if r is not None:
+            colour = {slo.MET: "green", slo.MISSED: "red"}.get(r.verdict, "yellow")
+            latency.add_row(r.ttft_name, f"{ms(r.ttft_ms)} (SLO {r.ttft_target_ms} ms)")
+            if r.ttft_name != "TTFT":
+                latency.add_row("TTFT", ms(r.raw_ttft_ms))
+            latency.add_row("ITL", f"{ms(r.itl_ms)} (SLO {r.itl_target_ms} ms)")
+            latency.add_row("SLO", f"[{colour}]{r.verdict}[/]; operator: {operator_verdict(s.operator_slo)}")
         latency.add_row("requests/s", "-" if s.requests_rate is None else f"{s.requests_rate:.1f}")
         latency.add_row("ok / rejected / failed", f"{out.ok} / {out.rejected} / {out.failed}")
         return latency
+
+
+def operator_verdict(status: SLOStatus | None) -> str:
+    return "none yet" if status is None else status.verdict
+
+
+def slo_line(s: Snapshot) -> str:
+    """'TTFT beyond prefill p90 304 ms of 1000 ms (TTFT 1177 ms), ITL p90 17 ms of 25 ms: met
+    (operator: met)': the router's window, and the law's verdict on its own last window."""
+    reading = s.reading.line() if s.reading else "no figures yet"
+    return f"{reading} (operator: {operator_verdict(s.operator_slo)})"
 
 
 def _replicas_table(s: Snapshot) -> Table:
@@ -183,6 +196,9 @@ def summary(console: Console, out: Outcomes, observer: Observer, seconds: float)
     )
     table.add_row("TTFT (client)", _client_percentiles(out.ttft_s))
     table.add_row("ITL (client, mean per request)", _client_percentiles(out.itl_s))
+    table.add_row("SLO, router's last window", slo_line(observer.snapshot))
+    counted = ", ".join(f"{verdict} {n}" for verdict, n in sorted(observer.verdicts.items()))
+    table.add_row("SLO verdicts of the live line", counted or "none")
     table.add_row("scaling decisions", str(len(observer.decisions)))
     table.add_row("replicas now (ready/desired)", roles_line(observer.snapshot, ", "))
     table.add_row("replay and watch", f"{seconds:.0f} s")

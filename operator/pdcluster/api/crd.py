@@ -34,17 +34,51 @@ PRINTER_COLUMNS = [
         "description": "Ready colocated pods",
         "priority": 1,
     },
+    # The SLO as the control law judged its last window, at the SLO quantile (docs/metrics.md).
+    {
+        "name": "SLO",
+        "type": "string",
+        "jsonPath": ".status.autoscaling.slo.verdict",
+        "description": "met, missed or unseen, as the control law judged the last window",
+    },
+    {
+        "name": "TTFT-Beyond-Prefill",
+        "type": "integer",
+        "jsonPath": ".status.autoscaling.slo.ttftBeyondPrefillMs",
+        "description": "The router's TTFT beyond prefill at the SLO quantile (ms), where the target applies to it",
+    },
+    {
+        "name": "TTFT",
+        "type": "integer",
+        "jsonPath": ".status.autoscaling.slo.ttftMs",
+        "description": "The router's whole TTFT at the SLO quantile (ms)",
+    },
+    {
+        "name": "ITL",
+        "type": "integer",
+        "jsonPath": ".status.autoscaling.slo.itlMs",
+        "description": "The router's ITL at the SLO quantile (ms)",
+    },
+    {
+        "name": "Quantile",
+        "type": "string",
+        "jsonPath": ".status.autoscaling.slo.quantile",
+        "description": "The SLO quantile of the columns before",
+        "priority": 1,
+    },
     {
         "name": "TTFT-p99",
         "type": "integer",
         "jsonPath": ".status.ttftP99Ms",
         "description": "Router TTFT p99 (ms)",
+        "priority": 1,
     },
     {
         "name": "ITL-p99",
         "type": "integer",
         "jsonPath": ".status.itlP99Ms",
         "description": "Router ITL p99 (ms)",
+        "priority": 1,
     },
     {
         "name": "Rollout",

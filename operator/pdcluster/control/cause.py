@@ -33,6 +33,10 @@ class Cause(StrEnum):
     scale_up_blocked = "ScaleUpBlocked"  # an earlier scale-up timed out
     within_targets = "WithinTargets"
     pool_headroom = "PoolHeadroom"  # colocated: fewer engines keep every target
+    forecast_ramp = "ForecastRamp"  # the seasonal forecast sees a ramp one start-up ahead: more now
+    queue_backlog = "QueueBacklog"  # a queue to drain within a window needs more engines
+    queue_growing = "QueueGrowing"  # while a queue grows, a step of several maxSteps
+    peak_floor = "RecentPeakFloor"  # a scale-down held at what the recent peak needed
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,16 @@ class Figures:
     stabilization_s: dict[str, int] = field(default_factory=dict)  # per role: the window waited out
     scale_up_timeout_s: int | None = None
     cooldown_s: int | None = None
+    ttft_name: str = "TTFT"  # what ttft_ms is (control.observed.ttft_name): the TTFT the target applies to
+    raw_ttft_ms: float | None = None  # the router's whole TTFT at the quantile, quoted beside it
+    ahead: dict[str, float] = field(default_factory=dict)  # per role: the forecast's load / today's
+    horizon_s: dict[str, int] = field(default_factory=dict)  # per role: how far ahead it looks
+    queue: dict[str, float] = field(default_factory=dict)  # per role: requests waiting
+    drain_s: int | None = None  # the window a queue is drained within
+    max_step: int | None = None
+    peak: dict[str, float] = field(default_factory=dict)  # per role: the recent peak's load / today's
+    peak_span_s: int | None = None
+    floor: dict[str, int] = field(default_factory=dict)  # per role: engines the recent peak needs
 
 
 def _ms(value: float | None) -> str:
@@ -67,8 +81,17 @@ def _engines(f: Figures, role: str | None) -> str:
     """'needs 6 engines, 4 ready' (with the load where the model has one)."""
     if role is None or role not in f.needed:
         return "engine need unknown"
-    load = f" (load of {f.prefill_load:.1f} engines)" if role == "prefill" and f.prefill_load is not None else ""
+    load = (
+        f" (load of {f.prefill_load:.1f} engines)" if role == "prefill" and f.prefill_load is not None else ""
+    )
     return f"{role} needs {f.needed[role]} engines{load}, {f.ready.get(role, 0)} ready"
+
+
+def _raw(f: Figures) -> str:
+    """' (TTFT 1177 ms)': the whole TTFT beside the one the target applies to, when they differ."""
+    if f.ttft_name == "TTFT" or f.raw_ttft_ms is None:
+        return ""
+    return f" (TTFT {_ms(f.raw_ttft_ms)})"
 
 
 def _kv(f: Figures) -> str:
@@ -83,33 +106,41 @@ def summary(
     moves = [f"{r} {current[r]} -> {target[r]}" for r in target if target[r] != current[r]]
     held = ":".join(str(current[r]) for r in target) + (" colocated" if "colocated" in target else "")
     change = ", ".join(moves) if moves else f"hold {held}"
-    q = f.quantile
+    q, tt = f.quantile, f.ttft_name
     why = {
         Cause.disabled: "autoscaling disabled",
         Cause.suspended: "cluster suspended",
         Cause.metrics_unavailable: "no metrics",
         Cause.no_traffic: "no traffic",
         Cause.scale_up_timed_out: f"{role} pods not ready within {f.scale_up_timeout_s} s",
-        Cause.ttft_over_target: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms",
-        Cause.prefill_short: f"{_engines(f, 'prefill')}; TTFT {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms",
+        Cause.ttft_over_target: f"{tt} {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms{_raw(f)}",
+        Cause.prefill_short: f"{_engines(f, 'prefill')}; {tt} {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms",
         Cause.itl_over_target: f"ITL {q} {_ms(f.itl_ms)} over {f.itl_target_ms} ms",
         Cause.kv_cache_full: f"{role if role == 'colocated' else 'decode'} {_kv(f)}",
         Cause.decode_short: f"{_engines(f, 'decode')}; ITL {q} {_ms(f.itl_ms)} of {f.itl_target_ms} ms",
-        Cause.prefill_headroom: f"TTFT {q} {_ms(f.ttft_ms)} well under {f.ttft_target_ms} ms; {_engines(f, 'prefill')}",
+        Cause.prefill_headroom: f"{tt} {q} {_ms(f.ttft_ms)} well under {f.ttft_target_ms} ms; {_engines(f, 'prefill')}",
         Cause.decode_headroom: f"ITL {q} {_ms(f.itl_ms)} well under {f.itl_target_ms} ms; {_engines(f, 'decode')}",
-        Cause.decode_wait: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, "
+        Cause.decode_wait: f"{tt} {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, "
         f"{_ms(f.decode_wait_ms)} of it waiting for a decode step",
-        Cause.kv_handoff_slow: f"TTFT {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, {_ms(f.kv_handoff_ms)} "
+        Cause.kv_handoff_slow: f"{tt} {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms, {_ms(f.kv_handoff_ms)} "
         "of it in the KV hand-off: check the KV transfer network, more engines would not help",
-        Cause.rebalanced: f"both roles miss their targets (TTFT {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms, "
+        Cause.rebalanced: f"both roles miss their targets ({tt} {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms, "
         f"ITL {q} {_ms(f.itl_ms)} of {f.itl_target_ms} ms): GPUs moved to {role}",
         Cause.budget_full: f"{_engines(f, role)} and the GPU budget of {f.budget} is full",
         Cause.stabilizing: f"{role} change waits out its {f.stabilization_s.get(role or '', 0)} s stabilization window",
         Cause.cooling_down: f"cooling down: {f.cooldown_s} s after the last change",
         Cause.scale_up_blocked: f"{role} scale-up blocked after a timeout",
-        Cause.within_targets: f"TTFT {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms, ITL {q} {_ms(f.itl_ms)} "
+        Cause.within_targets: f"{tt} {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms{_raw(f)}, ITL {q} {_ms(f.itl_ms)} "
         f"of {f.itl_target_ms} ms: within targets",
-        Cause.pool_headroom: f"TTFT {q} {_ms(f.ttft_ms)} and ITL {q} {_ms(f.itl_ms)} well under "
+        Cause.pool_headroom: f"{tt} {q} {_ms(f.ttft_ms)} and ITL {q} {_ms(f.itl_ms)} well under "
         f"{f.ttft_target_ms} and {f.itl_target_ms} ms",
+        Cause.forecast_ramp: f"{_engines(f, role)} for the load forecast {f.horizon_s.get(role or '', 0)} s "
+        f"ahead, {f.ahead.get(role or '', 1.0):.2f}x today's (this time yesterday, with today's trend)",
+        Cause.queue_backlog: f"{role} queue of {f.queue.get(role or '', 0.0):.0f} requests to drain within "
+        f"{f.drain_s} s; {_engines(f, role)}",
+        Cause.queue_growing: f"{role} queue of {f.queue.get(role or '', 0.0):.0f} requests growing: a step "
+        f"past maxStep {f.max_step}; {_engines(f, role)}",
+        Cause.peak_floor: f"{role} scale-down held at {f.floor.get(role or '', 0)} engines, what the peak of "
+        f"the last {f.peak_span_s} s needs ({f.peak.get(role or '', 1.0):.2f}x today's load)",
     }[cause]
     return f"{change}: {why}"

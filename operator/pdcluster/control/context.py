@@ -21,6 +21,9 @@ class Role(StrEnum):
 
 
 ROLES = (Role.prefill, Role.decode)  # the roles of the prefill:decode law
+# An engine's start-up (pod created to Ready) until one is measured: the fleet
+# simulator's default, a model already on the node (docs/benchmarks.md).
+DEFAULT_STARTUP_S = 60.0
 
 
 def other(role: Role) -> Role:
@@ -82,6 +85,11 @@ class Context:
             return self.seen(role).desired
         stored = getattr(self.prev, role)
         return stored if stored is not None else self.spec.role(role).replicas
+
+    def startup_s(self, role: Role) -> float:
+        """How long a new engine of the role takes to serve: measured, else the default."""
+        measured = self.seen(role).startup_s
+        return measured if measured is not None and measured > 0 else DEFAULT_STARTUP_S
 
     def since(self, moment: datetime) -> float:
         return (self.now - moment).total_seconds()

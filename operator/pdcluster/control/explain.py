@@ -10,10 +10,12 @@ from pdcluster.control import models
 from pdcluster.control.budget import Counts, Fit
 from pdcluster.control.cause import Cause, Figures
 from pdcluster.control.context import ROLES, Context, Role
-from pdcluster.control.needs import Need, prefill_latency
+from pdcluster.control.needs import Need, View, prefill_latency
 from pdcluster.control.notes import Note, worded
-from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms
+from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms, ttft_name
+from pdcluster.control.seasonal import horizon_s
 from pdcluster.control.stabilise import Settled
+from pdcluster.control.trend import peak_span_s
 from pdcluster.control.types import MetricsSnapshot, TTFTBreakdown
 
 
@@ -22,7 +24,7 @@ class Analysis:
     """What a run that had metrics to go on found."""
 
     m: MetricsSnapshot
-    stages: TTFTBreakdown | None
+    view: View  # what the needs were computed from, besides the metrics
     needs: dict[Role, Need]
     wants: Counts
     fit: Fit
@@ -43,6 +45,8 @@ def cause_of(current: Counts, a: Analysis) -> Verdict:
     down = [r for r in ROLES if target[r] < current[r]]
     if a.fit.rebalanced is not None and up:
         return Verdict(Cause.rebalanced, a.fit.rebalanced)
+    if a.settled.surged in up:
+        return Verdict(Cause.queue_growing, a.settled.surged)
     if up:
         role = max(up, key=lambda r: needs[r].pressure)
         return Verdict(needs[role].cause_up, role)
@@ -52,13 +56,21 @@ def cause_of(current: Counts, a: Analysis) -> Verdict:
         return Verdict(Cause.cooling_down)
     if a.settled.blocked is not None:
         return Verdict(Cause.scale_up_blocked, a.settled.blocked)
-    if largest_stage(a.stages) == Stage.kv_handoff and a.ttft_missed:
+    if largest_stage(a.view.stages) == Stage.kv_handoff and a.ttft_missed:
         return Verdict(Cause.kv_handoff_slow)
     wanted = [r for r in ROLES if a.wants[r] != current[r]]
     if wanted:
         return Verdict(Cause.stabilizing, wanted[0])
     if a.fit.budget_full is not None:
         return Verdict(Cause.budget_full, a.fit.budget_full)
+    # Held with a target missed (the model sees no count that would help): say so.
+    if a.ttft_missed:
+        return Verdict(Cause.ttft_over_target, Role.prefill)
+    if needs[Role.decode].violated:
+        return Verdict(needs[Role.decode].cause_up, Role.decode)
+    held = [r for r in ROLES if needs[r].floor is not None and needs[r].headroom and current[r] > needs[r].up]
+    if held:
+        return Verdict(Cause.peak_floor, held[0])
     return Verdict(Cause.within_targets)
 
 
@@ -81,8 +93,7 @@ def reason(ctx: Context, current: Counts, a: Analysis, notes: tuple[Note, ...]) 
     """E.g. 'TTFT p90 820 ms > 500 ms, ITL p90 15 ms (+40% headroom) at 40.00 req/s;
     model needs 10:6: +2 prefill, -2 decode (notes)'."""
     auto, m, target = ctx.auto, a.m, a.settled.target
-    ttft_name = "TTFT" if auto.ttft_includes_prefill else "TTFT less own prefill"
-    ttft = _quantile(ttft_name, prefill_latency(auto, m), auto.slo.ttft_ms, auto, ctx.tol)
+    ttft = _quantile(ttft_name(auto), prefill_latency(auto, m), auto.slo.ttft_ms, auto, ctx.tol)
     itl = _quantile("ITL", seen_itl_ms(m, m.decode), auto.slo.itl_ms, auto, ctx.tol)
     moves = [f"{target[r] - current[r]:+d} {r}" for r in ROLES if target[r] != current[r]]
     action = ", ".join(moves) if moves else f"hold {current[Role.prefill]}:{current[Role.decode]}"
@@ -94,11 +105,14 @@ def reason(ctx: Context, current: Counts, a: Analysis, notes: tuple[Note, ...]) 
 def figures(ctx: Context, m: MetricsSnapshot | None, current: Counts, a: Analysis | None) -> Figures:
     auto = ctx.auto
     needs, wants = (a.needs, a.wants) if a else ({}, {})
-    stages = a.stages if a else None
+    view = a.view if a else None
+    stages = view.stages if view else None
     return Figures(
         quantile=auto.slo.quantile.value,
         ttft_ms=None if m is None or m.request_rate <= 0 else prefill_latency(auto, m),
         ttft_target_ms=auto.slo.ttft_ms,
+        ttft_name=ttft_name(auto),
+        raw_ttft_ms=None if m is None else m.ttft_ms,
         itl_ms=None if m is None else seen_itl_ms(m, m.decode),
         itl_target_ms=auto.slo.itl_ms,
         kv_usage=None if m is None else m.decode_kv_usage,
@@ -117,7 +131,22 @@ def figures(ctx: Context, m: MetricsSnapshot | None, current: Counts, a: Analysi
         },
         scale_up_timeout_s=auto.scale_up_timeout_seconds,
         cooldown_s=auto.cooldown_seconds,
+        ahead={r.value: g for r, g in view.ahead.items()} if view else {},
+        horizon_s={r.value: round(horizon_s(ctx, r)) for r in ROLES},
+        queue=_queues(m),
+        drain_s=auto.window_seconds,
+        max_step=auto.max_step,
+        peak={r.value: p for r, p in view.peak.items()} if view else {},
+        peak_span_s=peak_span_s(ctx),
+        floor={r.value: n.floor for r, n in needs.items() if n.floor is not None},
     )
+
+
+def _queues(m: MetricsSnapshot | None) -> dict[str, float]:
+    if m is None:
+        return {}
+    seen = {"prefill": m.prefill_queue, "decode": m.decode.waiting}
+    return {role: q for role, q in seen.items() if q is not None}
 
 
 def stages_status(b: TTFTBreakdown | None) -> TTFTStages | None:

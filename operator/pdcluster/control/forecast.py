@@ -13,14 +13,16 @@ forecast. With no memory of the buckets ahead (the first day) it predicts nothin
 the law stays reactive. Only the past is used: a bucket enters the profile when it ends.
 
 The state is plain numbers in `status.autoscaling` (`to_status`/`from_status`), so an
-operator restart keeps what was learned. The law does not consult it yet: the day-long
-fleet simulations that must show it pays come first (docs/benchmarks.md).
+operator restart keeps what was learned. The prefill:decode and the colocated law
+consult it through seasonal.py.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from pdcluster.api.v1alpha1 import SeasonalMemory
 
 DAY_S = 86_400.0
 BUCKET_S = 600.0
@@ -89,26 +91,21 @@ class SeasonalForecast:
         ahead = [self.remembered(t) for t in (now_s, *(c for c in centres if now_s < c < end), end)]
         return max(v for v in ahead if v is not None) * trend
 
-    def to_status(self) -> dict:
-        return {
-            "profile": [None if v is None else round(v, 4) for v in self.profile],
-            "bucket": self.bucket,
-            "total": round(self.total, 4),
-            "samples": self.samples,
-        }
+    def to_status(self) -> SeasonalMemory:
+        """Status keeps integers: demands are tokens per second, so rounding loses nothing
+        that matters (a load in single units would, and is not what the law feeds it)."""
+        return SeasonalMemory(
+            profile=[-1 if v is None else round(v) for v in self.profile],
+            bucket=self.bucket,
+            total=round(self.total),
+            samples=self.samples,
+        )
 
     @classmethod
-    def from_status(cls, data: dict | None) -> SeasonalForecast:
+    def from_status(cls, memory: SeasonalMemory | None) -> SeasonalForecast:
         """The forecast kept in status; a missing or malformed one starts empty (it is a
         memory, not a spec: losing it makes the law reactive for a day, nothing worse)."""
-        if not isinstance(data, dict):
+        if memory is None or len(memory.profile) != BUCKETS:
             return cls()
-        profile = data.get("profile")
-        if not isinstance(profile, list) or len(profile) != BUCKETS:
-            return cls()
-        try:
-            values = [None if v is None else float(v) for v in profile]
-            bucket = data.get("bucket")
-            return cls(values, None if bucket is None else int(bucket), float(data["total"]), int(data["samples"]))
-        except (KeyError, TypeError, ValueError):
-            return cls()
+        profile = [None if v < 0 else float(v) for v in memory.profile]
+        return cls(profile, memory.bucket, float(memory.total), memory.samples)

@@ -42,12 +42,22 @@ from pdcluster.control.budget import Counts, fit_budget, gpu_total, split_budget
 from pdcluster.control.cause import Cause, summary
 from pdcluster.control.context import ROLES, Context, Role, Timer, Timers, context
 from pdcluster.control.explain import Analysis, cause_of, figures, notes_of, reason, stages_status
-from pdcluster.control.needs import Need, View, decode_need, feedback_need, prefill_need, ttft_missed
+from pdcluster.control.needs import (
+    Need,
+    View,
+    backlog_rate,
+    decode_need,
+    feedback_need,
+    prefill_need,
+    queue_growing,
+    ttft_missed,
+)
 from pdcluster.control.notes import Note, NoteKind, note, with_notes, worded
 from pdcluster.control.outcome import Outcome, action, next_state, observed_metrics, pending_from_now
 from pdcluster.control.pool import pool_outcome
+from pdcluster.control.seasonal import Forecasts, ahead, forecast_status, load_forecasts, observed
 from pdcluster.control.stabilise import stabilise, time_out
-from pdcluster.control.trend import History, growths, history_status, load_history, record
+from pdcluster.control.trend import History, demand, growths, history_status, load_history, peaks, record
 from pdcluster.control.types import MetricsSnapshot, Observed, breakdown
 from pdcluster.timestamps import time_ms
 
@@ -123,6 +133,7 @@ class _End:
     timers: Timers
     history: History
     capacity: LearnedCapacity | None
+    forecasts: Forecasts
     role: Role | None = None
     analysis: Analysis | None = None
 
@@ -130,11 +141,12 @@ class _End:
 def _run(ctx: Context, start: _Start, m: MetricsSnapshot | None, prior: perf.Profile | None) -> _End:
     """The guards, in order, then the law itself."""
     timers, history, current = Timers.load(ctx), load_history(ctx), start.current
+    forecasts = load_forecasts(ctx, ROLES)
     hold = f"hold {current[Role.prefill]}:{current[Role.decode]}"
 
     def held(cause: Cause, why: str, timers: Timers) -> _End:
         said = with_notes(f"{why}: {hold}", start.notes)
-        return _End(dict(current), cause, said, start.notes, timers, history, ctx.prev.capacity)
+        return _End(dict(current), cause, said, start.notes, timers, history, ctx.prev.capacity, forecasts)
 
     if not ctx.auto.enabled:
         return held(Cause.disabled, "autoscaling disabled", timers)
@@ -144,7 +156,15 @@ def _run(ctx: Context, start: _Start, m: MetricsSnapshot | None, prior: perf.Pro
     if timed_out:
         notes = start.notes + timed_out
         return _End(
-            fallback, Cause.scale_up_timed_out, worded(notes), notes, timers, history, ctx.prev.capacity, role
+            fallback,
+            Cause.scale_up_timed_out,
+            worded(notes),
+            notes,
+            timers,
+            history,
+            ctx.prev.capacity,
+            forecasts,
+            role,
         )
     if m is None or m.request_rate <= 0 or m.mean_input_tokens is None or m.mean_output_tokens is None:
         # Nothing to go on: no timer may keep running across the gap.
@@ -155,12 +175,38 @@ def _run(ctx: Context, start: _Start, m: MetricsSnapshot | None, prior: perf.Pro
             )
         return held(Cause.no_traffic, f"no traffic in the last {m.window_s} s", timers)
     history = record(ctx, history, m)
-    capacity = learn.update(ctx.prev.capacity, m)
-    a = _analyse(ctx, current, timers, history, m, learn.knowledge(capacity, prior, m))
+    prefill_demand, decode_demand = demand(m)
+    demands = {Role.prefill: prefill_demand, Role.decode: decode_demand}
+    forecasts = observed(ctx, forecasts, demands)
+    traffic_s = ctx.since(history[0].time) if history else 0.0
+    whole = learn.whole_window(m, ctx.seen(Role.decode).ready, traffic_s)
+    capacity = learn.update(ctx.prev.capacity, m, whole)
+    view = View(
+        None,
+        current,
+        growths(ctx, history, m),
+        breakdown(m),
+        ahead=ahead(ctx, forecasts, demands),
+        peak=peaks(history),
+        backlog={
+            Role.prefill: backlog_rate(ctx, m.prefill_queue, m.prefill.ready),
+            Role.decode: backlog_rate(ctx, m.decode.waiting, m.decode.ready),
+        },
+    )
+    a = _analyse(ctx, current, timers, view, m, learn.knowledge(capacity, prior, m))
     verdict, notes = cause_of(current, a), notes_of(start.notes, a)
     said = reason(ctx, current, a, notes)
     return _End(
-        a.settled.target, verdict.cause, said, notes, a.settled.timers, history, capacity, verdict.role, a
+        a.settled.target,
+        verdict.cause,
+        said,
+        notes,
+        a.settled.timers,
+        history,
+        capacity,
+        forecasts,
+        verdict.role,
+        a,
     )
 
 
@@ -183,12 +229,11 @@ def _analyse(
     ctx: Context,
     current: Counts,
     timers: Timers,
-    history: History,
+    view: View,
     m: MetricsSnapshot,
     known: learn.Knowledge,
 ) -> Analysis:
-    stages = breakdown(m)
-    view = View(known.profile, current, growths(ctx, history, m), stages)
+    view = replace(view, profile=known.profile)
     needs, wants = {}, {}
     for role in ROLES:
         if role in known.unseen:
@@ -197,8 +242,11 @@ def _analyse(
             need = prefill_need(ctx, m, view) if role == Role.prefill else decode_need(ctx, m, view)
         needs[role], wants[role] = _want(ctx, current, role, need)
     fit = fit_budget(ctx, current, wants, needs)
-    settled = stabilise(ctx, timers, current, fit.wants, fit.donor)
-    return Analysis(m, stages, needs, fit.wants, fit, settled, ttft_missed(ctx, m))
+    # Bigger steps only into free GPUs: at a full budget they would come from the other role.
+    free = ctx.auto.gpu_budget is None or gpu_total(ctx, current) < ctx.auto.gpu_budget
+    surge = frozenset(r for r in ROLES if free and view.backlog[r] > 0 and queue_growing(m, r))
+    settled = stabilise(ctx, timers, current, fit.wants, fit.donor, surge)
+    return Analysis(m, view, needs, fit.wants, fit, settled, ttft_missed(ctx, m))
 
 
 def _want(ctx: Context, current: Counts, role: Role, need: Need) -> tuple[Need, int]:
@@ -245,6 +293,7 @@ def _finish(ctx: Context, start: _Start, m: MetricsSnapshot | None, end: _End) -
         decode=target["decode"],
         history=history_status(end.history),
         capacity=end.capacity,
-        ttft_stages=stages_status(end.analysis.stages if end.analysis else None),
+        forecast=forecast_status(end.forecasts),
+        ttft_stages=stages_status(end.analysis.view.stages if end.analysis else None),
     )
     return Outcome(state, decision, figs, end.notes)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdcluster.api.v1alpha1 import DecodeSample, LearnedCapacity
+from pdcluster.api.v1alpha1 import DecodeSample, LearnedCapacity, PrefillSample
 from pdcluster.control import models
 from pdcluster.control.types import MetricsSnapshot
 from pdcluster.perf import Profile
@@ -47,6 +47,10 @@ NO_PRIOR_WEIGHT = (
     0.01  # without one, "half the step is fixed" only picks among fits the data cannot tell apart
 )
 MAX_HIT = 0.95
+PREFILL_SAMPLES = 20  # prefill windows kept, as for decode
+MIN_PREFILL_SAMPLES = 3
+# Batches this far apart (tokens per step) tell a step's fixed cost from its cost per token.
+PREFILL_SPREAD = 2.0
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,9 @@ class DecodePoint:
     step_ms: float
 
 
-def prefill_ms_per_token(m: MetricsSnapshot) -> float | None:
-    """This window's engine-ms per computed prompt token; None when it cannot be told."""
+def _prefill_busy(m: MetricsSnapshot) -> tuple[float, float] | None:
+    """This window's engine-seconds of prefill per second and prompt tokens computed per
+    second; None when they cannot be told."""
     p = m.prefill
     if not p.tokens_per_s or not p.ready or not m.mean_input_tokens or p.prefill_time_ms is None:
         return None
@@ -65,7 +70,67 @@ def prefill_ms_per_token(m: MetricsSnapshot) -> float | None:
     requests = p.tokens_per_s / m.mean_input_tokens
     per_step = requests / p.steps_per_s if p.steps_per_s else 1.0
     busy_s = requests * p.prefill_time_ms / 1000.0 / max(per_step, 1.0)
-    return min(busy_s, p.ready) * 1000.0 / computed
+    return min(busy_s, p.ready), computed
+
+
+def prefill_ms_per_token(m: MetricsSnapshot) -> float | None:
+    """This window's engine-ms per computed prompt token; None when it cannot be told."""
+    busy = _prefill_busy(m)
+    return None if busy is None else busy[0] * 1000.0 / busy[1]
+
+
+def prefill_point(m: MetricsSnapshot) -> PrefillSample | None:
+    """This window's mean prefill step: tokens computed in it and engine time it took."""
+    busy = _prefill_busy(m)
+    steps = m.prefill.steps_per_s
+    if busy is None or not steps:
+        return None
+    return PrefillSample(tokens_per_step=round(busy[1] / steps), step_us=round(busy[0] * 1e6 / steps))
+
+
+def _kept(samples: list[PrefillSample]) -> list[PrefillSample]:
+    """The newest PREFILL_SAMPLES, and the largest batch of the older ones when it is larger
+    than any kept: a calm pool runs one prompt a step for hours, and without one large
+    batch the fit could not tell a step's fixed cost from its tokens any more."""
+    kept, older = samples[-(PREFILL_SAMPLES - 1) :], samples[: -(PREFILL_SAMPLES - 1)]
+    if not older:
+        return kept
+    largest = max(older, key=lambda s: s.tokens_per_step)
+    return (
+        [largest, *kept]
+        if largest.tokens_per_step > max(s.tokens_per_step for s in kept)
+        else kept[-PREFILL_SAMPLES:]
+    )
+
+
+def fit_prefill(samples: list[PrefillSample]) -> tuple[float, float] | None:
+    """A step's fixed cost (ms) and cost per token (ms) by least squares over the samples,
+    the newest weighing most; None until their batches are PREFILL_SPREAD apart (one batch
+    size cannot tell the two apart) or when the fit is not positive in both."""
+    tokens = np.array([s.tokens_per_step for s in samples], dtype=float)
+    if (
+        len(samples) < MIN_PREFILL_SAMPLES
+        or tokens.min() <= 0
+        or tokens.max() < PREFILL_SPREAD * tokens.min()
+    ):
+        return None
+    rows = np.stack([np.ones_like(tokens), tokens], axis=1)
+    y = np.array([s.step_us / 1000.0 for s in samples])
+    w = FORGET ** np.arange(len(samples) - 1, -1, -1, dtype=float)
+    a, b = np.linalg.solve(rows.T @ (rows * w[:, None]), rows.T @ (w * y))
+    return (float(a), float(b)) if a > 0 and b > 0 else None
+
+
+def whole_window(m: MetricsSnapshot, ready_now: int, traffic_s: float) -> bool:
+    """Whether the window's decode step can be told: the decode step is a gauge's window
+    mean (sequences running) over a counter's rate (tokens generated), and Prometheus's
+    rate() divides a series younger than the window by the whole window. Traffic seen for
+    less than a window, or an engine that joined or left within it, makes the rate too low
+    and the step too long (three times in the first 30 s of a 120 s window): a fit through
+    such steps put a step's whole time in its fixed part and called decode unable to meet
+    its target with any number of engines (docs/benchmarks.md, "Rebalancer")."""
+    ready = m.decode.ready
+    return traffic_s >= m.window_s and ready is not None and abs(ready - ready_now) < 0.05
 
 
 def decode_point(m: MetricsSnapshot) -> DecodePoint | None:
@@ -82,8 +147,11 @@ def _mean(old: float | None, new: float, windows: int) -> float:
     return old + (new - old) * max(1.0 - FORGET, 1.0 / (windows + 1))
 
 
-def update(capacity: LearnedCapacity | None, m: MetricsSnapshot) -> LearnedCapacity:
-    """What is known after this window."""
+def update(
+    capacity: LearnedCapacity | None, m: MetricsSnapshot, decode_whole: bool = True
+) -> LearnedCapacity:
+    """What is known after this window. `decode_whole`: the window held the same decode
+    engines throughout, with traffic from its start (see `whole_window`)."""
     c = capacity or LearnedCapacity()
     out = c.model_copy()
     per_token = prefill_ms_per_token(m)
@@ -91,7 +159,10 @@ def update(capacity: LearnedCapacity | None, m: MetricsSnapshot) -> LearnedCapac
         old = None if c.prefill_ns_per_token is None else c.prefill_ns_per_token / 1e6
         out.prefill_ns_per_token = round(_mean(old, per_token, c.prefill_windows) * 1e6)
         out.prefill_windows = c.prefill_windows + 1
-    point = decode_point(m)
+    step = prefill_point(m)
+    if step is not None:
+        out.prefill_samples = _kept([*(c.prefill_samples or []), step])
+    point = decode_point(m) if decode_whole else None
     if point is not None:
         sample = DecodeSample(
             sequences_milli=round(point.sequences * 1000),
@@ -183,7 +254,11 @@ def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: Metric
             scale = per_token / modelled if modelled > 0 else 1.0
             prefill = tuple(x * scale for x in prior.prefill_coef)
         else:
-            prefill = (0.0, per_token, 0.0)
+            # Linear in the tokens would charge a step's fixed cost to every token, at
+            # the batch size of the windows learned from: short prompts one to a step
+            # cost twice per token what they cost batched (docs/benchmarks.md).
+            fitted = fit_prefill(c.prefill_samples or [])
+            prefill = (fitted[0], fitted[1], 0.0) if fitted else (0.0, per_token, 0.0)
     kv_tokens = c.kv_capacity_tokens or (prior.max_kv_tokens if prior else None)
     decode = prior.decode_coef if prior else (0.0, 0.0, 0.0)
     unseen = {} if prior else {"decode": decode_unseen(c)}

@@ -9,7 +9,7 @@ not learned yet follows feedback alone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from pdcluster import observability as obs
@@ -39,6 +39,7 @@ class Need:
     cause_up: Cause = Cause.within_targets  # why more engines, if more
     cause_down: Cause = Cause.within_targets  # why fewer, if fewer
     load_engines: float | None = None  # the work, in busy engines, where the model has it
+    floor: int | None = None  # the recent peak's engines, where they hold back a scale-down
     notes: tuple[Note, ...] = ()
 
 
@@ -50,6 +51,13 @@ class View:
     current: dict[Role, int]  # the engine counts the law starts from
     growth: dict[Role, float]  # the load a window ahead over today's (the trend)
     stages: TTFTBreakdown | None  # where the mean TTFT went, when the router shows it
+    ahead: dict[Role, float] = field(default_factory=dict)  # the forecast's load a start-up ahead / today's
+    peak: dict[Role, float] = field(default_factory=dict)  # the recent peak's load / today's
+    backlog: dict[Role, float] = field(default_factory=dict)  # requests/s that drain the queue in a window
+
+    def factor(self, role: Role, forecast: bool = True) -> float:
+        """What today's load is multiplied by to size for the time new engines serve."""
+        return max(self.growth[role], self.ahead.get(role, 1.0) if forecast else 1.0)
 
 
 def wait_quantile(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
@@ -73,8 +81,11 @@ def prefill_latency(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
     ttft = seen_ttft_ms(m, m.prefill)
     if auto.ttft_includes_prefill or ttft is None:
         return ttft
-    # Without the prompt's own prefill: the prefill wait plus what follows prefill
-    # (KV transfer, the first decode step), the router's TTFT less the engine's.
+    if m.ttft_beyond_prefill_ms is not None:
+        return m.ttft_beyond_prefill_ms  # measured per request by the router
+    # Engines that do not report their per-request timing: estimated as the prefill wait
+    # plus what follows prefill (KV transfer, the first decode step), the router's TTFT
+    # less the engine's.
     wait, engine = wait_quantile(auto, m), m.prefill.ttft_ms
     if wait is None or engine is None:
         return ttft  # errs towards more engines
@@ -93,10 +104,66 @@ def limit(ctx: Context, role: Role) -> int:
     return high if budget is None else min(high, budget // ctx.gpus(role))
 
 
-def _grown(ctx: Context, view: View, model: Model, role: Role) -> Model:
-    """The model at the load a window ahead (the trend), plus the tolerance: room for
-    noise, since latency rises steeply near capacity."""
-    return replace(model, rate=model.rate * view.growth[role] * (1.0 + ctx.tol))
+def _grown(
+    ctx: Context, view: View, model: Model, role: Role, forecast: bool = True, queue: bool = True
+) -> Model:
+    """The model at the load new engines will serve: a window ahead by the trend or a
+    start-up ahead by the forecast, plus the tolerance (room for noise, since latency
+    rises steeply near capacity), plus the rate that drains the queue within a window."""
+    backlog = view.backlog.get(role, 0.0) if queue else 0.0
+    return replace(model, rate=model.rate * view.factor(role, forecast) * (1.0 + ctx.tol) + backlog)
+
+
+def backlog_rate(ctx: Context, queue: float | None, ready: float | None) -> float:
+    """Requests/s beyond the arrivals that drain a queue within one metrics window; none
+    for a queue of under one request per engine (batches forming, not a backlog)."""
+    if queue is None or queue <= max(ready or 0.0, 1.0):
+        return 0.0
+    return queue / ctx.auto.window_seconds
+
+
+def queue_growing(m: MetricsSnapshot, role: Role) -> bool:
+    """Requests arrive at the role faster than it serves them: its queue grows."""
+    if role == Role.prefill:
+        served = m.prefill.tokens_per_s
+        return served is not None and m.request_rate * (m.mean_input_tokens or 0.0) > served
+    # Decode holds a request for its whole output: more waiting than running engines can
+    # take means the KV cache is full and new requests queue behind it.
+    kv = m.decode_kv_usage
+    return kv is not None and kv > models.KV_LIMIT
+
+
+@dataclass(frozen=True)
+class Sized:
+    up: int
+    down: int
+    driver: Cause | None  # the queue or the forecast, where either made `up` larger
+    floor: int | None  # the recent peak's need, where it holds `down` above today's
+
+
+def sized(ctx: Context, view: View, role: Role, base: Model, fewest, most: int) -> Sized:
+    """The role's need up (with the trend, the forecast and the queue) and down (at the
+    recent peak's load), and which addition, if one, made it larger. `fewest(model,
+    margin)` sizes a model (None: not within `most`); `base` is calibrated at today's load."""
+
+    def engines(model: Model, margin: float, otherwise: int) -> int:
+        return fewest(model, margin) or otherwise
+
+    model = _grown(ctx, view, base, role)
+    up = engines(model, ctx.tol, most)
+    peak = replace(model, rate=model.rate * view.peak.get(role, 1.0))
+    down = max(engines(peak, -ctx.tol, most), up)
+    floor = down if down > max(engines(model, -ctx.tol, up), up) else None
+    driver = None
+    if view.backlog.get(role, 0.0) > 0 and up > engines(
+        _grown(ctx, view, base, role, queue=False), ctx.tol, most
+    ):
+        driver = Cause.queue_backlog
+    elif view.factor(role) > view.factor(role, forecast=False) and up > engines(
+        _grown(ctx, view, base, role, forecast=False), ctx.tol, most
+    ):
+        driver = Cause.forecast_ramp
+    return Sized(up, down, driver, floor)
 
 
 def _prefill_model(ctx: Context, m: MetricsSnapshot, view: View, ttft: float | None) -> models.PrefillModel:
@@ -117,13 +184,26 @@ def _prefill_model(ctx: Context, m: MetricsSnapshot, view: View, ttft: float | N
         lengths=m.prefill.prompt_tokens,
         own_prefill=ctx.auto.ttft_includes_prefill,
     )
-    return _grown(ctx, view, model, Role.prefill)
+    return model
+
+
+def prefill_part(ctx: Context, m: MetricsSnapshot, view: View) -> float | None:
+    """The TTFT quantile prefill engines answer for: all of it, unless the router shows the
+    time went after prefill (a decode wait, a slow hand-off); then the share of the mean
+    TTFT that came before the prefill's answer. Without it a decode backlog read as a
+    prefill's fixed cost of seconds, and prefill kept the engines decode needed."""
+    ttft, stages = prefill_latency(ctx.auto, m), view.stages
+    if ttft is None or stages is None or not _lost_after_prefill(view) or not m.ttft_mean_ms:
+        return ttft
+    before = stages.router_ms + stages.prefill_queue_ms + stages.prefill_compute_ms
+    return ttft * min(before / m.ttft_mean_ms, 1.0)
 
 
 def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
     target, tol = float(ctx.auto.slo.ttft_ms), ctx.tol
-    ttft = prefill_latency(ctx.auto, m)
-    model = _prefill_model(ctx, m, view, ttft)
+    ttft = prefill_part(ctx, m, view)
+    base = _prefill_model(ctx, m, view, ttft)
+    model = _grown(ctx, view, base, Role.prefill)
     bound_up, bound_down = (
         prefill_bound(model.fixed_ms, target, tol),
         prefill_bound(model.fixed_ms, target, -tol),
@@ -134,12 +214,20 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
             note(NoteKind.queueing_share, fixed_ms=model.fixed_ms, queueing_ms=bound_up - model.fixed_ms)
         )
     most = limit(ctx, Role.prefill)
-    up = fewest_prefill(model, target, most, tol)
-    if up is None:
+    if fewest_prefill(model, target, most, tol) is None:
         notes.append(note(NoteKind.beyond_limit, Role.prefill, load=model.load(), limit=most))
-    up = up or most
-    down = max(fewest_prefill(model, target, most, -tol) or up, up)
-    need = Need(up, down, cause_down=Cause.prefill_headroom, load_engines=model.load(), notes=tuple(notes))
+    size = sized(
+        ctx, view, Role.prefill, base, lambda mo, margin: fewest_prefill(mo, target, most, margin), most
+    )
+    up = size.up
+    need = Need(
+        up,
+        size.down,
+        cause_down=Cause.prefill_headroom,
+        load_engines=model.load(),
+        floor=size.floor,
+        notes=tuple(notes),
+    )
     if ttft is not None:
         violated = ttft > bound_up
         # Without a measured wait the split into fixed and queueing is the model's
@@ -157,7 +245,8 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
             and up <= view.current[Role.prefill]
             and not _lost_after_prefill(view),
         )
-    return replace(need, cause_up=Cause.ttft_over_target if need.violated else Cause.prefill_short)
+    cause = Cause.ttft_over_target if need.violated else Cause.prefill_short
+    return replace(need, cause_up=size.driver or cause)
 
 
 def _mean_wait(m: MetricsSnapshot) -> float | None:
@@ -184,21 +273,20 @@ def _decode_model(ctx: Context, m: MetricsSnapshot, view: View) -> models.Decode
         observed_itl_ms=seen_itl_ms(m, m.decode),
         observed_kv_usage=m.decode_kv_usage,
     )
-    return _grown(ctx, view, model, Role.decode)
+    return model
 
 
 def decode_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
     target, tol = float(ctx.auto.slo.itl_ms), ctx.tol
-    model = _decode_model(ctx, m, view)
+    base = _decode_model(ctx, m, view)
     most = limit(ctx, Role.decode)
-    up = fewest_decode(model, target, most, tol)
-    notes = (
-        () if up is not None else (note(NoteKind.beyond_limit, Role.decode, limit=most, target_ms=target),)
+    reachable = fewest_decode(_grown(ctx, view, base, Role.decode), target, most, tol) is not None
+    notes = () if reachable else (note(NoteKind.beyond_limit, Role.decode, limit=most, target_ms=target),)
+    size = sized(
+        ctx, view, Role.decode, base, lambda mo, margin: fewest_decode(mo, target, most, margin), most
     )
-    up = up or most
-    need = Need(
-        up, fewest_decode(model, target, most, -tol) or up, cause_down=Cause.decode_headroom, notes=notes
-    )
+    up = size.up
+    need = Need(up, size.down, cause_down=Cause.decode_headroom, floor=size.floor, notes=notes)
     itl, kv = seen_itl_ms(m, m.decode), m.decode_kv_usage
     kv_full = kv is not None and kv > models.KV_LIMIT
     if itl is not None:
@@ -211,7 +299,7 @@ def decode_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
             and not (kv is not None and kv > models.KV_LIMIT * (1.0 - tol)),
             reactive=violated and up <= view.current[Role.decode],
         )
-    need = replace(need, cause_up=decode_cause(kv_full, need.violated))
+    need = replace(need, cause_up=size.driver or decode_cause(kv_full, need.violated))
     # Without the transfer-time series (vLLM 0.32 exports none) a decode wait may be a
     # slow hand-off: only a measured split asks for decode.
     waited = largest_stage(view.stages) == Stage.decode_wait and m.kv_handoff_ms is not None
@@ -242,7 +330,7 @@ def feedback_need(ctx: Context, m: MetricsSnapshot, view: View, role: Role, unse
     missed, never fewer unless another role needs the GPUs."""
     cur, slo, tol = view.current[role], ctx.auto.slo, ctx.tol
     if role == Role.prefill:
-        target, seen, full = float(slo.ttft_ms), prefill_latency(ctx.auto, m), False
+        target, seen, full = float(slo.ttft_ms), prefill_part(ctx, m, view), False
     else:
         target, seen = float(slo.itl_ms), seen_itl_ms(m, m.decode)
         full = m.decode_kv_usage is not None and m.decode_kv_usage > models.KV_LIMIT

@@ -1,11 +1,22 @@
 """The metrics read the one way both laws read them: the router's quantiles before the
-engines', and the part of the time to first token that took longest."""
+engines', the one name of the TTFT the target applies to, and the part of the time to
+first token that took longest."""
 
 from __future__ import annotations
 
 from enum import Enum
 
+from pdcluster.api.v1alpha1 import AutoscalingSpec
 from pdcluster.control.types import MetricsSnapshot, RoleMetrics, TTFTBreakdown
+
+# A request's TTFT less its prompt's own prefill compute (docs/metrics.md): what
+# `slo.ttftMs` bounds when `ttftIncludesPrefill` is false.
+TTFT_BEYOND_PREFILL = "TTFT beyond prefill"
+
+
+def ttft_name(auto: AutoscalingSpec) -> str:
+    """The name of the TTFT the target applies to, everywhere it is shown."""
+    return "TTFT" if auto.ttft_includes_prefill else TTFT_BEYOND_PREFILL
 
 
 def seen_ttft_ms(m: MetricsSnapshot, engines: RoleMetrics) -> float | None:

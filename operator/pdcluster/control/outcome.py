@@ -65,6 +65,7 @@ def observed_metrics(m: MetricsSnapshot | None) -> ObservedMetrics | None:
     return ObservedMetrics(
         ttft_ms=whole(seen_ttft_ms(m, m.prefill)),
         itl_ms=whole(seen_itl_ms(m, m.decode)),
+        ttft_beyond_prefill_ms=whole(m.ttft_beyond_prefill_ms),
         request_rate_milli=whole(m.request_rate * 1000.0),
         mean_input_tokens=whole(m.mean_input_tokens),
         mean_output_tokens=whole(m.mean_output_tokens),

@@ -5,7 +5,7 @@ for TTFT, ITL and the KV cache at once. The law is feedback, as a Horizontal Pod
 Autoscaler's is, on the same signals and guards as the prefill:decode law:
 
 - pressure: the largest of TTFT / its target, ITL / its target and KV usage / the KV
-  limit (the observed quantiles; TTFT less the prompt's own prefill is the engines'
+  limit (the observed quantiles; without the prompt's own prefill, TTFT is the engines'
   queue time at the quantile when `ttftIncludesPrefill` is off);
 - above target x (1 + tol), or KV above its limit: ceil(engines x pressure), at least
   one more (more engines lower each one's share of the load in proportion); while a
@@ -28,16 +28,21 @@ import math
 from dataclasses import dataclass
 from datetime import datetime
 
-from pdcluster.api.v1alpha1 import AutoscalingState, Decision, PDClusterSpec
+from pdcluster.api.v1alpha1 import AutoscalingSpec, AutoscalingState, Decision, PDClusterSpec
 from pdcluster.control import models
 from pdcluster.control.cause import Cause, Figures, summary
 from pdcluster.control.context import Context, Role, Timer, Timers, context
+from pdcluster.control.needs import backlog_rate
 from pdcluster.control.notes import Note, NoteKind, note, worded
 from pdcluster.control.observed import seen_itl_ms, seen_ttft_ms
 from pdcluster.control.outcome import Outcome, action, next_state, pending_from_now
+from pdcluster.control.seasonal import Forecasts, ahead, forecast_status, horizon_s, load_forecasts, observed
 from pdcluster.control.stabilise import step, time_out
+from pdcluster.control.trend import demand
 from pdcluster.control.types import MetricsSnapshot, Observed
 from pdcluster.timestamps import time_ms
+
+POOL_WAIT = "prefill wait"  # the colocated engines' queue time: what precedes a prompt's own prefill
 
 ROLE = Role.colocated
 Signals = dict[str, float | None]  # ttft, itl, kv: each as a share of its target (None when unseen)
@@ -74,6 +79,8 @@ class _End:
     notes: tuple[Note, ...]
     timers: Timers
     want: int | None = None  # what the signals ask for (the summary quotes it)
+    forecasts: Forecasts | None = None
+    burst: Burst | None = None
 
 
 def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot | None) -> _End:
@@ -93,31 +100,95 @@ def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot
         return _End(current, cause, f"{why}: {hold}", notes, timers)
     signals = _signals(ctx, m)
     want, wanting, starting = _want(ctx, current, m, signals)
-    moved = step(ctx, timers, ROLE, current, want, ctx.auto.scale_down_stabilization_seconds)
+    demand_now = {ROLE: demand(m)[0]}  # prompt tokens per second
+    forecasts = observed(ctx, load_forecasts(ctx, (ROLE,)), demand_now)
+    burst = _burst(ctx, current, m, signals, want, ahead(ctx, forecasts, demand_now)[ROLE])
+    want = burst.want
+    moved = step(ctx, timers, ROLE, current, want, ctx.auto.scale_down_stabilization_seconds, burst.surge)
     target, notes = moved.target, (*notes, *wanting, *((moved.note,) if moved.note else ()))
-    cooling = target != current and ctx.cooling
+    # The cooldown keeps the law from flapping; a queue that grows is no flap.
+    cooling = target != current and ctx.cooling and not (burst.surge and target > current)
     if cooling:
         notes, target = (*notes, note(NoteKind.cooling_down, since=ctx.prev.last_change_time)), current
     blocked = ROLE in timers.blocked and want > current
     held = Cause.cooling_down if cooling else Cause.scale_up_blocked if blocked else None
-    cause = _cause(signals, current, target, want, held, starting)
-    return _End(
-        target, cause, _reason(ctx, m, signals, current, want, target, notes), notes, moved.timers, want
+    cause = _burst_cause(ctx, burst, current, target) or _cause(
+        signals, current, target, want, held, starting
     )
+    return _End(
+        target,
+        cause,
+        _reason(ctx, m, signals, current, want, target, notes),
+        notes,
+        moved.timers,
+        want,
+        forecasts,
+        burst,
+    )
+
+
+@dataclass(frozen=True)
+class Burst:
+    """The signals' wish with the forecast, the queue and the recent peak, and why."""
+
+    want: int
+    driver: Cause | None = None  # forecast_ramp or queue_backlog, where one moved it
+    surge: bool = False  # the queue grows: a scale-up goes all the way
+    ahead: float = 1.0  # the forecast's load one start-up ahead / today's
+    queue: float | None = None  # requests waiting
+
+
+def _burst(
+    ctx: Context, current: int, m: MetricsSnapshot, signals: Signals, want: int, ahead_by: float
+) -> Burst:
+    """As the prefill:decode law does (needs.py): a queue of more than one request per
+    engine is drained within a window, and a ramp the forecast sees is met a start-up
+    ahead. Not the recent peak's floor: on the colocated benchmark it held 11 engines
+    after the burst for no attainment (docs/benchmarks.md, "Colocated pool")."""
+    low, high = _bounds(ctx)
+    measured = m.colocated.ready or ctx.seen(ROLE).ready or 1
+    pressure = max((v for v in signals.values() if v is not None), default=0.0)
+    served, isl, waiting = m.colocated.tokens_per_s, m.mean_input_tokens or 0.0, m.colocated.waiting
+    drain = backlog_rate(ctx, waiting, measured)
+    arriving = m.request_rate * isl
+    surge = drain > 0 and served is not None and arriving > served
+    driver, wanted = None, want
+    if drain > 0 and served and isl:
+        queued = math.ceil(measured * (m.request_rate + drain) * isl / served)
+        if queued > wanted:
+            wanted, driver = queued, Cause.queue_backlog
+    if ahead_by > 1.0 and pressure > 0 and math.ceil(measured * pressure * ahead_by) > wanted:
+        wanted, driver = math.ceil(measured * pressure * ahead_by), Cause.forecast_ramp
+    wanted = min(max(wanted, low), high)
+    return Burst(wanted, driver, surge, ahead_by, waiting)
+
+
+def _burst_cause(ctx: Context, burst: Burst, current: int, target: int) -> Cause | None:
+    if burst.surge and target - current > ctx.auto.max_step:
+        return Cause.queue_growing
+    if burst.driver is not None and target > current:
+        return burst.driver
+    return None
 
 
 def _signals(ctx: Context, m: MetricsSnapshot) -> Signals:
     """Each signal as a share of its target (None when unseen)."""
     pool, slo = m.colocated, ctx.auto.slo
-    ttft = seen_ttft_ms(m, pool)
-    if not ctx.auto.ttft_includes_prefill and pool.queue_time_q_ms is not None:
-        ttft = pool.queue_time_q_ms  # what precedes the prompt's own (chunked) prefill
+    _, ttft = judged_ttft(ctx.auto, m)
     itl = seen_itl_ms(m, pool)
     return {
         "ttft": None if ttft is None else ttft / slo.ttft_ms,
         "itl": None if itl is None else itl / slo.itl_ms,
         "kv": None if pool.kv_usage is None else pool.kv_usage / models.KV_LIMIT,
     }
+
+
+def judged_ttft(auto: AutoscalingSpec, m: MetricsSnapshot) -> tuple[str, float | None]:
+    """The TTFT the target applies to, named: the whole, or without the prompt's own
+    prefill the engines' queue time at the quantile (what precedes its own chunked prefill)."""
+    if not auto.ttft_includes_prefill and m.colocated.queue_time_q_ms is not None:
+        return POOL_WAIT, m.colocated.queue_time_q_ms
+    return "TTFT", seen_ttft_ms(m, m.colocated)
 
 
 def _backlog(m: MetricsSnapshot) -> float | None:
@@ -196,7 +267,7 @@ def _reason(
     notes: tuple[Note, ...],
 ) -> str:
     slo, q = ctx.auto.slo, ctx.auto.slo.quantile.value
-    ttft_name = "TTFT" if ctx.auto.ttft_includes_prefill else "TTFT less own prefill"
+    ttft_name, _ = judged_ttft(ctx.auto, m)
     goals = {
         "ttft": (ttft_name, slo.ttft_ms, " ms"),
         "itl": ("ITL", slo.itl_ms, " ms"),
@@ -216,17 +287,21 @@ def _reason(
     return f"{', '.join(parts)} at {m.request_rate:.2f} req/s; wants {want}: {act}{said}"
 
 
-def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, want: int | None) -> Figures:
+def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, end: _End) -> Figures:
+    want, burst = end.want, end.burst
     auto, slo = ctx.auto, ctx.auto.slo
     wait = (
         auto.scale_up_stabilization_seconds
         if (want or 0) > current
         else auto.scale_down_stabilization_seconds
     )
+    ttft_name, ttft = ("TTFT", None) if m is None else judged_ttft(auto, m)
     return Figures(
         quantile=slo.quantile.value,
-        ttft_ms=None if m is None else seen_ttft_ms(m, m.colocated),
+        ttft_ms=ttft,
         ttft_target_ms=slo.ttft_ms,
+        ttft_name=ttft_name,
+        raw_ttft_ms=None if m is None else seen_ttft_ms(m, m.colocated),
         itl_ms=None if m is None else seen_itl_ms(m, m.colocated),
         itl_target_ms=slo.itl_ms,
         kv_usage=None if m is None else m.colocated.kv_usage,
@@ -237,6 +312,11 @@ def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, want: int | 
         stabilization_s={ROLE.value: wait},
         scale_up_timeout_s=auto.scale_up_timeout_seconds,
         cooldown_s=auto.cooldown_seconds,
+        ahead={} if burst is None else {ROLE.value: burst.ahead},
+        horizon_s={ROLE.value: round(horizon_s(ctx, ROLE))},
+        queue={} if burst is None or burst.queue is None else {ROLE.value: burst.queue},
+        drain_s=auto.window_seconds,
+        max_step=auto.max_step,
     )
 
 
@@ -244,7 +324,7 @@ def _finish(ctx: Context, current: int, m: MetricsSnapshot | None, end: _End) ->
     stored, target = {ROLE.value: ctx.stored(ROLE)}, {ROLE.value: end.target}
     act, applied = action(ctx, stored, target)
     timers = pending_from_now(ctx, end.timers, {ROLE: end.target}, applied)
-    figs = _figures(ctx, m, current, end.want)
+    figs = _figures(ctx, m, current, end)
     decision = Decision(
         time=time_ms(ctx.now),
         colocated=end.target,
@@ -254,5 +334,15 @@ def _finish(ctx: Context, current: int, m: MetricsSnapshot | None, end: _End) ->
         reason=end.reason,
     )
     return Outcome(
-        next_state(ctx, timers, applied, decision, colocated=end.target), decision, figs, end.notes
+        next_state(
+            ctx,
+            timers,
+            applied,
+            decision,
+            colocated=end.target,
+            forecast=None if end.forecasts is None else forecast_status(end.forecasts),
+        ),
+        decision,
+        figs,
+        end.notes,
     )

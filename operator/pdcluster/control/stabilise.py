@@ -12,6 +12,11 @@ from pdcluster.control.context import ROLES, Context, Role, Timer, Timers
 from pdcluster.control.notes import Note, NoteKind, note
 from pdcluster.timestamps import time_ms
 
+# While a queue grows, a scale-up takes this many maxSteps at once (measured: 3 did what
+# an unlimited step did on the burst and mix scenarios; the cooldown still holds, since
+# skipping it cost the Mooncake conversation run 2 points, docs/benchmarks.md).
+SURGE_STEPS = 3
+
 
 @dataclass(frozen=True)
 class TimeOut:
@@ -62,9 +67,12 @@ class Step:
     wanted_s: float = 0.0  # how long the scale-up has been wanted
 
 
-def step(ctx: Context, timers: Timers, role: Role, current: int, want: int, down_wait_s: int) -> Step:
+def step(
+    ctx: Context, timers: Timers, role: Role, current: int, want: int, down_wait_s: int, surge: bool = False
+) -> Step:
     """Move towards `want` by at most max_step once the wish has lasted its window (a
-    scale-down, `down_wait_s`)."""
+    scale-down, `down_wait_s`); while the role's queue grows (`surge`), a scale-up takes
+    SURGE_STEPS of them: each step short of the need lets the queue grow one interval more."""
     auto = ctx.auto
     if want > current:
         timers = timers.set(Timer.down_since, role, None)
@@ -75,7 +83,8 @@ def step(ctx: Context, timers: Timers, role: Role, current: int, want: int, down
         wanted = ctx.since(timers.up_since[role])
         if wanted < auto.scale_up_stabilization_seconds:
             return Step(current, timers, note(NoteKind.up_waiting, role, wanted=wanted))
-        return Step(current + min(want - current, auto.max_step), timers, wanted_s=wanted)
+        most = auto.max_step * (SURGE_STEPS if surge else 1)
+        return Step(current + min(want - current, most), timers, wanted_s=wanted)
     if want < current:
         timers = timers.set(Timer.up_since, role, None).start(Timer.down_since, role, ctx.stamp)
         since = timers.down_since[role]
@@ -103,16 +112,24 @@ class Settled:
     notes: tuple[Note, ...] = ()
     blocked: Role | None = None  # the first role whose scale-up a timeout blocks
     cooling: bool = False
+    surged: Role | None = None  # a role whose growing queue took a step past max_step
 
 
-def stabilise(ctx: Context, timers: Timers, current: Counts, wants: Counts, donor: Role | None) -> Settled:
+def stabilise(
+    ctx: Context,
+    timers: Timers,
+    current: Counts,
+    wants: Counts,
+    donor: Role | None,
+    surge: frozenset[Role] = frozenset(),
+) -> Settled:
     auto = ctx.auto
     target, notes, blocked = dict(current), [], None
     for role in ROLES:
         # Giving engines to the other role moves capacity rather than removing it:
         # headroom seen over a whole window is enough.
         down_wait = auto.window_seconds if role == donor else auto.scale_down_stabilization_seconds
-        s = step(ctx, timers, role, current[role], wants[role], down_wait)
+        s = step(ctx, timers, role, current[role], wants[role], down_wait, role in surge)
         timers, target[role] = s.timers, s.target
         notes += [s.note] if s.note else []
         blocked = blocked or (role if s.blocked else None)
@@ -142,7 +159,8 @@ def stabilise(ctx: Context, timers: Timers, current: Counts, wants: Counts, dono
         for role in ROLES:  # a donor limited by max_step limits the taker too
             while gpu_total(ctx, target) > auto.gpu_budget and target[role] > current[role]:
                 target[role] -= 1
+    surged = next((r for r in ROLES if r in surge and target[r] - current[r] > auto.max_step), None)
     if ctx.cooling and target != current:
         notes.append(note(NoteKind.cooling_down, since=ctx.prev.last_change_time))
         return Settled(dict(current), timers, tuple(notes), blocked, cooling=True)
-    return Settled(target, timers, tuple(notes), blocked)
+    return Settled(target, timers, tuple(notes), blocked, surged=surged)

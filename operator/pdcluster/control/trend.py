@@ -45,9 +45,15 @@ def demand(m: MetricsSnapshot) -> tuple[float, float]:
     return m.request_rate * isl, m.request_rate * osl * (isl + osl / 2.0) / 1000.0
 
 
+def peak_span_s(ctx: Context) -> int:
+    """How far back the scale-down floor looks: the scale-down stabilization, as a
+    Horizontal Pod Autoscaler's recommendations do, and at least the trend's window."""
+    return max(ctx.auto.window_seconds, ctx.auto.scale_down_stabilization_seconds)
+
+
 def record(ctx: Context, history: History, m: MetricsSnapshot) -> History:
-    """This run's demand with those of the last window (the trend's input)."""
-    horizon = ctx.now - timedelta(seconds=ctx.auto.window_seconds)
+    """This run's demand with those of the peak span (the trend's and the floor's input)."""
+    horizon = ctx.now - timedelta(seconds=peak_span_s(ctx))
     kept = tuple(s for s in history if horizon <= s.time < ctx.now)
     prefill, decode = demand(m)
     return (*kept, Sample(ctx.stamp, round(prefill), round(decode)))
@@ -64,7 +70,8 @@ def growth(ctx: Context, history: History, role: Role, m: MetricsSnapshot) -> fl
     scaling down stays cautious.
     """
     window = ctx.auto.window_seconds
-    points = [((s.time - ctx.now).total_seconds(), s.of(role)) for s in history]
+    recent = [s for s in history if (ctx.now - s.time).total_seconds() <= window]
+    points = [((s.time - ctx.now).total_seconds(), s.of(role)) for s in recent]
     current = points[-1][1] if points else 0.0
     if len(points) >= 3 and current > 0:
         mean_t = sum(t for t, _ in points) / len(points)
@@ -81,3 +88,14 @@ def growth(ctx: Context, history: History, role: Role, m: MetricsSnapshot) -> fl
 
 def growths(ctx: Context, history: History, m: MetricsSnapshot) -> dict[Role, float]:
     return {role: growth(ctx, history, role, m) for role in ROLES}
+
+
+def peaks(history: History) -> dict[Role, float]:
+    """Per role, the most demand of the peak span over the demand now (at least 1): a
+    scale-down keeps what that peak needs, so a lull inside a burst is not a night."""
+    if not history:
+        return {role: 1.0 for role in ROLES}
+    now = history[-1]
+    return {
+        role: max(s.of(role) for s in history) / now.of(role) if now.of(role) > 0 else 1.0 for role in ROLES
+    }

@@ -45,6 +45,7 @@ class MetricsSnapshot:
     request_rate_before: float | None = None  # the same over the window before this one
     ttft_ms: float | None = None
     itl_ms: float | None = None
+    ttft_beyond_prefill_ms: float | None = None  # the router's TTFT beyond prefill quantile
     mean_input_tokens: float | None = None
     mean_output_tokens: float | None = None
     prefill_queue: float | None = None  # requests WAITING, summed over prefill engines (window mean)
@@ -105,6 +106,9 @@ class RoleObserved:
     replicas: int  # pods that exist
     ready: int  # pods that are ready
     unschedulable: int = 0  # pods Pending with reason Unschedulable
+    # Seconds from a pod's creation to Ready, as measured (None: not measured yet); how far
+    # ahead of a ramp a scale-up must start.
+    startup_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,7 @@ def assemble(
     prefix_queries_rate: float | None = None,
     prefix_hits_rate: float | None = None,
     ttft_ms: float | None = None,
+    ttft_beyond_prefill_ms: float | None = None,
     ttft_mean_ms: float | None = None,
     router_prefill_ms: float | None = None,
     router_after_prefill_ms: float | None = None,
@@ -185,6 +190,7 @@ def assemble(
         request_rate_before=None if prompt_tokens_rate_before is None else prompt_tokens_rate_before / isl,
         ttft_ms=ttft_ms,
         itl_ms=itl_ms,
+        ttft_beyond_prefill_ms=ttft_beyond_prefill_ms,
         mean_input_tokens=isl,
         mean_output_tokens=generated_tokens_rate / finished_rate if finished_rate > 0 else None,
         prefill_queue=prefill_queue,

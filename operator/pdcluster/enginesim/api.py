@@ -332,7 +332,10 @@ class OpenAIServer:
             await seq.wait()
         if seq.finish_reason == "error":
             return _error(500, "Internal server error")
-        return _json(200, completion_body(req, self.fingerprint, self.config.prompt_tokens_details))
+        config = self.config
+        return _json(
+            200, completion_body(req, self.fingerprint, config.prompt_tokens_details, config.per_request_metrics)
+        )
 
     async def _stream(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
         seq = req.seq
@@ -351,7 +354,8 @@ class OpenAIServer:
             out = token_events(req, frames, sent, generated, finished, self.config.stamp_tokens)
             sent = generated
             if finished:
-                out += closing_events(req, frames, self.fingerprint, self.config.prompt_tokens_details)
+                details, timing = self.config.prompt_tokens_details, self.config.per_request_metrics
+                out += closing_events(req, frames, self.fingerprint, details, timing)
             if out:
                 await response.write(b"".join(out))
             if finished:

@@ -51,6 +51,7 @@ class SimConfig:
     store_config: dict[str, Any] | None  # MOONCAKE_CONFIG_PATH's JSON, with a store connector
     prefix_caching: bool  # off unless asked (prefix.py)
     prompt_tokens_details: bool  # usage.prompt_tokens_details.cached_tokens, as vLLM's flag
+    per_request_metrics: bool  # an answer's `metrics` (its own timing), as vLLM's flag
     num_gpu_blocks: int | None  # --num-gpu-blocks-override: the KV cache's size, else the profile's
     kv_events_config: dict[str, Any] | None  # --kv-events-config, when it enables ZMQ events
     # --sim-*
@@ -168,6 +169,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-config", type=json.loads)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
+    p.add_argument("--enable-per-request-metrics", action="store_true")
     p.add_argument("--num-gpu-blocks-override", type=int)
     p.add_argument("--api-key")
     p.add_argument("--seed", type=int, default=0)
@@ -385,6 +387,7 @@ def _sim_config(
         store_config=_store_config(kv_config),
         prefix_caching=args.enable_prefix_caching,
         prompt_tokens_details=args.enable_prompt_tokens_details,
+        per_request_metrics=args.enable_per_request_metrics,
         num_gpu_blocks=args.num_gpu_blocks_override,
         kv_events_config=kv_events_config,
         profile=args.sim_profile,

@@ -74,7 +74,28 @@ class GenerateRequest:
         return out
 
 
-def completion_body(req: GenerateRequest, fingerprint: str, prompt_tokens_details: bool) -> dict[str, Any]:
+    def timing(self, streamed: bool = False) -> dict[str, Any]:
+        """As vLLM's `metrics` with --enable-per-request-metrics (0.32,
+        entrypoints/generate/base/serving.py build_per_request_timing_metrics): first
+        scheduling to first token, queue, first to last token, in ms. A whole answer
+        carries every field, a stream's usage event only those set (exclude_none)."""
+        seq = self.seq
+        decode_s = seq.last_token_at - seq.first_token_at
+        inference_s = seq.last_token_at - seq.admitted_at
+        out = {
+            "time_to_first_token_ms": (seq.first_token_at - seq.admitted_at) * 1000.0,
+            "generation_time_ms": decode_s * 1000.0,
+            "queue_time_ms": (seq.admitted_at - seq.arrival) * 1000.0,
+            "mean_itl_ms": decode_s / (seq.generated - 1) * 1000.0 if seq.generated > 1 else None,
+            "tokens_per_second": seq.generated / inference_s if inference_s > 0 else None,
+            "speculative_decoding": None,
+        }
+        return {k: v for k, v in out.items() if v is not None} if streamed else out
+
+
+def completion_body(
+    req: GenerateRequest, fingerprint: str, prompt_tokens_details: bool, timing: bool = False
+) -> dict[str, Any]:
     """The whole response of a finished request."""
     seq = req.seq
     text = "".join(FILLER_WORDS[w] for w in req.words(0, seq.generated))
@@ -100,6 +121,8 @@ def completion_body(req: GenerateRequest, fingerprint: str, prompt_tokens_detail
     if req.chat:
         payload["prompt_logprobs"] = None
     payload["kv_transfer_params"] = None
+    if timing:
+        payload["metrics"] = req.timing()
     return payload
 
 
@@ -182,13 +205,17 @@ def token_events(
 
 
 def closing_events(
-    req: GenerateRequest, frames: StreamFrames, fingerprint: str, prompt_tokens_details: bool
+    req: GenerateRequest, frames: StreamFrames, fingerprint: str, prompt_tokens_details: bool,
+    timing: bool = False,
 ) -> list[bytes]:
-    """What follows a finished request's last token: its usage when asked for, then [DONE]."""
+    """What follows a finished request's last token: its usage when asked for (with the
+    request's timing, as vLLM's), then [DONE]."""
     out = []
     if req.include_usage:
         usage = {"id": req.id, "object": frames.kind, "created": req.created, "model": req.model,
                  "choices": [], "usage": req.usage(prompt_tokens_details), "system_fingerprint": fingerprint}  # fmt: skip
+        if timing:
+            usage["metrics"] = req.timing(streamed=True)
         out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
     out.append(DONE)
     return out

@@ -48,6 +48,8 @@ _RESOURCES: dict[str, tuple[str, bool]] = {
     "ControllerRevision": ("controllerrevisions", True),
     "DaemonSet": ("daemonsets", True),
     "Job": ("jobs", True),
+    "PersistentVolumeClaim": ("persistentvolumeclaims", True),
+    "PersistentVolume": ("persistentvolumes", False),
     "PodDisruptionBudget": ("poddisruptionbudgets", True),
     "NetworkPolicy": ("networkpolicies", True),
     "EndpointSlice": ("endpointslices", True),

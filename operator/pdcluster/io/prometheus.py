@@ -15,6 +15,10 @@ escapes them to underscores when a Prometheus that asks for OpenMetrics without 
 escaping scheme scrapes it (prometheus_client 0.26 with Prometheus 2.x), and keeps them
 in the text format: every vLLM series is matched under both spellings.
 
+Secured servers: `Credentials` carries the request headers (Authorization for a bearer
+token or basic auth, a tenant's X-Scope-OrgID) and the CA bundle to verify https with;
+io/prometheus_auth.py builds them from the operator's flags or a spec's Secrets.
+
 Outcomes: a MetricsSnapshot; None when Prometheus answers but holds no series of the
 cluster (nothing scraped yet); PrometheusUnavailable when it cannot be asked (refused,
 timed out, an error status). The operator turns the last two into a condition and
@@ -24,8 +28,12 @@ passes None to the control law, which then holds.
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
+import ssl
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -123,19 +131,78 @@ def _buckets(result: list[dict]) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """What a request to a secured Prometheus carries: headers and the CAs to trust."""
+
+    headers: Mapping[str, str] = field(default_factory=dict)
+    tls: ssl.SSLContext | None = None  # None: the system's CAs
+
+
+NO_CREDENTIALS = Credentials()
+
+
+def credentials(
+    *,
+    bearer_token: str | None = None,
+    basic_auth: tuple[str, str] | None = None,
+    ca_pem: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Credentials:
+    """Credentials from their parts; a bearer token and basic auth exclude each other.
+    ValueError says what is wrong with them."""
+    if bearer_token is not None and basic_auth is not None:
+        raise ValueError("a bearer token and basic auth exclude each other")
+    out = dict(headers or {})
+    if bearer_token is not None:
+        out["Authorization"] = f"Bearer {bearer_token.strip()}"
+    if basic_auth is not None:
+        user, password = basic_auth
+        out["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    context = None
+    if ca_pem is not None:
+        try:
+            context = ssl.create_default_context(cadata=ca_pem)
+        except (ssl.SSLError, ValueError) as e:
+            raise ValueError(f"the CA bundle holds no PEM certificate that can be loaded ({e})") from None
+    return Credentials(headers=out, tls=context)
+
+
+_REFUSED = {
+    401: "Prometheus wants credentials (401 Unauthorized): set a bearer token or basic auth",
+    403: "Prometheus refused these credentials (403 Forbidden)",
+}
+
+
 class Prometheus:
     """A small client of one Prometheus server."""
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        timeout_s: float = 5.0,
+        creds: Credentials = NO_CREDENTIALS,
+    ) -> None:
         self.url = base_url.rstrip("/") + "/api/v1/query"
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.headers = dict(creds.headers)
+        self.ssl: ssl.SSLContext | bool = creds.tls or True
 
     async def _ask(self, promql: str, at: float | None) -> dict:
         params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
         try:
-            async with self.session.get(self.url, params=params, timeout=self.timeout) as resp:
+            async with self.session.get(
+                self.url, params=params, timeout=self.timeout, headers=self.headers, ssl=self.ssl
+            ) as resp:
+                if resp.status in _REFUSED:
+                    raise PrometheusUnavailable(f"{self.url}: {_REFUSED[resp.status]}")
                 body = await resp.json(content_type=None)
+        except aiohttp.ClientConnectorCertificateError as e:
+            raise PrometheusUnavailable(
+                f"{self.url}: its certificate is not trusted ({e.certificate_error}): set a CA bundle"
+            ) from e
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise PrometheusUnavailable(f"{self.url}: {type(e).__name__}: {e}") from e
         if not isinstance(body, dict) or body.get("status") != "success":

@@ -9,6 +9,7 @@ from typing import Any
 from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingState, PDClusterSpec
 from pdcluster.render.engine import build_role
+from pdcluster.render.model import build_model
 from pdcluster.render.mooncake import build_mooncake
 from pdcluster.render.names import Owner
 from pdcluster.render.network import build_network_policies
@@ -64,12 +65,30 @@ def render_all(
 ) -> list[dict[str, Any]]:
     """Every child of one PDCluster, in apply order (config and services before workloads).
     `partitions`: the engine StatefulSets' rollout partitions (rollout.py), 0 if absent."""
-    objects = build_mooncake(spec, owner, suspended=spec.suspend)
+    objects = build_model(spec, owner) + build_mooncake(spec, owner, suspended=spec.suspend)
     for role in spec.engine_roles:
         objects += build_role(spec, owner, role, replicas.of(role), (partitions or {}).get(role, 0))
     objects += build_router(spec, owner, suspended=spec.suspend)
     objects += build_network_policies(spec, owner)
+    _pull_secrets(objects, [{"name": ref.name} for ref in spec.image_pull_secrets])
     return sorted(objects, key=apply_stage)
+
+
+def pod_specs(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod specs of a workload: a template's, or a LeaderWorkerSet's leader and worker."""
+    spec = obj.get("spec") or {}
+    if "template" in spec:
+        return [spec["template"]["spec"]]
+    group = spec.get("leaderWorkerTemplate") or {}
+    return [t["spec"] for t in (group.get("leaderTemplate"), group.get("workerTemplate")) if t]
+
+
+def _pull_secrets(objects: list[dict[str, Any]], refs: list[dict[str, str]]) -> None:
+    """Every pod the operator renders pulls with the same secrets: one place for all kinds."""
+    if refs:
+        for obj in objects:
+            for pod in pod_specs(obj):
+                pod["imagePullSecrets"] = refs
 
 
 # What must exist before what: a Role before its binding, Services and network policies
@@ -82,6 +101,7 @@ _STAGES = {
     "Service": 3,
     "PodDisruptionBudget": 4,
     "NetworkPolicy": 4,
+    "PersistentVolumeClaim": 4,  # before the Job and the engines that mount it
 }
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from pdcluster import constants as C
 from pdcluster.api.v1alpha1 import EnvVar, PDClusterSpec, Resources, RoleSpec, RouterPolicy
-from pdcluster.render import mooncake, rdma
+from pdcluster.render import model, mooncake, rdma
 from pdcluster.render.names import (
     TRACES_HEADERS_ENV,
     Owner,
@@ -129,7 +129,7 @@ def publishes_kv_events(spec: PDClusterSpec, role: str) -> bool:
 
 def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
     r = spec.role(role)
-    args = [spec.model.name, "--port", str(spec.engine.port), "--served-model-name", spec.served_model_name]
+    args = [model.serve_path(spec), "--port", str(spec.engine.port), "--served-model-name", spec.served_model_name]
     args += ["--tensor-parallel-size", str(r.tensor_parallel_size)]
     if r.pipeline_parallel_size > 1:
         args += ["--pipeline-parallel-size", str(r.pipeline_parallel_size)]
@@ -151,6 +151,11 @@ def engine_args(spec: PDClusterSpec, role: str) -> list[str]:
     # The usage of every answer says how many prompt tokens were cached (vLLM 0.32,
     # entrypoints/openai/completion/serving.py): the router reports the prefill leg's.
     args.append("--enable-prompt-tokens-details")
+    if role in (C.ROLE_PREFILL, C.ROLE_FLEXIBLE):
+        # Each prefill answer carries the prompt's own compute (metrics.time_to_first_token_ms;
+        # vLLM 0.32 entrypoints/generate/base/serving.py): the router's TTFT beyond prefill.
+        # vLLM refuses it beside --disable-log-stats (entrypoints/launchers/cli_args.py).
+        args.append("--enable-per-request-metrics")
     if spec.tracing.enabled:
         # Over OTLP/HTTP (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL in engine_env), as the router.
         args += ["--otlp-traces-endpoint", spec.tracing.traces_url]
@@ -212,7 +217,7 @@ def engine_env(spec: PDClusterSpec, owner: Owner, role: str) -> list[dict[str, A
         ]
         if spec.tracing.headers_secret is not None:
             env.append(env_secret(TRACES_HEADERS_ENV, spec.tracing.headers_secret))
-    env += rdma.env(spec) + rdma.transfer_env(spec)
+    env += model.engine_env(spec) + rdma.env(spec) + rdma.transfer_env(spec)
     # A name set twice is invalid in a server-side apply (env is a map keyed by name):
     # the user's entries replace ours, the role's replace the engine's.
     merged: dict[str, dict[str, Any]] = {}
@@ -264,7 +269,7 @@ def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
     mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     if spec.mooncake.store.enabled:
         mounts.append(mooncake.config_mount())
-    mounts += rdma.mounts(spec)
+    mounts += model.engine_mounts(spec) + rdma.mounts(spec)
     return {
         "name": "engine",
         "image": spec.engine.image,
@@ -280,6 +285,9 @@ def container(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]:
         **_pre_stop(spec.engine.termination_grace_period_seconds),
         "securityContext": security,
         "volumeMounts": mounts,
+        # A crashed engine's last log lines become its termination message, which the
+        # Stalled condition quotes (podstate.py): vLLM writes no termination-log file.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 
@@ -311,7 +319,9 @@ def pod_template(spec: PDClusterSpec, owner: Owner, role: str) -> dict[str, Any]
     }
     if spec.mooncake.store.enabled:
         pod["volumes"].append(mooncake.config_volume(owner))
-    pod["volumes"] += rdma.volumes(spec)
+    pod["volumes"] += model.engine_volumes(spec, owner) + rdma.volumes(spec)
+    if model.init_containers(spec):
+        pod["initContainers"] = model.init_containers(spec)
     pod |= rdma.pod_fields(spec)
     if r.node_selector:
         pod["nodeSelector"] = dict(r.node_selector)

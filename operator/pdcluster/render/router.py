@@ -7,7 +7,8 @@ from typing import Any
 
 from pdcluster import constants as C
 from pdcluster import flexible
-from pdcluster.api.v1alpha1 import PDClusterSpec, RouterPolicy, ServingMode
+from pdcluster.api.v1alpha1 import PDClusterSpec, RouterPolicy, RouterSpec, ServingMode
+from pdcluster.render.engine import disruption_budget
 from pdcluster.render.names import (
     TRACES_HEADERS_ENV,
     Owner,
@@ -23,6 +24,11 @@ from pdcluster.render.names import (
 
 API_KEY_DIR = "/etc/pdcluster/api-key"
 ENGINE_KEY_DIR = "/etc/pdcluster/engine-api-key"
+HOSTNAME_KEY = "kubernetes.io/hostname"  # the well-known node label
+PRE_STOP_SLEEP_S = 5
+# Guaranteed CPU for the relay loop, no CPU limit (throttling stalls every stream a
+# router relays); memory capped well above what 4096 open streams hold.
+DEFAULT_RESOURCES: dict[str, Any] = {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
 
 
 def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
@@ -47,6 +53,8 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     args += [f"--max-attempts={retries.max_attempts}", f"--prefill-timeout={retries.prefill_timeout_seconds}"]
     if not retries.resume_streams:
         args.append("--no-resume-streams")
+    if r.max_fan_out != RouterSpec.model_fields["max_fan_out"].default:
+        args.append(f"--max-fan-out={r.max_fan_out}")
     args += _probe_args(spec, owner)
     if r.prefill_on_decode_below_tokens and spec.hands_off_kv:
         args.append(f"--prefill-on-decode-below={r.prefill_on_decode_below_tokens}")
@@ -149,12 +157,16 @@ def deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, An
                 "env": router_env(spec),
                 "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
                 "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
+                # Serve on while the Service takes this pod out of its endpoints (kube-proxy
+                # lags the deletion by a moment); SIGTERM, and the drain, come after.
+                "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SLEEP_S)]}}},
                 "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
-                "resources": r.resources.wire() if r.resources else {},
+                "resources": r.resources.wire() if r.resources is not None else DEFAULT_RESOURCES,
                 "securityContext": restricted_container(),
             }
         ],
     }
+    pod["affinity"] = r.affinity if r.affinity is not None else spread(owner)
     keys = [
         ("api-key", r.api_key_secret, API_KEY_DIR),
         ("engine-api-key", spec.engine.api_key_secret, ENGINE_KEY_DIR),
@@ -178,6 +190,17 @@ def deployment(spec: PDClusterSpec, owner: Owner, replicas: int) -> dict[str, An
                 "spec": pod,
             },
         },
+    }
+
+
+def spread(owner: Owner) -> dict[str, Any]:
+    """Prefer a node without another router of this cluster: one node lost leaves the
+    others serving. Preferred, not required, so a one-node cluster still runs them all."""
+    term = {"labelSelector": {"matchLabels": selector(owner, C.ROLE_ROUTER)}, "topologyKey": HOSTNAME_KEY}
+    return {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]
+        }
     }
 
 
@@ -273,6 +296,9 @@ def rbac(spec: PDClusterSpec, owner: Owner) -> list[dict[str, Any]]:
 def build_router(spec: PDClusterSpec, owner: Owner, *, suspended: bool) -> list[dict[str, Any]]:
     replicas = 0 if suspended else spec.router.replicas
     roles = [roles_configmap(spec, owner)] if spec.mode == ServingMode.flexible else []
+    # A budget over no pod only makes the disruption controller warn (as for the engines).
+    budget = [disruption_budget(owner, C.ROLE_ROUTER)] if replicas > 0 else []
     return [
-        *rbac(spec, owner), state_configmap(owner), *roles, deployment(spec, owner, replicas), service(spec, owner)
+        *rbac(spec, owner), state_configmap(owner), *roles, deployment(spec, owner, replicas), service(spec, owner),
+        *budget,
     ]  # fmt: skip

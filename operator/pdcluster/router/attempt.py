@@ -116,7 +116,7 @@ class Job:
     once the client's answer has started, what it has delivered, the failures so far."""
 
     __slots__ = (
-        "body", "chat", "failures", "last_token_at", "original", "path", "request", "request_id",
+        "body", "chat", "failures", "last_token_at", "original", "path", "prefilled", "request", "request_id",
         "response", "resumed_tokens", "sends_chat", "sent", "services", "started", "tokens", "trace", "trail",
     )  # fmt: skip
 
@@ -152,6 +152,7 @@ class Job:
         self.resumed_tokens = 0
         self.failures: list[str] = []
         self.trace = trace
+        self.prefilled: asyncio.Event | None = None  # set once a prefill leg has succeeded (fanout.py)
 
     async def run(self, route: Route, prompt_tokens: int, reroute: Reroute) -> Response | Stream:
         metrics = self.services.metrics
@@ -222,7 +223,9 @@ class Attempt:
     """One attempt on one route: prefill and decode exchanges, or decode alone (the
     prompt's prefix is stored, or no prefill is left), or a colocated engine."""
 
-    __slots__ = ("decode", "job", "lease", "prefill", "prefill_cached", "prefilled_at", "services")
+    __slots__ = (
+        "decode", "job", "lease", "prefill", "prefill_cached", "prefill_compute_s", "prefilled_at", "services",
+    )  # fmt: skip
 
     def __init__(self, job: Job, route: Route, prompt_tokens: int):
         self.job = job
@@ -231,6 +234,7 @@ class Attempt:
         self.decode = route.decode
         self.prefilled_at: float | None = None
         self.prefill_cached: int | None = None  # the prefill leg's cached prompt tokens, reported to the client
+        self.prefill_compute_s: float | None = None  # the prefill engine's own compute for the prompt
         output_tokens = openai.max_tokens_of(job.body, job.sends_chat) or DEFAULT_OUTPUT_TOKENS
         self.lease = Lease(route, prompt_tokens, output_tokens, self.services.admission)
 
@@ -325,8 +329,11 @@ class Attempt:
         if status == 200:
             self.prefilled_at = time.monotonic()
             self.prefill_cached = openai.cached_tokens(payload)
+            self.prefill_compute_s = openai.prefill_compute_s(payload)
             prefill.succeeded()
             self.lease.prefill_done(ok=True)
+            if self.job.prefilled is not None:
+                self.job.prefilled.set()
             return
         if status < 500 and status not in _NOT_THE_CLIENTS:
             raise Refused(Response(status, payload, JSON))

@@ -17,3 +17,4 @@ class RouterConfig:
     hash_seed: str | None = None  # the engines' PYTHONHASHSEED, which seeds vLLM's block hashes
     exact_timeout_s: float = 0.1  # what hashing a prompt as the engines do may add to a request
     prefill_on_decode_below: int = 0  # shorter prompts are prefilled by their decode engine; 0: none
+    max_fan_out: int = 16  # PD flows one request may fan out into (n times its prompts)

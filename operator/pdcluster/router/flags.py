@@ -204,6 +204,12 @@ def _add_requests(p: argparse.ArgumentParser) -> None:
         help="seconds a prefill may take before another is tried",
     )
     retry.add_argument(
+        "--max-fan-out",
+        type=int,
+        default=16,
+        help="prefill/decode flows one request may need (n times its prompts); more is refused with a 400",
+    )
+    retry.add_argument(
         "--no-resume-streams",
         action="store_true",
         help="end a stream with an error when its decode engine dies, instead of resuming it",

@@ -143,6 +143,11 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             raise ConnectionResetError("the client closed the connection")
 
+    @property
+    def idle(self) -> bool:
+        """Kept alive between requests, nothing of a next one received."""
+        return self._phase == _IDLE
+
     def close(self) -> None:
         if not self.closed and self.transport is not None:
             self.transport.close()
@@ -284,6 +289,7 @@ class _Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ answers
     def start_stream(self, request: Request, status: int, headers: list[tuple[str, str]]) -> Stream:
+        request.keep_alive = request.keep_alive and not self.server.closing
         chunked = request.version != "1.0"
         head = response_head(status, headers, not request.keep_alive)
         head += b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"\r\n"
@@ -294,6 +300,7 @@ class _Connection(asyncio.Protocol):
         return Stream(self, chunked)
 
     def _respond(self, request: Request, response: Response) -> None:
+        request.keep_alive = request.keep_alive and not self.server.closing
         body = response.body
         head = response_head(response.status, response.headers, not request.keep_alive)
         head += b"Content-Length: %d\r\n\r\n" % len(body)
@@ -317,7 +324,7 @@ class _Connection(asyncio.Protocol):
                 self._respond(request, answer)
             elif not answer.ended:  # a handler gave up mid-stream: the client must see a cut
                 request.keep_alive = False
-            if not request.keep_alive:
+            if not request.keep_alive or server.closing:
                 self.transport.close()
                 self.closed = True
                 return
@@ -363,6 +370,7 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         self.lingering: set[_Connection] = set()  # refused, reading and dropping input until closed
         self._sweep_s = min(_MAX_SWEEP_S, keepalive_s / 4, head_timeout_s / 4, body_timeout_s / 4)
+        self.closing = False  # end_keepalive() was called
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
@@ -386,6 +394,14 @@ class HttpServer:
         """Cut the connections past their deadline (one sweep for all: no timer per request)."""
         for conn in [c for c in self.connections if c.deadline <= now]:
             conn.expire()
+
+    def end_keepalive(self) -> None:
+        """Every answer from now on ends its connection, and idle connections close now:
+        a draining router's clients reconnect, through its Service, to a router that stays,
+        instead of sending their next request here to be refused."""
+        self.closing = True
+        for conn in [c for c in self.connections if c.idle]:
+            conn.close()
 
     async def close(self) -> None:
         """Stop listening and close every connection; handlers still running are cancelled."""

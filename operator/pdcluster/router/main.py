@@ -142,6 +142,7 @@ class RouterService:
             hash_seed=args.hash_seed,
             exact_timeout_s=args.exact_timeout,
             prefill_on_decode_below=args.prefill_on_decode_below,
+            max_fan_out=max(args.max_fan_out, 1),
         )
         admission = None
         if not args.no_admission:
@@ -230,11 +231,14 @@ class RouterService:
             self.router.forget(backend_id)
 
     async def drain(self, timeout: float) -> None:
-        """Fail readiness (no new connections come) and wait for the requests in flight;
-        those arriving on open connections meanwhile are served, each closing its own."""
+        """Fail readiness (no new connections come), end kept-alive connections, and wait
+        for the requests in flight; one arriving on an open connection meanwhile is served
+        and closes it."""
         router = self.router
         assert router is not None
         router.draining = True
+        if self._http is not None:
+            self._http.end_keepalive()
         log.info("draining %d in-flight requests (up to %g s)", router.inflight, timeout)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -242,9 +246,8 @@ class RouterService:
             await asyncio.wait_for(router.idle.wait(), timeout)
         if router.inflight:
             log.warning("drain timeout: dropping %d requests", router.inflight)
-        # Then the connections clients keep alive: each ends with its next answer or the
-        # client's own idle timeout. Closing one here could cut a request already sent on
-        # it, which the client would see as a disconnect with no answer.
+        # Then the connections still open: each ends after its answer (end_keepalive), so
+        # a request already on its way is answered rather than cut by the exit.
         while self._http is not None and self._http.connections and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
 

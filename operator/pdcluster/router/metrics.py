@@ -103,6 +103,13 @@ class RouterMetrics:
             buckets=obs.ROUTER_TTFT_BUCKETS,
             registry=r,
         )
+        self.ttft_beyond_prefill = Histogram(
+            obs.ROUTER_TTFT_BEYOND_PREFILL,
+            "TTFT beyond prefill: a streamed request's time to first token less its prompt's own prefill "
+            "compute, as its prefill engine reports it (vLLM --enable-per-request-metrics).",
+            buckets=obs.ROUTER_TTFT_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
             obs.ROUTER_E2E, "Request latency seen by clients.", buckets=obs.ROUTER_E2E_BUCKETS, registry=r
         )

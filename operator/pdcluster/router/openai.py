@@ -129,6 +129,22 @@ def max_tokens_of(body: dict[str, Any], chat: bool) -> int | None:
     return 16 if value is None and "max_tokens" not in body else value
 
 
+def prefill_compute_s(body: bytes) -> float | None:
+    """The prompt's own prefill compute in an engine's answer, in seconds: vLLM's
+    per-request `metrics.time_to_first_token_ms`, from the request's first scheduling to
+    its first token (queue excluded; with --enable-per-request-metrics:
+    entrypoints/generate/base/serving.py build_per_request_timing_metrics, 0.32), or None
+    when the answer does not carry it."""
+    if b'"time_to_first_token_ms"' not in body:
+        return None
+    try:
+        value = orjson.loads(body)["metrics"]["time_to_first_token_ms"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+    return value / 1000.0 if ok else None
+
+
 def cached_tokens(body: bytes) -> int | None:
     """`usage.prompt_tokens_details.cached_tokens` of an engine's answer (vLLM reports it
     with --enable-prompt-tokens-details: entrypoints/openai/completion/serving.py, 0.32),

@@ -115,12 +115,26 @@ class _EventCounter:
             if attempt.prefilled_at is not None:
                 metrics.prefill.observe(attempt.prefilled_at - job.started)
                 metrics.after_prefill.observe(now - attempt.prefilled_at)
+            beyond = _ttft_beyond_prefill(attempt, now - job.started)
+            if beyond is not None:
+                metrics.ttft_beyond_prefill.observe(beyond)
             gaps, gap = n - 1, 0.0
         else:
             gaps, gap = n, (now - job.last_token_at) / n
         metrics.itl.observe(gap, gaps)
         job.tokens += n
         job.last_token_at = now
+
+
+def _ttft_beyond_prefill(attempt: Attempt, ttft_s: float) -> float | None:
+    """The TTFT less the prompt's own prefill compute (docs/metrics.md): a prompt served
+    from the store, or short enough for decode to prefill, counts whole; None where the
+    prefill engine did not say (engines without per-request metrics) and on a colocated
+    engine, which says only when the stream ends."""
+    if attempt.prefill is not None:
+        own = attempt.prefill_compute_s
+        return None if own is None else max(ttft_s - own, 0.0)
+    return None if attempt.decode.role == "colocated" else ttft_s
 
 
 def _count_finished(attempt: Attempt, failed: bool) -> None:

@@ -6,7 +6,8 @@ decode partner, or a colocated engine), look the prompt up in the Mooncake store
 is on (a prompt whose stored prefix leaves decode little to compute goes to decode
 alone, store_hits.py), apply SLO admission, then run the request (attempt.py: the hand-off of
 handoff.py, retries on engines not tried, streams resumed on another decode) and relay
-decode's answer (relay.py). Retries route with the same function.
+decode's answer (relay.py). Retries route with the same function. A request with `n` > 1
+or several prompts runs as one such request per prompt and choice, merged (fanout.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hmac
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pdcluster.router import openai
 from pdcluster.router.attempt import Job, Services, ids
 from pdcluster.router.failures import JSON, error
+from pdcluster.router.fanout import FanOut
+from pdcluster.router.fanout_merge import Flow, fan_out_size, split
 from pdcluster.router.http_messages import Request, Response, Stream
 from pdcluster.router.kvevents import block_id
 from pdcluster.router.membership import Upstream
@@ -210,13 +214,12 @@ class Router:
         body = self._valid_body(request, chat)
         if isinstance(body, Response):
             return body
+        if fan_out_size(body, chat) > 1:
+            return await self._fan_out(request, path, chat, body, started, trace)
         planned = await self._plan(body, chat, started)
         if isinstance(planned, Response):
             return planned
-        header_id = request.headers.get("x-request-id")
-        request_id = (
-            header_id if header_id and _REQUEST_ID.fullmatch(header_id) else f"{ids.getrandbits(128):032x}"
-        )
+        request_id = _request_id(request)
         self.metrics.prompt_tokens.inc(planned.prompt_tokens)
         job = Job(self.services, request, path, chat, body, request_id, started, trace)
         if trace is not None:
@@ -245,31 +248,82 @@ class Router:
         model = body.get("model")
         if self.config.model and model is not None and model != self.config.model:
             return self._client_error(404, f"The model `{model}` does not exist.", "model")
-        if (body.get("n") or 1) > 1 or (not chat and _is_batch(body["prompt"])):
-            return self._client_error(400, "n > 1 and batched prompts are not supported with disaggregated prefill")
+        flows = fan_out_size(body, chat)
+        if flows > self.config.max_fan_out:
+            return self._client_error(
+                400,
+                f"this request needs {flows} prefill/decode flows (one per prompt and choice: n times the "
+                f"prompts); the router takes at most {self.config.max_fan_out} (router.maxFanOut, --max-fan-out)",
+                "n",
+            )
         body.pop("kv_transfer_params", None)  # only the router decides where KV goes
         return body
 
     async def _run(self, job: Job, planned: _Planned) -> Response | Stream:
         """The job's attempts, within the request timeout, counted in flight for a drain."""
+        with self._in_flight():
+            try:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    return await job.run(planned.route, planned.prompt_tokens, self._reroute)
+            except TimeoutError:
+                self.metrics.requests["timeout"].inc()
+                if job.response is not None:  # mid-stream: the status is sent already
+                    await job.end_stream(504, "request timed out")
+                    return job.response
+                return error(504, f"no answer within {self.config.request_timeout_s:g} s")
+            except asyncio.CancelledError:
+                self.metrics.requests["cancelled"].inc()
+                raise
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """A request counted in flight, for a drain to wait on."""
         self.inflight += 1
         self.idle.clear()
         try:
-            async with asyncio.timeout(self.config.request_timeout_s):
-                return await job.run(planned.route, planned.prompt_tokens, self._reroute)
-        except TimeoutError:
-            self.metrics.requests["timeout"].inc()
-            if job.response is not None:  # mid-stream: the status is sent already
-                await job.end_stream(504, "request timed out")
-                return job.response
-            return error(504, f"no answer within {self.config.request_timeout_s:g} s")
-        except asyncio.CancelledError:
-            self.metrics.requests["cancelled"].inc()
-            raise
+            yield
         finally:
             self.inflight -= 1
             if self.inflight == 0:
                 self.idle.set()
+
+    async def _fan_out(
+        self, request: Request, path: str, chat: bool, body: dict[str, Any], started: float,
+        trace: RequestTrace | None,
+    ) -> Response | Stream:  # fmt: skip
+        """`n` > 1 or several prompts: one job per prompt and choice, each routed when it
+        starts and retried as a request of its own, their answers merged (fanout.py)."""
+        flows = split(body, chat)
+        request_id = _request_id(request)
+        if trace is not None:
+            trace.root.set_attribute("pdcluster.request_id", request_id)
+            trace.root.set_attribute("pdcluster.flows", len(flows))
+        fan = FanOut(request, flows, ("chatcmpl-" if chat else "cmpl-") + request_id, bool(body.get("stream")))
+
+        def flow_of(k: int, flow: Flow) -> Callable[[], Awaitable[Response | Stream]]:
+            async def run() -> Response | Stream:
+                planned = await self._plan(flow.body, chat, time.monotonic())
+                if isinstance(planned, Response):
+                    return planned
+                self.metrics.prompt_tokens.inc(planned.prompt_tokens)
+                flow_id = f"{request_id}-{flow.index}"  # the engines' request id: one per flow
+                job = Job(self.services, fan.sink(k), path, chat, flow.body, flow_id, started, trace)
+                fan.started(flow, job, planned.route)
+                return await job.run(planned.route, planned.prompt_tokens, self._reroute)
+
+            return run
+
+        jobs = [flow_of(k, flow) for k, flow in enumerate(flows)]
+        with self._in_flight():
+            try:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    return await fan.run(jobs)
+            except TimeoutError:
+                self.metrics.requests["timeout"].inc()
+                return await fan.fail(504, f"no answer within {self.config.request_timeout_s:g} s")
+            except asyncio.CancelledError:
+                self.metrics.requests["cancelled"].inc()
+                raise
 
     # ------------------------------------------------------------------ routing
     async def _plan(self, body: dict[str, Any], chat: bool, now: float) -> _Planned | Response:
@@ -391,5 +445,7 @@ class Router:
         return Route(None, chosen.decode), lookup.prompt_tokens, lookup
 
 
-def _is_batch(prompt: Any) -> bool:
-    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
+def _request_id(request: Request) -> str:
+    """The client's X-Request-Id when it is a sane one, else a new id."""
+    header_id = request.headers.get("x-request-id")
+    return header_id if header_id and _REQUEST_ID.fullmatch(header_id) else f"{ids.getrandbits(128):032x}"

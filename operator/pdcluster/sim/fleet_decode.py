@@ -85,12 +85,13 @@ class DecodeStage(FleetState):
         engine.growth = d2 * engine.batch
         engine.fresh = len(joined)
         first = self.now + engine.step_ms / 1000.0
-        ttft_hist = self.hist[M.ROUTER_TTFT]
+        ttft_hist, beyond_hist = self.hist[M.ROUTER_TTFT], self.hist[M.ROUTER_TTFT_BEYOND_PREFILL]
         prefill_hist, after_hist = self.hist[M.ROUTER_PREFILL], self.hist[M.ROUTER_AFTER_PREFILL]
         for i in joined:
             self.first_token[i] = first
             self.ttft[i] = first - tr.arrival_s[i]
             ttft_hist.observe(self.ttft[i])
+            beyond_hist.observe(max(self.ttft[i] - self.own_prefill_s[i], 0.0))
             prefill_hist.observe(self.prefilled_at[i] - tr.arrival_s[i])
             after_hist.observe(first - self.prefilled_at[i])
         if engine.batch:

@@ -133,6 +133,7 @@ class PrefillStage(FleetState):
             engine.inflight_requests -= 1
             transfer = tr.input_tokens[i] * self.profile.kv_bytes_per_token / self.bytes_per_s
             self.prefilled_at[i] = self.now
+            self.own_prefill_s[i] = took_s  # scheduled to first token, as vLLM's per-request metrics
             self.hist[M.PREFILL_KV_HANDOFF].observe(transfer)
             self.push(self.now + transfer, TRANSFER_DONE, None, i)
         engine.busy = False

@@ -93,6 +93,7 @@ class FleetState:
         self.ttft = [math.nan] * n
         self.first_token = [math.nan] * n
         self.prefilled_at = [math.nan] * n  # when the router got the prefill's answer
+        self.own_prefill_s = [0.0] * n  # the prefill engine's compute for the prompt, as its answer says
         self.finish = [math.nan] * n
         self.done = 0
         self.cache_blocks = max(profile.max_kv_tokens // trace.block_tokens, 1)

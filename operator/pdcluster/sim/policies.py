@@ -40,6 +40,7 @@ def observed(fleet: Fleet) -> Observed:
             replicas=len(engines),
             ready=len(fleet.ready[role]),
             unschedulable=sum(1 for e in engines if e.state == PENDING),
+            startup_s=fleet.cfg.startup_s,  # what the operator measures from its pods
         )
     return Observed(**roles)
 

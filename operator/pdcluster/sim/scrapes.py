@@ -132,6 +132,7 @@ def _gauge_mean(samples: list[Sample], name: str) -> float | None:
 # frontend series only Dynamo's planner reads.
 ROUTER_TTFT = BY_FIELD["ttft_ms"].key
 ROUTER_ITL = BY_FIELD["itl_ms"].key
+ROUTER_TTFT_BEYOND_PREFILL = BY_FIELD["ttft_beyond_prefill_ms"].key
 ROUTER_PROMPT_TOKENS = BY_FIELD["prompt_tokens_rate"].key
 ROUTER_PREFILL = BY_FIELD["router_prefill_ms"].key
 ROUTER_AFTER_PREFILL = BY_FIELD["router_after_prefill_ms"].key
@@ -163,6 +164,7 @@ OUTPUT_TOKENS = "output_sequence_tokens"
 BUCKETS = {
     obs.ROUTER_TTFT: obs.ROUTER_TTFT_BUCKETS,
     obs.ROUTER_ITL: obs.ROUTER_ITL_BUCKETS,
+    obs.ROUTER_TTFT_BEYOND_PREFILL: obs.ROUTER_TTFT_BUCKETS,
     obs.VLLM_TTFT: obs.VLLM_TTFT_BUCKETS,
     obs.VLLM_ITL: obs.VLLM_ITL_BUCKETS,
     obs.VLLM_QUEUE_TIME: obs.VLLM_REQUEST_LATENCY_BUCKETS,

@@ -108,6 +108,7 @@ class Container:
         self.stopped = False
         self.started_event = asyncio.Event()
         self.env: dict[str, str] = {}
+        self.mounts: list[volumes.Mount] = []  # as the last start bound them
         self._probe_task: asyncio.Task[None] | None = None
         self._kill_task: asyncio.Task[None] | None = None
         self._backoff = 0.0
@@ -172,8 +173,9 @@ class Container:
         entrypoint, default_args = IMAGES[repository]
         argv = envvars.command_line(entrypoint, default_args, self.spec, self.env)
         if repository in vllm.REPOSITORIES:
+            serves = argv[:2] == vllm.ENTRYPOINT
             argv = vllm.command(argv)
-            self.env = vllm.environment(self.env, pod_ip=self.pod.ip, cache_dir=self.pod.dir / "vllm-cache")
+            self.env = vllm.environment(self.env, pod_ip=self.pod.ip, cache_dir=self.pod.dir / "vllm-cache", serves=serves)
         return argv
 
     async def run_once(self) -> int | None:
@@ -195,10 +197,11 @@ class Container:
         tmp = self.pod.dir / "tmp" / self.name
         shutil.rmtree(tmp, ignore_errors=True)  # a restarted container starts from a clean filesystem
         tmp.mkdir(parents=True)
-        mounts = volumes.with_private_dirs(volumes.mounts(self.spec, self.pod.volumes, self.env), tmp=tmp,
+        self.mounts = mounts = volumes.with_private_dirs(volumes.mounts(self.spec, self.pod.volumes, self.env), tmp=tmp,
                                            shm=self.pod.memory_dir / ".dev-shm")
         # A checkout or cache under /tmp (a fresh clone there) must survive the private /tmp.
-        needed = [paths.REPO_ROOT, self.pod.runner.venv_bin, self.pod.runner.bind_shim]
+        # So must a volume there (a hostPath PV of a test's tmp_path).
+        needed = [paths.REPO_ROOT, self.pod.runner.venv_bin, self.pod.runner.bind_shim, *self.pod.volumes.values()]
         needed += [vllm.runtime()] if image_repository(self.spec["image"]) in vllm.REPOSITORIES else []
         script = volumes.launch_script(mounts, hosts_file=self.pod.hosts_path, hostname=network.pod_hostname(self.pod.pod),
                                        workdir=self.workdir, keep_host_tmp=volumes.host_tmp_paths(needed),
@@ -227,9 +230,7 @@ class Container:
         self._probe_task.cancel()
         self.pid_path.unlink(missing_ok=True)
         code = rc if rc >= 0 else 128 - rc
-        message = ""
-        if code and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
-            message = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-80:])[-4096:]
+        message = volumes.termination_message(self.spec, self.mounts, code, self.log_path)
         self._terminated(code, "Completed" if code == 0 else "Error", message, started)
         return code
 

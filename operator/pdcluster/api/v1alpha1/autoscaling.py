@@ -7,7 +7,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from pdcluster.api.base import Model, cel
-from pdcluster.api.v1alpha1.common import section
+from pdcluster.api.v1alpha1.common import SecretKeyRef, section
 
 
 class Quantile(StrEnum):
@@ -34,6 +34,49 @@ class AutoscalingMode(StrEnum):
     auto = "auto"
     recommend = "recommend"
     external = "external"
+
+
+class BasicAuthSecret(Model):
+    """A Secret in the cluster's namespace holding a user name and a password."""
+
+    name: str = Field(min_length=1, description="Secret name.")
+    username_key: str = Field("username", min_length=1, description="Key of the user name.")
+    password_key: str = Field("password", min_length=1, description="Key of the password.")
+
+
+class CaBundleSecret(SecretKeyRef):
+    """A PEM bundle of the CAs that sign Prometheus' serving certificate."""
+
+    key: str = Field("ca.crt", description="Key within the Secret.")
+
+
+class PrometheusAuthSpec(Model):
+    """Credentials for a secured Prometheus (managed services, Mimir, Thanos, Cortex), read
+    from Secrets in the PDCluster's namespace at every autoscaler run, so rotations apply."""
+
+    model_config = Model.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "!(has(self.bearerTokenSecret) && has(self.basicAuthSecret))",
+                    "set bearerTokenSecret or basicAuthSecret, not both",
+                )
+            ]
+        }
+    }
+
+    bearer_token_secret: SecretKeyRef | None = Field(
+        None, description="Sent as `Authorization: Bearer <token>`."
+    )
+    basic_auth_secret: BasicAuthSecret | None = Field(None, description="HTTP basic auth.")
+    ca_secret: CaBundleSecret | None = Field(
+        None, description="CAs to verify an https Prometheus with, instead of the system's."
+    )
+    headers: dict[str, str] | None = Field(
+        None,
+        description="Extra request headers, e.g. `X-Scope-OrgID: <tenant>` for a multi-tenant Mimir, Cortex "
+        "or Thanos. Not for secrets: they are stored in the spec as written.",
+    )
 
 
 _AUTOSCALING_RULES = [
@@ -80,6 +123,11 @@ class AutoscalingSpec(Model):
     prometheus_url: str | None = Field(
         None, description="Prometheus base URL; defaults to the operator's setting."
     )
+    prometheus_auth: PrometheusAuthSpec | None = Field(
+        None,
+        description="Credentials for `prometheusUrl`. Unset: none with a URL of the spec's own, the operator's "
+        "(its --prometheus-* flags) with the operator's URL.",
+    )
     profile: str | None = Field(
         None,
         min_length=1,
@@ -95,6 +143,7 @@ class AutoscalingSpec(Model):
     )
     ttft_includes_prefill: bool = Field(
         True,
-        description="When false, `slo.ttftMs` bounds TTFT minus the prompt's own prefill time (queueing, KV "
-        "transfer, first decode step): for long prompts whose prefill alone exceeds any fixed target.",
+        description="When false, `slo.ttftMs` bounds the TTFT beyond prefill: TTFT less the prompt's own prefill "
+        "compute (queueing, KV transfer, first decode step remain), measured per request by the router: for long "
+        "prompts whose prefill alone exceeds any fixed target.",
     )

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from pdcluster import constants as C
+from pdcluster import images
 from pdcluster.api.base import Model, cel
 from pdcluster.api.v1alpha1.autoscaling import AutoscalingSpec
 from pdcluster.api.v1alpha1.common import ModelSpec, section
@@ -111,6 +112,12 @@ def _cluster_rules() -> list[dict[str, str]]:
     ]
 
 
+class ImagePullSecret(Model):
+    """A Secret of type kubernetes.io/dockerconfigjson in the PDCluster's namespace."""
+
+    name: str = Field(min_length=1, description="Secret name.")
+
+
 class PDClusterSpec(Model):
     """Desired state of a disaggregated prefill/decode serving cluster."""
 
@@ -138,11 +145,24 @@ class PDClusterSpec(Model):
     autoscaling: AutoscalingSpec = section(AutoscalingSpec)
     network_policy: NetworkPolicySpec = section(NetworkPolicySpec)
     tracing: TracingSpec = section(TracingSpec)
+    image_pull_secrets: list[ImagePullSecret] = Field(
+        default_factory=lambda: [ImagePullSecret(name=n) for n in images.pull_secrets()],
+        exclude_if=lambda refs: [r.name for r in refs] == images.pull_secrets(),
+        description="Secrets for pulling images, on every pod the operator renders. Unset: the operator's "
+        "(chart value `images.pullSecrets`); a list here replaces them.",
+    )
     suspend: bool = Field(
         False,
         description="Scale every workload to zero and drop the roles' disruption budgets (they would guard no pod); keep everything else.",
     )
     paused: bool = Field(False, description="Stop applying changes to children; status keeps being reported.")
+    progress_deadline_seconds: int = Field(
+        600,
+        ge=1,
+        description="How long a workload may stay short of its desired state without coming closer (a pod "
+        "created, updated or Ready) before the `Stalled` condition turns True with the pods' own reason "
+        "(image pull, scheduling, crash loop, out of memory) and a Warning event is posted.",
+    )
 
     @model_validator(mode="after")
     def _check_flexible(self) -> PDClusterSpec:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pdcluster import constants as C
+from pdcluster import images
 from pdcluster.api.base import FreeForm, Model, Port, Quantity, StringMap, cel
 from pdcluster.api.v1alpha1.common import (
     EnvVar,
@@ -22,8 +24,23 @@ from pdcluster.api.v1alpha1.common import (
 class EngineSpec(Model):
     """How engine pods (both roles) are launched."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _simulator_image(cls, data: Any) -> Any:
+        """An engine that runs the simulator and names no image runs the simulator's."""
+        if isinstance(data, dict) and "image" not in data:
+            command = data.get("command") or []
+            if command and command[0] == images.ENGINE_SIM_COMMAND:
+                return {**data, "image": images.default(images.ENGINE_SIM)}
+        return data
+
     image: str = Field(
-        "vllm/vllm-openai:v0.32.0", min_length=1, description="Engine image (vLLM with Mooncake)."
+        default_factory=images.factory(images.ENGINE),
+        min_length=1,
+        exclude_if=images.is_default(images.ENGINE),
+        description="Engine image (vLLM with Mooncake). Unset: the operator's default (chart value "
+        "`images.engine`), or its engine simulator image (`images.engineSim`) when `command` runs the "
+        "simulator.",
     )
     image_pull_policy: str = Field(
         "IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]}

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from pdcluster import constants as C
+from pdcluster import images
 from pdcluster.api.base import Model, Port, Quantity, cel
 from pdcluster.api.v1alpha1.common import Resources, section
 
@@ -120,10 +120,12 @@ class MooncakeSpec(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": _MOONCAKE_RULES}}
 
     image: str = Field(
-        C.DEFAULT_MOONCAKE_IMAGE,
+        default_factory=images.factory(images.MOONCAKE),
         min_length=1,
+        exclude_if=images.is_default(images.MOONCAKE),
         description="Image of the master and store pods: Mooncake's wheel (`mooncake_master`, "
-        "`mooncake.mooncake_store_service`), as images/mooncake builds it.",
+        "`mooncake.mooncake_store_service`), as images/mooncake builds it. Unset: the operator's default "
+        "(chart value `images.mooncake`).",
     )
     rpc_port: Port = Field(50051)
     metrics_port: Port = Field(9003)

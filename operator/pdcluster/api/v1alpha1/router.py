@@ -7,7 +7,8 @@ from enum import StrEnum
 from pydantic import Field
 
 from pdcluster import constants as C
-from pdcluster.api.base import Model, Port
+from pdcluster import images
+from pdcluster.api.base import FreeForm, Model, Port
 from pdcluster.api.v1alpha1.common import Resources, SecretKeyRef, section
 
 
@@ -119,8 +120,18 @@ class ConnectionsSpec(Model):
 class RouterSpec(Model):
     """The OpenAI-compatible, PD-aware router in front of the pools."""
 
-    replicas: int = Field(1, ge=0)
-    image: str = Field(C.DEFAULT_ROUTER_IMAGE, min_length=1)
+    replicas: int = Field(
+        2,
+        ge=0,
+        description="Router pods. Two by default, spread over nodes, with a PodDisruptionBudget of one: a "
+        "node that goes takes one router and the Service sends new requests to the other.",
+    )
+    image: str = Field(
+        default_factory=images.factory(images.ROUTER),
+        min_length=1,
+        exclude_if=images.is_default(images.ROUTER),
+        description="Unset: the operator's default (chart value `images.router`).",
+    )
     image_pull_policy: str = Field(
         "IfNotPresent", json_schema_extra={"enum": ["Always", "IfNotPresent", "Never"]}
     )
@@ -152,10 +163,26 @@ class RouterSpec(Model):
         description="Seconds per request, streams and retries included; prefill engines keep KV for a decode "
         "that never pulls it for as long (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT).",
     )
+    max_fan_out: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="A request with `n` > 1 or several prompts runs as one prefill/decode flow per prompt and "
+        "choice, merged into one answer; a request needing more flows than this is refused with a 400.",
+    )
     api_key_secret: SecretKeyRef | None = Field(
         None, description="When set, clients must send this key as a Bearer token."
     )
     service_type: str = Field(
         "ClusterIP", json_schema_extra={"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}
     )
-    resources: Resources | None = None
+    resources: Resources | None = Field(
+        None,
+        description="Unset: requests of 1 CPU and 512Mi, a 2Gi memory limit and no CPU limit (a throttled "
+        "router adds its wait to every token it relays). `{}` leaves the router BestEffort.",
+    )
+    affinity: FreeForm | None = Field(
+        None,
+        description="Pod affinity, as in a Pod spec. Unset: routers prefer nodes without another router "
+        "of this cluster (kubernetes.io/hostname).",
+    )

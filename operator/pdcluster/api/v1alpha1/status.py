@@ -18,6 +18,24 @@ class Condition(Model):
     observed_generation: int | None = None
 
 
+class PodStartup(Model):
+    """One engine pod's start-up: image pull, weights load and warm-up."""
+
+    pod: str
+    created: str = Field(description="The pod's creationTimestamp.")
+    seconds: int = Field(ge=0, description="From creation to the pod's first Ready condition.")
+
+
+class StartupStatus(Model):
+    """Engine start-up as measured from the pool's pods (creation to first Ready)."""
+
+    last_seconds: int = Field(ge=0, description="The start-up of the most recently created pod measured.")
+    median_seconds: int = Field(ge=0, description="The median over `pods`.")
+    pods: list[PodStartup] = Field(
+        default_factory=list, description="The most recent pods measured, oldest first."
+    )
+
+
 class RoleStatus(Model):
     """Observed state of one engine pool."""
 
@@ -26,6 +44,9 @@ class RoleStatus(Model):
     ready: int = 0
     updated: int = 0
     gpus: int = 0
+    startup: StartupStatus | None = Field(
+        None, description="Measured engine start-up; unset until a pod of the pool has been Ready."
+    )
 
 
 class ComponentStatus(Model):
@@ -38,6 +59,9 @@ class ObservedMetrics(Model):
 
     ttft_ms: int | None = None
     itl_ms: int | None = None
+    ttft_beyond_prefill_ms: int | None = Field(
+        None, description="The router's TTFT beyond prefill (TTFT less the prompt's own prefill compute)."
+    )
     request_rate_milli: int | None = Field(None, description="Requests per second x 1000.")
     mean_input_tokens: int | None = None
     mean_output_tokens: int | None = None
@@ -73,6 +97,18 @@ class LoadSample(Model):
     )
 
 
+class SeasonalMemory(Model):
+    """One role's demand by time of day, learned online from what the law has seen (its
+    seasonal forecast; the same units as LoadSample's)."""
+
+    profile: list[int] = Field(
+        description="The smoothed demand of each 10-minute bucket of the day (UTC), -1 where none was seen yet."
+    )
+    bucket: int | None = Field(None, description="The bucket being filled: seconds since the epoch / 600.")
+    total: int = Field(0, ge=0, description="The demand summed over the bucket being filled.")
+    samples: int = Field(0, ge=0, description="Runs in the bucket being filled.")
+
+
 class DecodeSample(Model):
     """One window's mean decode step on one engine, with the load it ran at."""
 
@@ -81,6 +117,13 @@ class DecodeSample(Model):
     step_us: int = Field(
         ge=0, description="Mean step time (running sequences / tokens per second), microseconds."
     )
+
+
+class PrefillSample(Model):
+    """One metrics window's prefill steps (the per-step fit's input)."""
+
+    tokens_per_step: int = Field(ge=0, description="Prompt tokens computed per engine step.")
+    step_us: int = Field(ge=0, description="Engine-microseconds per step.")
 
 
 class LearnedCapacity(Model):
@@ -95,6 +138,11 @@ class LearnedCapacity(Model):
         description="Engine-nanoseconds per prompt token computed (not served from the prefix cache).",
     )
     prefill_windows: int = Field(0, ge=0, description="Metrics windows the prefill estimate is made of.")
+    prefill_samples: list[PrefillSample] | None = Field(
+        None,
+        description="The last windows' prefill steps, oldest first: a step's fixed cost and its cost per "
+        "token are fitted from them once their batches differ enough.",
+    )
     decode_samples: list[DecodeSample] | None = Field(
         None, description="The last windows' decode steps, oldest first (the step-time fit's input)."
     )
@@ -112,6 +160,30 @@ class TTFTStages(Model):
     prefill_compute_ms: int = Field(description="The prefill itself.")
     kv_handoff_ms: int = Field(description="Moving the KV cache to the decode engine.")
     decode_wait_ms: int = Field(description="The decode engine's wait for its first step.")
+
+
+class SLOStatus(Model):
+    """The SLO as the last metrics window showed it, judged as the control law judges it
+    (above the target x (1 + tolerancePercent) is missed); docs/metrics.md names each figure."""
+
+    verdict: str = Field(
+        json_schema_extra={"enum": ["met", "missed", "unseen"]},
+        description="Both targets met, one missed, or a figure unseen (no traffic, no metrics).",
+    )
+    quantile: str = Field(description="The SLO quantile every figure is taken at, e.g. `p90`.")
+    ttft_name: str = Field(
+        description="What `slo.ttftMs` bounds: `TTFT beyond prefill` (`ttftIncludesPrefill` false), `TTFT`, "
+        "or `prefill wait` (colocated engines)."
+    )
+    ttft_beyond_prefill_ms: int | None = Field(
+        None, description="The router's TTFT beyond prefill at the quantile, when the target applies to it."
+    )
+    prefill_wait_ms: int | None = Field(
+        None, description="The colocated engines' queue time at the quantile, when the target applies to it."
+    )
+    ttft_ms: int | None = Field(None, description="The router's whole TTFT at the quantile.")
+    itl_ms: int | None = Field(None, description="The router's ITL at the quantile.")
+    summary: str = Field("", description="The figures against their targets, in one line.")
 
 
 class AutoscalingState(Model):
@@ -144,9 +216,24 @@ class AutoscalingState(Model):
         None, description="Demand seen by the runs of the last metrics window, oldest first."
     )
     capacity: LearnedCapacity | None = None
+    forecast: dict[str, SeasonalMemory] | None = Field(
+        None, description="Per role, the demand by time of day the law has learned (its seasonal forecast)."
+    )
     ttft_stages: TTFTStages | None = None
+    slo: SLOStatus | None = None
     last_decision: Decision | None = None
     decisions: int = Field(0, description="Decisions that changed replicas so far.")
+
+
+class ModelStatus(Model):
+    """The model cache's download Job (model.source cache), as the ModelReady condition says it."""
+
+    job: str = Field(description="The download Job this describes.")
+    bytes: int | None = Field(None, ge=0, description="Size of the downloaded model.")
+    files: int | None = Field(None, ge=0, description="Files downloaded.")
+    download_ms: int | None = Field(None, ge=0, description="Time the download took, in milliseconds.")
+    failed_attempts: int = Field(0, ge=0, description="Attempts of the Job that failed so far.")
+    error: str | None = Field(None, description="How the last failed attempt ended (the tail of its log).")
 
 
 class PDClusterStatus(Model):
@@ -168,6 +255,12 @@ class PDClusterStatus(Model):
     ttft_p99_ms: int | None = None
     itl_p99_ms: int | None = None
     autoscaling: AutoscalingState | None = None
+    last_progress_time: str | None = Field(
+        None,
+        description="While a workload is short of its desired state: when one last came closer to it (a pod "
+        "created, updated or Ready). `spec.progressDeadlineSeconds` counts from here.",
+    )
+    model: ModelStatus | None = None
     rollout: str | None = Field(
         None,
         description="While prefill and decode move to a new engine revision: pods updated per role, e.g. "

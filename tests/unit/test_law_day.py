@@ -1,0 +1,125 @@
+"""The law over a day (trajectories in the style of LWS's ComputeAllSteps): the seasonal
+forecast starts a scale-up ahead of a ramp seen yesterday, the first day stays reactive,
+the start-up time is an input; and its burst handling: the recent peak's floor, a
+queue's backlog and bigger steps while a queue grows."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+from tests.unit.test_control_law import PROFILE, T0, metrics, spec
+
+from pdcluster.api.v1alpha1 import AutoscalingState, LoadSample
+from pdcluster.control import Observed, RoleObserved, decide, decide_outcome
+from pdcluster.control.cause import Cause
+from pdcluster.timestamps import time_ms
+
+DAY = timedelta(days=1)
+MIDNIGHT = T0.replace(hour=0)
+RAMP = MIDNIGHT + timedelta(hours=7)  # 20 -> 80 requests/s over ten minutes
+
+
+def rate(at) -> float:
+    into = (at - at.replace(hour=0, minute=0, second=0)).total_seconds() - 7 * 3600
+    return 20.0 + 60.0 * min(max(into / 600.0, 0.0), 1.0)
+
+
+def morning(start, state, startup_s: float | None = None):
+    """06:00 to 08:00 of the day at `start`, every 30 s, engines ready as soon as asked
+    (the law's own trajectory). Returns the state and (time, prefill, cause) per run."""
+    s = spec(1, 1, gpuBudget=40, maxStep=2, cooldownSeconds=0)
+    p, d, steps = 2, 2, []
+    # The night before ended at two engines each (the forecast is what the day left).
+    state = state.model_copy(update={"prefill": p, "decode": d}) if state else None
+    at = start + timedelta(hours=6)
+    while at < start + timedelta(hours=8):
+        seen = Observed(
+            RoleObserved(p, p, p, startup_s=startup_s), RoleObserved(d, d, d, startup_s=startup_s)
+        )
+        m = metrics(rate=rate(at), engines=(p, d), ttft=250.0, itl=15.0)
+        state, decision = decide(s, m, state, seen, at, profile=PROFILE)
+        p, d = decision.prefill, decision.decode
+        steps.append((at, p, decision.cause))
+        at += timedelta(seconds=30)
+    return state, steps
+
+
+def first_rise(steps, start) -> timedelta:
+    base = steps[0][1]
+    return next(at for at, p, _ in steps if p > base) - (start + timedelta(hours=7))
+
+
+def test_the_first_day_is_reactive_and_the_second_scales_ahead_of_the_ramp():
+    state, day1 = morning(MIDNIGHT, None)
+    assert all(cause != Cause.forecast_ramp.value for _, _, cause in day1)
+    assert first_rise(day1, MIDNIGHT) >= timedelta(0)  # nothing before the load moves
+    state, _ = morning(MIDNIGHT, state)  # the rest of the memory: one more morning seen
+    _, day2 = morning(MIDNIGHT + DAY, state)
+    led = [at for at, _, cause in day2 if cause == Cause.forecast_ramp.value]
+    assert led and led[0] < RAMP + DAY
+    assert first_rise(day2, MIDNIGHT + DAY) < timedelta(0)  # engines asked for before the ramp
+    when_the_ramp_starts = [
+        next(p for at, p, _ in steps if at >= RAMP + k * DAY) for k, steps in enumerate((day1, day2))
+    ]
+    assert when_the_ramp_starts[1] > when_the_ramp_starts[0]
+
+
+def test_a_longer_start_up_starts_the_scale_up_earlier():
+    state, _ = morning(MIDNIGHT, None)
+    state, _ = morning(MIDNIGHT, state)
+    _, quick = morning(MIDNIGHT + DAY, state, startup_s=60.0)
+    _, slow = morning(MIDNIGHT + DAY, state, startup_s=600.0)
+    assert first_rise(slow, MIDNIGHT + DAY) < first_rise(quick, MIDNIGHT + DAY)
+
+
+def held_state(peak: bool) -> AutoscalingState:
+    """Eight prefill engines, their scale-down wanted for ten minutes; a burst of 20x the load 2 min ago or not."""
+    m = metrics(rate=4.0, engines=(8, 4))
+    history = [
+        LoadSample(
+            time=time_ms(T0 - timedelta(seconds=120)),
+            prefill=round(4.0 * 3000 * (20 if peak else 1)),
+            decode=1,
+        )
+    ]
+    return AutoscalingState(
+        prefill=8,
+        decode=4,
+        last_run_time=time_ms(T0 - timedelta(seconds=30)),
+        down_wanted_since={"prefill": time_ms(T0 - timedelta(minutes=10))},
+        history=history,
+    ), m
+
+
+def test_a_scale_down_keeps_what_the_recent_peak_needed():
+    s = spec(8, 4, gpuBudget=40, cooldownSeconds=0)
+    seen = Observed(RoleObserved(8, 8, 8), RoleObserved(4, 4, 4))
+    state, m = held_state(peak=False)
+    calm = decide_outcome(s, replace(m, ttft_ms=100.0), state, seen, T0, profile=PROFILE)
+    assert calm.decision.prefill < 8 and calm.decision.cause == Cause.prefill_headroom.value
+    state, m = held_state(peak=True)
+    after_burst = decide_outcome(s, replace(m, ttft_ms=100.0), state, seen, T0, profile=PROFILE)
+    assert after_burst.decision.prefill > calm.decision.prefill
+    assert after_burst.figures.floor["prefill"] >= after_burst.decision.prefill
+
+
+def test_a_growing_queue_takes_several_max_steps_at_once():
+    s = spec(2, 4, gpuBudget=40, maxStep=1, cooldownSeconds=0)
+    seen = Observed(RoleObserved(2, 2, 2), RoleObserved(4, 4, 4))
+    base = metrics(rate=4.0, engines=(2, 4))
+    quiet = decide(s, base, None, seen, T0, profile=PROFILE)[1]
+    # Three times the prompts arrive than are computed, and 60 requests wait.
+    burst = replace(
+        base,
+        request_rate=12.0,
+        prefill_queue=60.0,
+        ttft_ms=4000.0,
+        prefill=replace(base.prefill, queue_time_ms=3500.0, ttft_ms=3800.0),
+    )
+    state = AutoscalingState(prefill=2, decode=4)
+    outcome = decide_outcome(s, burst, state, seen, T0, profile=PROFILE)
+    assert 1 < outcome.decision.prefill - 2 <= 3  # three maxSteps of 1 at most
+    assert outcome.decision.cause == Cause.queue_growing.value
+    assert outcome.figures.queue["prefill"] == 60.0
+    assert quiet.prefill <= 2
