@@ -101,11 +101,17 @@ class Worker:
         self.wakeup = asyncio.Event()
         self.wakeup.set()
         self.uid = body["metadata"].get("uid")
+        self.reconciling = False  # inside a reconcile, which shutdown lets finish
         self.task = asyncio.create_task(self._loop(), name=f"reconcile {key[0]}/{key[1]}")
+
+    def stop(self) -> None:
+        """No reconcile after the one in flight; an idle worker ends at once."""
+        if not self.reconciling:
+            self.task.cancel()
 
     async def _loop(self) -> None:
         backoff = 1.0
-        while True:
+        while not self.controller.closing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     self.wakeup.wait(), timeout=wake_after(self.body, self.controller.resync)
@@ -118,7 +124,13 @@ class Worker:
                 await self.controller.synced.wait()  # not before the children cache is whole
             try:
                 async with self.controller.slots.take(_urgent(self.body)):
-                    status = await reconcile(self.controller.context, self.body)
+                    if self.controller.closing:
+                        return  # handed a slot as the operator stops
+                    self.reconciling = True
+                    try:
+                        status = await reconcile(self.controller.context, self.body)
+                    finally:
+                        self.reconciling = False
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # keep the worker alive; the next attempt may succeed
@@ -127,6 +139,8 @@ class Worker:
                     log.warning("reconcile %s/%s: %s; retrying in %.0fs", *self.key, e, backoff)
                 else:
                     log.exception("reconcile %s/%s failed; retrying in %.0fs", *self.key, backoff)
+                if self.controller.closing:
+                    return
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
                 self.wakeup.set()
@@ -154,6 +168,7 @@ class Controller:
         # at once; each worker still reconciles its own cluster one at a time.
         self.slots = Slots(concurrency)
         self.workers: dict[tuple[str, str], Worker] = {}
+        self.closing = False  # the operator is stopping: no reconcile starts any more
 
     # kopf handles each object's events in order, but objects (uids) concurrently: when a
     # PDCluster is deleted and created again under its name, the old one's last events
@@ -161,6 +176,8 @@ class Controller:
     # children are), so the uid decides which object an event may act for.
     def observe(self, body: dict[str, Any]) -> None:
         """The PDCluster as the watch delivered it (created, changed, or listed again)."""
+        if self.closing:
+            return
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
         worker = self.workers.get(key)
@@ -192,8 +209,21 @@ class Controller:
         if worker is not None:
             worker.wakeup.set()
 
-    async def close(self) -> None:
-        for worker in self.workers.values():
-            worker.task.cancel()
-        await asyncio.gather(*(w.task for w in self.workers.values()), return_exceptions=True)
+    async def close(self, grace: float = 0.0) -> None:
+        """Stops every worker: none starts another reconcile, those in flight get `grace`
+        seconds to finish and are then cancelled. A reconcile cut short is safe (the next
+        operator redoes it, as after a crash); bounding it keeps the exit inside the pod's
+        termination grace period, however many PDClusters are reconciling."""
+        self.closing = True
+        workers = list(self.workers.values())
+        for worker in workers:
+            worker.stop()
+        tasks = [w.task for w in workers if not w.task.done()]
+        if tasks and grace > 0:
+            _, late = await asyncio.wait(tasks, timeout=grace)
+            if late:
+                log.warning("%d reconcile(s) still running %.0fs after the stop: cancelled", len(late), grace)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.workers.clear()

@@ -1,5 +1,5 @@
 """Thin kopf wiring: watch PDClusters and hand them to the Controller (their children
-are watched by children.py).
+are watched by children.py; follow.py watches PDClusters too, as kopf can stop).
 
 Only an event handler is used: it needs no finalizer and writes no progress annotation,
 so kopf itself never writes to our objects. It is async so that it runs on the event
@@ -15,6 +15,7 @@ import kopf
 
 from pdcluster import constants as C
 from pdcluster.controller import Controller
+from pdcluster.follow import plain
 from pdcluster.io.kube import KubeConfig
 
 
@@ -51,7 +52,7 @@ def register(registry: kopf.OperatorRegistry, controller: Controller, config: Ku
         if event.get("type") == "DELETED":
             controller.forget(meta["namespace"], meta["name"], meta.get("uid"))
         else:
-            controller.observe(_plain(body))
+            controller.observe(plain(body))
 
 
 class _NoDiffBase(kopf.DiffBaseStorage):
@@ -67,9 +68,3 @@ class _NoDiffBase(kopf.DiffBaseStorage):
 
     def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
         return None
-
-
-def _plain(body: kopf.Body) -> dict[str, Any]:
-    """A PDCluster as the controller keeps it until its reconcile: managedFields are not read."""
-    meta = {key: value for key, value in body["metadata"].items() if key != "managedFields"}
-    return {**{key: body[key] for key in body}, "metadata": meta}

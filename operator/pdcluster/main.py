@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import kopf
 import prometheus_client
@@ -17,6 +18,7 @@ from pdcluster import add_version_flag, images
 from pdcluster.autoscaler import PrometheusAutoscaler
 from pdcluster.children import Children
 from pdcluster.controller import Controller
+from pdcluster.follow import follow
 from pdcluster.handlers import register
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import Kube, KubeConfig
@@ -25,6 +27,10 @@ from pdcluster.io.prometheus_auth import OperatorCredentials, parse_header
 from pdcluster.reconcile import Context
 
 log = logging.getLogger("pdcluster")
+
+# kopf stops its watches (a few seconds for the events queued) and cancels what it started.
+KOPF_EXIT_SECONDS = 10.0
+RELEASE_SECONDS = 3.0  # handing the Lease on saves the next leader its expiry; not worth more
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--health-port", type=int, default=8081, help="liveness endpoint /healthz; 0 disables")
     p.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--leader-election-namespace", default=os.environ.get("POD_NAMESPACE"))
+    p.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        default=10.0,
+        help="at SIGTERM, how long reconciles in flight may finish before they are cancelled "
+        "(keep well inside the pod's terminationGracePeriodSeconds)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -134,32 +147,84 @@ async def run(args: argparse.Namespace) -> None:
         controller = Controller(context, resync=args.resync_seconds, elector=elector, synced=children.synced)
         register(registry, controller, config)
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.create_task(children.run(watcher, args.namespace, controller.wake))]
+        _stop_on_signals(stop)
+        tasks = [
+            asyncio.create_task(children.run(watcher, args.namespace, controller.wake)),
+            asyncio.create_task(follow(watcher, args.namespace, controller)),
+        ]
         if elector:
             tasks.append(asyncio.create_task(elector.run()))
         for task in tasks:  # one that fails stops the operator (its error is raised below)
             task.add_done_callback(lambda t: None if t.cancelled() or t.exception() is None else stop.set())
-        try:
-            await kopf.operator(
+        kopf_stop, kopf_ready = asyncio.Event(), asyncio.Event()
+        operator = asyncio.create_task(
+            kopf.operator(
                 registry=registry,
                 standalone=True,  # leader election is ours (a Lease); no kopf peering
                 clusterwide=not args.namespace,
                 namespaces=args.namespace,
                 liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
-                stop_flag=stop,
+                stop_flag=kopf_stop,
+                ready_flag=kopf_ready,
             )
+        )
+        operator.add_done_callback(lambda _: stop.set())
+        signals = asyncio.create_task(_take_back_signals(kopf_ready, stop))
+        try:
+            await stop.wait()
+            log.info("stopping: no new reconciles; %.0fs for those in flight", args.shutdown_grace_seconds)
+            # Workers first: kopf would let them run on while it stops, then cancel them.
+            await controller.close(grace=args.shutdown_grace_seconds)
         finally:
-            await controller.close()
-            for t in tasks:
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
-            if elector:
-                await elector.release()
-            await autoscaler.close()
+            signals.cancel()
+            kopf_stop.set()
+            await _stop(operator, controller, tasks, elector, autoscaler)
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def _take_back_signals(kopf_ready: asyncio.Event, stop: asyncio.Event) -> None:
+    """kopf installs its own SIGINT/SIGTERM handlers as it starts (replacing ours); once it
+    is up they are ours again, so that a signal stops the reconciles before kopf stops."""
+    await kopf_ready.wait()
+    _stop_on_signals(stop)
+
+
+async def _stop(
+    operator: asyncio.Task[None],
+    controller: Controller,
+    tasks: list[asyncio.Task[Any]],
+    elector: LeaderElector | None,
+    autoscaler: PrometheusAutoscaler,
+) -> None:
+    """kopf's own stop (its watches, then the tasks it started), then ours, each bounded:
+    an apiserver that does not answer must not hold the exit. The first error of kopf or
+    of our tasks is raised."""
+    try:
+        await asyncio.wait_for(asyncio.shield(operator), KOPF_EXIT_SECONDS)
+    except TimeoutError:
+        log.warning("kopf did not stop within %.0fs; cancelling it", KOPF_EXIT_SECONDS)
+        operator.cancel()
+        await asyncio.wait([operator], timeout=KOPF_EXIT_SECONDS)
+    except Exception:
+        pass  # raised below, once ours are stopped too
+    await controller.close()
+    for t in tasks:
+        t.cancel()
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    if elector:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(elector.release(), RELEASE_SECONDS)
+    await autoscaler.close()
+    if operator.done() and not operator.cancelled():
+        outcomes.insert(0, operator.exception())
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -156,6 +156,20 @@ def test_admission_rates_are_per_backend() -> None:
     assert admission.tokens_per_s("fast") == pytest.approx(5000)
 
 
+def test_a_prefill_finishing_after_its_backend_was_forgotten_leaves_no_rate() -> None:
+    """A pod deleted mid-prefill is forgotten before its last prefill ends; its successor
+    under the same id (a StatefulSet's pod name) starts from the prior, not from a rate
+    measured over the time since the clock's origin (which refused every request 429)."""
+    admission = Admission(ttft_target_ms=500, factor=2.0, default_tokens_per_s=5000)
+    admission.started("p", 100.0, was_idle=True)
+    admission.forget("p")
+    admission.completed("p", 1000, 40_000.0)
+    assert admission.tokens_per_s("p") == pytest.approx(5000)
+    assert admission.decide(Backend("p", "prefill", 1, 0), 1000).admitted
+    admission.completed("p", 1000, 40_001.0)  # still no interval begun: nothing measured
+    assert admission.tokens_per_s("p") == pytest.approx(5000)
+
+
 def test_the_itl_histogram_reads_as_prometheus_would() -> None:
     """The router's per-token histogram is plain arithmetic behind a collector: its
     exposition is a Prometheus histogram's, n equal observations included."""

@@ -72,6 +72,14 @@ ALLOWED: dict[tuple[str, str, str, str], str] = {
         "kills the operator at a random point just after its k-th write, the fault under test",
     ("e2e/test_operator_faults.py", "_kill_at_random_point", SLEEP, "asyncio.sleep(delay)"):
         "kills the operator after a random delay, the fault under test",
+    ("e2e/chaosfaults.py", "Injector._inject", SLEEP, "asyncio.sleep(PROMETHEUS_DOWN_S)"):
+        "Prometheus stays stopped for a minute, the fault under test",
+    ("e2e/chaosfaults.py", "Injector._operator_fault", SLEEP, "asyncio.sleep(self.rng.uniform(*OPERATOR_DOWN_S))"):
+        "the operator stays dead a random while before its restart, the fault under test",
+    ("e2e/chaosfaults.py", "run_schedule.at", SLEEP, "asyncio.sleep(max(0.0, started + fault.at - time.monotonic()))"):
+        "each fault lands at its time on the seeded schedule, the chaos under test",
+    ("e2e/chaosfaults.py", "run_chaos", SLEEP, "asyncio.sleep(max(0.0, started + duration - time.monotonic()))"):
+        "the load runs for the chaos run's set duration while the faults land",
     ("e2e/test_operator_faults.py", "_kill_at_random_point", SLEEP, "asyncio.sleep(0.05)"):
         "follows the operator's log to the k-th write at which to kill it, within a deadline",
     ("e2e/test_operator_faults.py", "test_foreign_edits_are_reverted_without_a_write_storm", SLEEP, "asyncio.sleep(1.0)"):

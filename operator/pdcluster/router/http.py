@@ -396,12 +396,12 @@ class HttpServer:
             conn.expire()
 
     def end_keepalive(self) -> None:
-        """Every answer from now on ends its connection, and idle connections close now:
-        a draining router's clients reconnect, through its Service, to a router that stays,
-        instead of sending their next request here to be refused."""
+        """Every answer from now on ends its connection: a draining router's clients
+        reconnect, through its Service, to a router that stays. Idle connections are left
+        to their clients (their next request is answered and ends them): closing one could
+        cut a request already on its way, which its client sees as a disconnect with no
+        answer (the chaos run lost requests so)."""
         self.closing = True
-        for conn in [c for c in self.connections if c.idle]:
-            conn.close()
 
     async def close(self) -> None:
         """Stop listening and close every connection; handlers still running are cancelled."""

@@ -37,6 +37,7 @@ from pdcluster.router.upstream import UpstreamPool
 if TYPE_CHECKING:
     from pdcluster.router.tracing import Tracing
 
+_DRAIN_POLL_S = 0.1
 log = logging.getLogger("pdcluster.router")
 
 
@@ -230,17 +231,25 @@ class RouterService:
             self.router.forget(backend_id)
 
     async def drain(self, timeout: float) -> None:
-        """Refuse new requests (readiness fails) and wait for the in-flight ones."""
+        """Fail readiness (no new connections come), end kept-alive connections, and wait
+        for the requests in flight; one arriving on an open connection meanwhile is served
+        and closes it."""
         router = self.router
         assert router is not None
         router.draining = True
         if self._http is not None:
             self._http.end_keepalive()
         log.info("draining %d in-flight requests (up to %g s)", router.inflight, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(router.idle.wait(), timeout)
         if router.inflight:
             log.warning("drain timeout: dropping %d requests", router.inflight)
+        # Then the connections still open: each ends after its answer (end_keepalive), so
+        # a request already on its way is answered rather than cut by the exit.
+        while self._http is not None and self._http.connections and loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
 
     async def stop(self) -> None:
         if self._http is not None:  # the drain has waited for in-flight requests: cut the rest

@@ -23,7 +23,7 @@ from pdcluster import observability as obs
 if TYPE_CHECKING:
     from pdcluster.router.membership import Upstream
 
-REJECTION_REASONS = ("slo", "draining", "no_backend", "unauthorized")
+REJECTION_REASONS = ("slo", "no_backend", "unauthorized")
 
 
 class _LoadCollector(Collector):

@@ -363,7 +363,7 @@ class _Rate:
 
     tokens: float
     seconds: float
-    mark: float = 0.0  # when the current measurement interval began
+    mark: float | None = None  # when the current measurement interval began; None: none has
 
     @property
     def tokens_per_s(self) -> float:
@@ -424,7 +424,12 @@ class Admission:
             self._rate(backend_id).mark = now
 
     def completed(self, backend_id: str, tokens: int, now: float) -> None:
-        rate = self._rate(backend_id)
+        rate = self._rates.get(backend_id)
+        if rate is None or rate.mark is None:
+            # Forgotten while this prefill ran (its pod went away), or never started: no
+            # interval to measure. Counted from time 0, the busy time would be the host's
+            # uptime and the rate of a successor under the same id would collapse to ~0.
+            return
         elapsed = now - rate.mark
         rate.mark = now
         if elapsed <= 0.0:

@@ -232,7 +232,11 @@ class Router:
     def _valid_body(self, request: Request, chat: bool) -> dict[str, Any] | Response:
         """The request's body, or the answer refusing it."""
         if self.draining:
-            return self._reject("draining", 503, "the router is shutting down")
+            # Served, then the connection closed: it is a kept-alive one (the Service sends
+            # no new connection to a terminating pod), and the client's next request opens
+            # one to another router. A 503 here lost it (as Go's Server.Shutdown and nginx
+            # finish what arrives on open connections and close them).
+            request.keep_alive = False
         if not self._authorized(request):
             return self._reject("unauthorized", 401, "invalid or missing API key")
         body, why = openai.parse_json(request.body)
