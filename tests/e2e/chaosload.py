@@ -20,6 +20,10 @@ NO_BACKEND = "no ready prefill and decode backends"
 # The router and the pod runner see pods a little after the apiserver: a 503 counts as "no
 # engine of a role" when a role had none this close to the request.
 NO_ENGINE_SLACK_S = 3.0
+# Connection errors before any answer began, which clients behind a Service retry (the
+# OpenAI SDK retries connection errors by default): a router pod that goes away can close a
+# kept-alive connection just as the client sends on it, and nothing of the request was read.
+RETRYABLE = ("ClientConnectorError", "ServerDisconnectedError", "ClientOSError")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 
 
@@ -39,6 +43,7 @@ class Answer:
     status: int
     text: str = ""
     error: str = ""  # empty when the answer arrived whole (200, [DONE] for a stream)
+    retried: str = ""  # the connection error of a first try that got no answer, retried once
 
 
 async def ask(
@@ -51,7 +56,11 @@ async def ask(
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     try:
         async with http.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}) as r:
-            raw, status = await r.read(), r.status
+            status = r.status
+            try:
+                raw = await r.read()
+            except (aiohttp.ClientError, TimeoutError) as e:  # cut after the answer began: lost
+                return status, "", f"{type(e).__name__} after the answer began: {e}"[:200]
     except (aiohttp.ClientError, TimeoutError) as e:
         return 0, "", f"{type(e).__name__}: {e}"[:200]
     if status != 200:
@@ -78,6 +87,7 @@ class Verdicts:
     streamed: int = 0  # of those sent, streamed ones
     whole: int = 0
     no_engine: int = 0  # 503 while a role had no engine at all: not counted as lost
+    retried: int = 0  # sent again after a connection error with no answer begun, as clients do
     duplicated: int = 0  # more tokens than asked, or a token repeated
     tokens_lost: int = 0  # tokens missing from the answers that came back short or not at all
     failed: Counter[str] = field(default_factory=Counter)  # why, for each lost request
@@ -90,7 +100,8 @@ class Verdicts:
         why = ", ".join(f"{n} {reason}" for reason, n in self.failed.most_common()) or "none"
         return (
             f"{self.sent} sent ({self.streamed} streamed), {self.whole} whole, {self.lost} lost ({why}), {self.duplicated} duplicated, "
-            f"{self.tokens_lost} tokens lost, {self.no_engine} answered 503 while a role had no engine"
+            f"{self.tokens_lost} tokens lost, {self.no_engine} answered 503 while a role had no engine, "
+            f"{self.retried} retried after a connection error before any answer"
         )
 
 
@@ -99,7 +110,11 @@ def judge(
 ) -> Verdicts:
     """Each answer against its prompt's reference answer. `no_engine_at`: the times at
     which some role had no ready engine."""
-    v = Verdicts(sent=len(answers), streamed=sum(a.stream for a in answers))
+    v = Verdicts(
+        sent=len(answers),
+        streamed=sum(a.stream for a in answers),
+        retried=sum(bool(a.retried) for a in answers),
+    )
     for a in answers:
         words, reference = a.text.split(), references[a.prompt].split()
         if not a.error and a.status == 200 and words == reference:
@@ -169,8 +184,14 @@ class MixedLoad:
             status, text, error = await ask(
                 self._http, self.url, request_id, self.prompts[index], self.max_tokens, stream
             )
+            retried = ""
+            if status == 0 and error.startswith(RETRYABLE):
+                retried = error
+                status, text, error = await ask(
+                    self._http, self.url, f"{request_id}-retry", self.prompts[index], self.max_tokens, stream
+                )
             self.answers.append(
-                Answer(request_id, stream, index, sent, time.monotonic(), status, text, error)
+                Answer(request_id, stream, index, sent, time.monotonic(), status, text, error, retried)
             )
 
     async def stop(self) -> list[Answer]:
