@@ -15,6 +15,7 @@ from pdcluster.observability import Histogram
 from pdcluster.perf import Profile
 from pdcluster.router.policy import LeastLoaded, PreciseCache, make_policy
 from pdcluster.sim import scrapes as M
+from pdcluster.sim.cutoff import Cutoff
 from pdcluster.sim.engines import (
     DRAINING,
     GONE,
@@ -66,8 +67,16 @@ class Policy(Protocol):
 class FleetState:
     """What every part of the fleet reads and writes, and the engines' lifecycle."""
 
-    def __init__(self, trace: Trace, profile: Profile, policy: Policy, config: FleetConfig) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        profile: Profile,
+        policy: Policy,
+        config: FleetConfig,
+        cutoff: Cutoff | None = None,
+    ) -> None:
         self.trace = trace
+        self.cutoff = cutoff  # stop once the run cannot attain what a search needs
         self.profile = profile
         self.policy = policy
         self.cfg = config
