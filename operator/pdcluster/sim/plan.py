@@ -371,15 +371,17 @@ def fleet_config(config: PlanConfig, profile: perf.Profile) -> FleetConfig:
     )
 
 
-def setup_maker(config: PlanConfig) -> Callable[[float], Setup]:
-    """The setup at each rate scale: the trace scaled as `config` says."""
+def setup_maker(config: PlanConfig, base: Trace | None = None) -> Callable[[float], Setup]:
+    """The setup at each rate scale: the trace (`base`, or `config.trace` read) scaled as
+    `config` says."""
     profile = perf.load(config.profile)
     if config.gpus // profile.gpus < 2:
         raise TraceError(
             f"--gpus {config.gpus} holds {config.gpus // profile.gpus} engine(s) of {profile.gpus} GPU(s); "
             "prefill and decode need one each"
         )
-    base = load_trace(config.trace, config.trace_format, seed=config.seed)
+    if base is None:
+        base = load_trace(config.trace, config.trace_format, seed=config.seed)
     curve = longload.read_rate_curve(config.rate_curve) if config.rate_curve else None
     fleet = fleet_config(config, profile)
 
@@ -390,14 +392,15 @@ def setup_maker(config: PlanConfig) -> Callable[[float], Setup]:
             trace = base.scaled(scale)
         else:
             trace = base.replicated(scale, config.seed)
-        return Setup(trace, profile, config.slo, fleet, config.knobs)
+        return Setup(trace, profile, config.slo, fleet, config.knobs, config.warmup_s)
 
     return make_setup
 
 
-def evaluate(config: PlanConfig, say: Say = quiet) -> Evaluation:
-    """Simulate every policy `config` asks for: the report, the raw results and the setup."""
-    make_setup = setup_maker(config)
+def evaluate(config: PlanConfig, say: Say = quiet, base: Trace | None = None) -> Evaluation:
+    """Simulate every policy `config` asks for: the report, the raw results and the setup.
+    `base`: a trace already in memory, instead of `config.trace`."""
+    make_setup = setup_maker(config, base)
     searched = config.rate_scale is None
     if searched:
         low, high = band(config.static_attains)
