@@ -105,3 +105,13 @@ def test_the_servegen_day_is_m_large_from_day_thirteen(traces: Path) -> None:
     trace = source.make(factor)
     check_day(trace, source.peak_rps, factor)
     assert math.isclose(day.SERVEGEN_DAY_START_S / 86400, 12)  # 00:00 of day 13
+
+
+def test_engines_over_time_are_time_weighted_means() -> None:
+    # 1:1 for the first 900 s, 3:2 until 2700 s, 2:2 until the end at 3600 s; bins of 1800 s
+    timeline = [(0.0, 1, 1, 1, 1, 2), (900.0, 3, 2, 3, 2, 5), (2700.0, 2, 2, 2, 2, 4)]
+    result = Result("p", [], [], [], 0.0, 3600.0, timeline)
+    centres, prefill, decode = day.engines_over_time(result, 1800.0)
+    assert centres == [-0.25, 0.25]
+    assert prefill == [pytest.approx(2.0), pytest.approx(2.5)]
+    assert decode == [pytest.approx(1.5), pytest.approx(2.0)]

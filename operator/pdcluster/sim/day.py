@@ -16,6 +16,7 @@ neutral split, and no policy is scored on it (sim/scoring.py `from_s`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,31 +159,47 @@ def plot(
 
     fig, (load, engines, hours) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     arrivals = (np.asarray(trace.arrival_s) - from_s) / 3600.0
+    day_h = float(np.ceil(arrivals[-1]))  # requests still queued after it are not drawn
     edges = np.arange(-from_s / 3600.0, arrivals[-1] + 1 / 6, 1 / 6)  # 10-minute bins
     counts, _ = np.histogram(arrivals, edges)
     load.step(edges[:-1], counts / 600.0, where="post", color="black", linewidth=0.8)
     load.set_ylabel("requests/s")
     for name, result in results.items():
-        # each step holds until the next change, the last one until the run's end
-        t = [(row[0] - from_s) / 3600.0 for row in result.timeline] + [(result.end_s - from_s) / 3600.0]
-        prefill = [row[1] for row in result.timeline]
-        decode = [row[2] for row in result.timeline]
-        line = engines.step(t, [*prefill, prefill[-1]], where="post", linewidth=0.9, label=name)[0]
-        engines.step(
-            t, [*decode, decode[-1]], where="post", linewidth=0.9, linestyle="--", color=line.get_color()
-        )
+        at, prefill, decode = engines_over_time(result, from_s)
+        line = engines.plot(at, prefill, linewidth=0.9, label=name)[0]
+        engines.plot(at, decode, linewidth=0.9, linestyle="--", color=line.get_color())
         values = by_hour.get(name)
         if values:
             hours.plot(
                 [h + 0.5 for h in range(len(values))], values, marker=".", color=line.get_color(), label=name
             )
-    engines.set_ylabel("engines (prefill —, decode --)")
+    engines.set_ylabel("engines, 30-min mean\n(prefill —, decode --)")
     engines.legend(fontsize=7, ncol=3)
     hours.set_ylabel("attainment per hour")
     hours.set_xlabel("hour of the day (warm-up shaded)")
     for ax in (load, engines, hours):
         ax.axvspan(-from_s / 3600.0, 0, color="0.9")
+        ax.set_xlim(-from_s / 3600.0, day_h)
     load.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=72)
     plt.close(fig)
+
+
+def engines_over_time(
+    result: Result, from_s: float, width_s: float = 1800.0
+) -> tuple[list[float], list[float], list[float]]:
+    """Ready prefill and decode engines, time-weighted means per `width_s`: bin centres in
+    hours from `from_s` (a policy that moves every interval is unreadable step by step)."""
+    bins = int(np.ceil(result.end_s / width_s))
+    held = np.zeros((2, bins))
+    marks = [*result.timeline, (result.end_s, 0, 0)]
+    for (t, p, d, *_), (after, *_) in itertools.pairwise(marks):
+        while t < after:
+            k = int(t // width_s)
+            step = min(after, (k + 1) * width_s) - t
+            held[0, k] += p * step
+            held[1, k] += d * step
+            t += step
+    centres = [((k + 0.5) * width_s - from_s) / 3600.0 for k in range(bins)]
+    return centres, (held[0] / width_s).tolist(), (held[1] / width_s).tolist()
