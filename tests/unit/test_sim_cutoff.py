@@ -84,7 +84,14 @@ def test_warm_up_is_scored_by_no_policy() -> None:
     trace = a_trace(6, requests=900)
     warmup = trace.arrival_s[300]
     setup = a_setup(trace, warmup_s=warmup)
-    choices = [PolicyChoice.static(2, 2), PolicyChoice(PolicyKind.PDCLUSTER), PolicyChoice(PolicyKind.ORACLE)]
+    kinds = (
+        PolicyKind.PDCLUSTER,
+        PolicyKind.PDCLUSTER_FLEX,
+        PolicyKind.DYNAMO_LOAD,
+        PolicyKind.LLMD,
+        PolicyKind.ORACLE,
+    )  # those of the day scenarios (benchmarks/plan_bench.py)
+    choices = [PolicyChoice.static(2, 2), *(PolicyChoice(kind) for kind in kinds)]
     for sc, result in plan.run_many(setup, choices, 1, start=(1, 1)):
         assert sc.requests == len(trace) - 300
         whole = scoring.score(result, trace, setup.targets_s, 25.0)
