@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.perf import Profile
 from pdcluster.sim import scrapes as M
+from pdcluster.sim.cutoff import Cutoff
 from pdcluster.sim.engines import READY, STARTING, Engine
 from pdcluster.sim.fleet_decode import DecodeStage
 from pdcluster.sim.fleet_prefill import PrefillStage
@@ -79,6 +80,7 @@ class Result:
     store_tokens: int = 0  # prompt tokens loaded from the store (by prefill or decode)
     reused_tokens: int = 0  # prompt tokens not computed: an engine's prefix cache or the store
     flips: int = 0  # flexible fleets: engines moved between the roles
+    cut_s: float | None = None  # when a cut-off stopped the run (sim/cutoff.py); None: it ran out
 
 
 class Fleet(PrefillStage, DecodeStage):
@@ -95,6 +97,7 @@ class Fleet(PrefillStage, DecodeStage):
         total = len(self.trace)
         events = self.events
         pop = heapq.heappop
+        cut_s = None
         while events and self.done < total:
             t, _, kind, obj, arg = pop(events)
             if t > self.cfg.max_time_s:
@@ -110,6 +113,9 @@ class Fleet(PrefillStage, DecodeStage):
             elif kind == TRANSFER_DONE:
                 self.to_decode(arg)
             elif kind == SCRAPE:
+                if self.cutoff is not None and self.cutoff.hopeless(t, self.first_token):
+                    cut_s = t
+                    break
                 self.scrape()
                 self.push(t + self.cfg.scrape_s, SCRAPE)
             elif kind == CONTROL:
@@ -139,6 +145,7 @@ class Fleet(PrefillStage, DecodeStage):
             self.store_tokens,
             self.reused_tokens,
             self.flips,
+            cut_s,
         )
 
     def engine_ready(self, engine: Engine) -> None:
@@ -187,5 +194,7 @@ class Fleet(PrefillStage, DecodeStage):
         )
 
 
-def simulate(trace: Trace, profile: Profile, policy: Policy, config: FleetConfig) -> Result:
-    return Fleet(trace, profile, policy, config).run()
+def simulate(
+    trace: Trace, profile: Profile, policy: Policy, config: FleetConfig, cutoff: Cutoff | None = None
+) -> Result:
+    return Fleet(trace, profile, policy, config, cutoff).run()

@@ -87,11 +87,14 @@ class DecodeStage(FleetState):
         first = self.now + engine.step_ms / 1000.0
         ttft_hist, beyond_hist = self.hist[M.ROUTER_TTFT], self.hist[M.ROUTER_TTFT_BEYOND_PREFILL]
         prefill_hist, after_hist = self.hist[M.ROUTER_PREFILL], self.hist[M.ROUTER_AFTER_PREFILL]
+        cutoff = self.cutoff
         for i in joined:
             self.first_token[i] = first
             self.ttft[i] = first - tr.arrival_s[i]
             ttft_hist.observe(self.ttft[i])
             beyond_hist.observe(max(self.ttft[i] - self.own_prefill_s[i], 0.0))
+            if cutoff is not None:
+                cutoff.first_token(i, self.ttft[i])
             prefill_hist.observe(self.prefilled_at[i] - tr.arrival_s[i])
             after_hist.observe(first - self.prefilled_at[i])
         if engine.batch:
@@ -104,6 +107,10 @@ class DecodeStage(FleetState):
         tr = self.trace
         self.finish[i] = self.now
         self.done += 1
+        if self.cutoff is not None:
+            out = tr.output_tokens[i]
+            itl = (self.now - self.first_token[i]) / (out - 1) if out > 1 else 0.0
+            self.cutoff.finished(i, self.ttft[i], itl)
         self.counters[M.ROUTER_FINISHED] += 1
         self.counters[M.ROUTER_GENERATION_TOKENS] += tr.output_tokens[i]
         self.hist[M.REQUEST_DURATION].observe(self.now - tr.arrival_s[i])

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass
+from functools import reduce
 from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from pdcluster.control.models import MAX_BATCHED_TOKENS
 from pdcluster.observability import Histogram
 from pdcluster.perf import Profile
 from pdcluster.router.policy import LeastLoaded, PreciseCache, make_policy
 from pdcluster.sim import scrapes as M
+from pdcluster.sim.cutoff import Cutoff
 from pdcluster.sim.engines import (
     DRAINING,
     GONE,
@@ -63,11 +68,49 @@ class Policy(Protocol):
     def decide(self, now_s: float, fleet: Fleet) -> tuple[int, int] | None: ...
 
 
+class BufferedHistogram(Histogram):
+    """A histogram whose observations wait in a list until the next snapshot (a scrape):
+    one numpy pass per scrape instead of a bisection per request, with the same counts
+    and the same sum (added in the order observed)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        super().__init__(bounds)
+        self.pending: list[float] = []
+        self.observe = self.pending.append  # type: ignore[method-assign,assignment]
+        self.sorted_bounds = np.asarray(bounds, dtype=float)
+
+    def flush(self) -> None:
+        if self.pending:
+            found = np.bincount(
+                np.searchsorted(self.sorted_bounds, self.pending, side="left"), minlength=len(self.counts)
+            )
+            self.counts = [c + int(n) for c, n in zip(self.counts, found, strict=True)]
+            self.sum = reduce(operator.add, self.pending, self.sum)
+            self.count += len(self.pending)
+            self.pending.clear()
+
+    def observe_steps(self, first: float, growth: float, steps: int, weight: int, skipped: int) -> None:
+        self.flush()  # the sum in the order observed
+        super().observe_steps(first, growth, steps, weight, skipped)
+
+    def snapshot(self) -> tuple[tuple[int, ...], float, int]:
+        self.flush()
+        return super().snapshot()
+
+
 class FleetState:
     """What every part of the fleet reads and writes, and the engines' lifecycle."""
 
-    def __init__(self, trace: Trace, profile: Profile, policy: Policy, config: FleetConfig) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        profile: Profile,
+        policy: Policy,
+        config: FleetConfig,
+        cutoff: Cutoff | None = None,
+    ) -> None:
         self.trace = trace
+        self.cutoff = cutoff  # stop once the run cannot attain what a search needs
         self.profile = profile
         self.policy = policy
         self.cfg = config
@@ -111,7 +154,7 @@ class FleetState:
         self.decisions: list[tuple[float, int, int, str]] = []
         # Cumulative series, as the engines' and the router's /metrics would show them.
         self.scrapes = M.Scrapes(M.histogram_bounds())
-        self.hist = {name: Histogram(bounds) for name, bounds in self.scrapes.bounds.items()}
+        self.hist = {name: BufferedHistogram(bounds) for name, bounds in self.scrapes.bounds.items()}
         self.counters = dict.fromkeys(
             (
                 M.ROUTER_FINISHED,

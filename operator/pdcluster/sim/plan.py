@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from functools import cached_property
 from multiprocessing import get_context
 
 from pdcluster import observability as obs
@@ -33,6 +34,7 @@ from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.control import sizing
 from pdcluster.sim import longload, plan_report
+from pdcluster.sim.cutoff import Cutoff, Deadlines
 from pdcluster.sim.dynamo import Dynamo, DynamoLoad
 from pdcluster.sim.fleet import FleetConfig, Result, simulate
 from pdcluster.sim.fleet_state import Policy
@@ -59,10 +61,16 @@ class Setup:
     slo: SLO
     fleet: FleetConfig
     knobs: PolicyKnobs
+    warmup_s: float = 0.0  # requests before this are warm-up: served, never scored
 
-    @property
+    @cached_property
     def targets_s(self) -> list[float]:
         return self.slo.ttft_targets_s(self.trace, self.profile)
+
+    @cached_property
+    def deadlines(self) -> Deadlines:
+        first = bisect.bisect_left(self.trace.arrival_s, self.warmup_s) if self.warmup_s > 0 else 0
+        return Deadlines.of(self.trace.arrival_s, self.targets_s, self.slo.itl_ms / 1000.0, first)
 
     @property
     def engines(self) -> int:
@@ -174,11 +182,19 @@ def make_policy(choice: PolicyChoice, setup: Setup, start: tuple[int, int] | Non
     raise ValueError(f"{choice.name} is a search over static splits, not one policy")
 
 
-def _simulate(setup: Setup, start: tuple[int, int] | None, choice: PolicyChoice) -> tuple[Score, Result]:
+def _simulate(
+    setup: Setup, start: tuple[int, int] | None, choice: PolicyChoice, needed: int | None = None
+) -> tuple[Score, Result]:
+    """One policy's run and score; with `needed`, stopped once fewer than that many scored
+    requests can still meet the SLO (its attainment is then that bound, `cut` set)."""
     policy = make_policy(choice, setup, start)
     fleet = replace(setup.fleet, flexible=choice.kind is PolicyKind.PDCLUSTER_FLEX)
-    result = simulate(setup.trace, setup.profile, policy, fleet)
-    scored = score(result, setup.trace, setup.targets_s, setup.slo.itl_ms)
+    cutoff = None if needed is None else Cutoff(setup.deadlines, needed)
+    result = simulate(setup.trace, setup.profile, policy, fleet, cutoff)
+    scored = score(result, setup.trace, setup.targets_s, setup.slo.itl_ms, setup.warmup_s)
+    if cutoff is not None and result.cut_s is not None:
+        bound = setup.deadlines.scored - cutoff.missed
+        scored = replace(scored, attainment=bound / max(scored.requests, 1), cut=True)
     if isinstance(policy, Static):
         scored = replace(scored, split=policy.split)
     return scored, result
@@ -193,44 +209,60 @@ def _init_worker(setup: Setup, start: tuple[int, int] | None) -> None:
     _WORKER_INPUTS = (setup, start)
 
 
-def _simulate_in_worker(choice: PolicyChoice) -> tuple[Score, Result]:
+def _simulate_in_worker(task: tuple[PolicyChoice, int | None]) -> tuple[Score, Result]:
     assert _WORKER_INPUTS is not None
-    return _simulate(*_WORKER_INPUTS, choice)
+    return _simulate(*_WORKER_INPUTS, *task)
 
 
 def run_many(
-    setup: Setup, choices: list[PolicyChoice], jobs: int, start: tuple[int, int] | None = None
+    setup: Setup,
+    choices: list[PolicyChoice],
+    jobs: int,
+    start: tuple[int, int] | None = None,
+    needed: int | None = None,
 ) -> list[tuple[Score, Result]]:
+    """Every choice's run; `needed`: each may stop once it cannot have that many good requests."""
     if jobs <= 1 or len(choices) <= 1:  # a pool of none or one is only overhead (and none is an error)
-        return [_simulate(setup, start, c) for c in choices]
+        return [_simulate(setup, start, c, needed) for c in choices]
     with ProcessPoolExecutor(
         min(jobs, len(choices)),
         mp_context=get_context("fork"),
         initializer=_init_worker,
         initargs=(setup, start),
     ) as pool:
-        return list(pool.map(_simulate_in_worker, choices))
+        return list(pool.map(_simulate_in_worker, [(c, needed) for c in choices]))
 
 
 def static_best(setup: Setup, jobs: int, exhaustive: bool) -> tuple[Score, Result, list[Score]]:
-    """The best split in hindsight: every split, or a hill climb from the model's split."""
+    """The best split in hindsight: every split, or a hill climb from the model's split.
+    A split that can no longer attain as much as the best so far (the climb's centre)
+    stops early (sim/cutoff.py): the answer is the one every split run to the end gives."""
     n = setup.engines
+    seen: dict[int, tuple[Score, Result]] = {}
+
+    def run(splits: list[int], needed: int | None) -> None:
+        for q, result in zip(
+            splits,
+            run_many(setup, [PolicyChoice.static(q, n - q) for q in splits], jobs, needed=needed),
+            strict=True,
+        ):
+            seen[q] = result
+
     if exhaustive:
-        runs = run_many(setup, [PolicyChoice.static(p, n - p) for p in range(1, n)], jobs)
+        batch = max(jobs, 1)
+        for at in range(1, n, batch):
+            best_good = max((sc.good for sc, _ in seen.values() if not sc.cut), default=None)
+            run(list(range(at, min(at + batch, n))), best_good)
     else:
-        seen: dict[int, tuple[Score, Result]] = {}
         p = model_split(setup)[0]
+        run([p], None)
         while True:
-            todo = [q for q in (p - 1, p, p + 1) if 1 <= q < n and q not in seen]
-            for q, run in zip(
-                todo, run_many(setup, [PolicyChoice.static(q, n - q) for q in todo], jobs), strict=True
-            ):
-                seen[q] = run
+            run([q for q in (p - 1, p + 1) if 1 <= q < n and q not in seen], seen[p][0].good)
             best = max(seen, key=lambda q: (seen[q][0].attainment, -abs(q - p)))
             if best == p:
                 break
             p = best
-        runs = [seen[q] for q in sorted(seen)]
+    runs = [seen[q] for q in sorted(seen)]
     best_score, best_result = max(runs, key=lambda r: r[0].attainment)
     named = replace(best_score, policy=PolicyChoice(PolicyKind.STATIC_BEST, best_score.split).name)
     return named, best_result, [r[0] for r in runs]
@@ -242,12 +274,17 @@ def smallest_static(
     """The smallest static fleet (fewest engines, the best split of them, in hindsight)
     that attains at least `attainment`; None if the whole budget cannot. Attainment
     grows with engines, so the size is bisected; each size's split is hill-climbed
-    from the capacity model's proportion. `cache` keeps every simulated split."""
+    from the capacity model's proportion, a neighbour stopping early once it cannot
+    attain as much as the split it is compared with. `cache` keeps every simulated split."""
 
-    def run(splits: list[tuple[int, int]]) -> None:
-        todo = [sp for sp in splits if sp not in cache]
+    def run(splits: list[tuple[int, int]], needed: int | None) -> None:
+        # A split stopped early is known to fall below what it was run against; asked
+        # against less, it runs again.
+        todo = [sp for sp in splits if sp not in cache or not _settles(cache[sp], needed)]
         for sp, (sc, _) in zip(
-            todo, run_many(setup, [PolicyChoice.static(p, d) for p, d in todo], jobs), strict=True
+            todo,
+            run_many(setup, [PolicyChoice.static(p, d) for p, d in todo], jobs, needed=needed),
+            strict=True,
         ):
             cache[sp] = sc
 
@@ -255,12 +292,14 @@ def smallest_static(
 
     def best_of(total: int) -> Score:
         p = min(max(round(total * mp / (mp + md)), 1), total - 1)
+        run([(p, total - p)], None)
         while True:
-            around = [(q, total - q) for q in (p - 1, p, p + 1) if 1 <= q < total]
-            run(around)
-            q = max((sp[0] for sp in around), key=lambda q: (cache[(q, total - q)].attainment, -abs(q - p)))
+            centre = cache[(p, total - p)]
+            run([(q, total - q) for q in (p - 1, p + 1) if 1 <= q < total], centre.good)
+            around = [q for q in (p - 1, p, p + 1) if 1 <= q < total]
+            q = max(around, key=lambda q: (cache[(q, total - q)].attainment, -abs(q - p)))
             if q == p:
-                return cache[(p, total - p)]
+                return centre
             p = q
 
     low, high = 2, setup.engines
@@ -273,6 +312,14 @@ def smallest_static(
         else:
             low = middle + 1
     return best_of(low)
+
+
+def _settles(known: Score, needed: int | None) -> bool:
+    """Whether a run already made answers a run against `needed` good requests: a whole
+    run always; one stopped early when even its bound falls short of `needed`."""
+    if not known.cut:
+        return True
+    return needed is not None and round(known.attainment * known.requests) < needed
 
 
 def find_rate_scale(make_setup: Callable[[float], Setup], jobs: int, log: Say, target: float = 0.9) -> float:
@@ -324,15 +371,17 @@ def fleet_config(config: PlanConfig, profile: perf.Profile) -> FleetConfig:
     )
 
 
-def setup_maker(config: PlanConfig) -> Callable[[float], Setup]:
-    """The setup at each rate scale: the trace scaled as `config` says."""
+def setup_maker(config: PlanConfig, base: Trace | None = None) -> Callable[[float], Setup]:
+    """The setup at each rate scale: the trace (`base`, or `config.trace` read) scaled as
+    `config` says."""
     profile = perf.load(config.profile)
     if config.gpus // profile.gpus < 2:
         raise TraceError(
             f"--gpus {config.gpus} holds {config.gpus // profile.gpus} engine(s) of {profile.gpus} GPU(s); "
             "prefill and decode need one each"
         )
-    base = load_trace(config.trace, config.trace_format, seed=config.seed)
+    if base is None:
+        base = load_trace(config.trace, config.trace_format, seed=config.seed)
     curve = longload.read_rate_curve(config.rate_curve) if config.rate_curve else None
     fleet = fleet_config(config, profile)
 
@@ -343,14 +392,15 @@ def setup_maker(config: PlanConfig) -> Callable[[float], Setup]:
             trace = base.scaled(scale)
         else:
             trace = base.replicated(scale, config.seed)
-        return Setup(trace, profile, config.slo, fleet, config.knobs)
+        return Setup(trace, profile, config.slo, fleet, config.knobs, config.warmup_s)
 
     return make_setup
 
 
-def evaluate(config: PlanConfig, say: Say = quiet) -> Evaluation:
-    """Simulate every policy `config` asks for: the report, the raw results and the setup."""
-    make_setup = setup_maker(config)
+def evaluate(config: PlanConfig, say: Say = quiet, base: Trace | None = None) -> Evaluation:
+    """Simulate every policy `config` asks for: the report, the raw results and the setup.
+    `base`: a trace already in memory, instead of `config.trace`."""
+    make_setup = setup_maker(config, base)
     searched = config.rate_scale is None
     if searched:
         low, high = band(config.static_attains)

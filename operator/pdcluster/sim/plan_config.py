@@ -61,6 +61,7 @@ class PlanConfig:
     store: StoreSweep | None = None
     seed: int = 0
     jobs: int = 1
+    warmup_s: float = 0.0  # requests arriving before this are served but scored by no policy
 
 
 @dataclass(frozen=True)

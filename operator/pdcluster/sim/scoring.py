@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from pdcluster import perf
@@ -43,6 +44,8 @@ class Score:
     unfinished: int
     good: int  # requests within the SLO
     split: tuple[int, int] | None = None  # prefill:decode engines, where the policy is static
+    requests: int = 0  # requests scored (those after the warm-up)
+    cut: bool = False  # a cut-off stopped the run: attainment is a bound it fell below
 
     @property
     def goodput_per_gpu_hour(self) -> float:
@@ -62,27 +65,49 @@ class Score:
         }
 
 
-def score(result: Result, trace: Trace, ttft_targets_s: list[float], itl_ms: float) -> Score:
+def gpu_seconds_before(result: Result, t_s: float) -> float:
+    """The GPU-seconds the fleet held before `t_s` (the timeline marks every change)."""
+    held, since, total = 0, 0.0, 0.0
+    for mark in result.timeline:
+        if mark[0] >= t_s:
+            break
+        total += held * (mark[0] - since)
+        held, since = mark[5], mark[0]
+    return total + held * (min(t_s, result.end_s) - since) if t_s > since else total
+
+
+def score(
+    result: Result, trace: Trace, ttft_targets_s: list[float], itl_ms: float, from_s: float = 0.0
+) -> Score:
+    """The run scored on the requests that arrive from `from_s` on, and the GPU-hours held
+    from then on: what comes before is warm-up, the same for every policy."""
     itl_s = itl_ms / 1000.0
+    first = bisect_left(trace.arrival_s, from_s) if from_s > 0 else 0
     good = 0
     ttfts, itls = [], []
-    for i, done in enumerate(result.finished):
-        if not done:
+    for i in range(first, len(trace)):
+        if not result.finished[i]:
             continue
         ttfts.append(result.ttft_s[i])
         if trace.output_tokens[i] > 1:
             itls.append(result.itl_s[i])
         if result.ttft_s[i] <= ttft_targets_s[i] and result.itl_s[i] <= itl_s:
             good += 1
-    span = max(trace.span_s, 1e-9)
+    scored = len(trace) - first
+    if first:
+        span = trace.arrival_s[-1] - from_s
+        gpu_seconds = result.gpu_seconds - gpu_seconds_before(result, from_s)
+    else:
+        span, gpu_seconds = trace.span_s, result.gpu_seconds
     return Score(
         result.policy,
-        good / len(trace),
-        good / span,
-        result.gpu_seconds / 3600.0,
+        good / max(scored, 1),
+        good / max(span, 1e-9),
+        gpu_seconds / 3600.0,
         perf.percentile(ttfts, 90) * 1000.0,
         perf.percentile(itls, 90) * 1000.0 if itls else 0.0,
-        len(result.decisions),
-        len(trace) - sum(result.finished),
+        sum(1 for t, _, _, _ in result.decisions if t >= from_s),
+        scored - sum(result.finished[first:]),
         good,
+        requests=scored,
     )

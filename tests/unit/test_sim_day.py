@@ -1,0 +1,117 @@
+"""Day scenarios (sim/day.py): the load sized to the peak hour, attainment per hour, the
+sources' days with their warm-up, and the figure."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from pdcluster import perf
+from pdcluster.sim import day, scoring
+from pdcluster.sim.fleet import Result
+from pdcluster.sim.trace import Trace
+
+SLO = scoring.SLO(500.0, 25.0, False)
+PROFILE = perf.load(perf.DEFAULT_PROFILE)
+
+
+def a_source(rate: float = 10.0) -> day.DaySource:
+    rng = random.Random(1)
+    inputs = [rng.randint(200, 4000) for _ in range(2000)]
+    outputs = [rng.randint(10, 400) for _ in range(2000)]
+    return day.DaySource("synthetic", rate, inputs, outputs, lambda f: Trace("x", [], [], [], []))
+
+
+@pytest.mark.parametrize("engines", [4, 9, 24])
+def test_the_factor_is_the_smallest_whose_peak_needs_the_engines(engines: int) -> None:
+    source = a_source()
+    factor = day.factor_for_peak(source, PROFILE, SLO, engines)
+    assert sum(day.peak_split(source, PROFILE, SLO, factor)) >= engines
+    assert sum(day.peak_split(source, PROFILE, SLO, factor * 0.98)) < engines
+    # twice the peak rate: half the factor
+    doubled = day.factor_for_peak(a_source(20.0), PROFILE, SLO, engines)
+    assert doubled == pytest.approx(factor / 2, rel=1e-6)
+
+
+def test_attainment_per_hour_counts_each_hour_after_the_warm_up() -> None:
+    # one request every 20 minutes from t = 0 over 5 hours; the warm-up is the first 2 hours
+    arrival = [k * 1200.0 for k in range(15)]
+    trace = Trace("x", arrival, [100] * 15, [10] * 15, [() for _ in arrival])
+    late = {6, 10, 11}  # hour 0 of the day: 6, 7, 8; hour 1: 9, 10, 11; hour 2: 12, 13, 14
+    ttft = [0.6 if i in late else 0.1 for i in range(15)]
+    result = Result(
+        "p", ttft, [0.01] * 15, [i != 14 for i in range(15)], 0.0, 18000.0, [(0.0, 1, 1, 1, 1, 2)]
+    )
+    assert day.hourly(result, trace, [0.5] * 15, 0.025, 7200.0, 4) == [2 / 3, 1 / 3, 2 / 3, None]
+
+
+def test_a_plot_is_written(tmp_path: Path) -> None:
+    arrival = [k * 60.0 for k in range(200)]
+    trace = Trace("x", arrival, [100] * 200, [10] * 200, [() for _ in arrival])
+    timeline = [(0.0, 1, 1, 1, 1, 2), (5000.0, 2, 1, 2, 1, 3)]
+    result = Result("p", [0.1] * 200, [0.01] * 200, [True] * 200, 0.0, 12000.0, timeline)
+    path = tmp_path / "day.png"
+    day.plot(path, "a day", trace, {"p": result}, {"p": [1.0, 0.5]}, 3600.0)
+    assert path.stat().st_size > 5000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.fixture(scope="module")
+def traces() -> Path:
+    try:
+        root = perf.traces_dir()
+    except FileNotFoundError:
+        pytest.skip("the public traces (../shared/traces) are not here")
+    if not (root / "servegen").is_dir() or not (root / "azure2024").is_dir():
+        pytest.skip("the long-horizon sources (../shared/traces) are not here")
+    return root
+
+
+def check_day(trace: Trace, peak_rps: float, factor: float) -> None:
+    """26 hours from 0, the warm-up's 2 first, and no hour of the day above its peak by much."""
+    assert 0 <= trace.arrival_s[0] < 600 and trace.arrival_s[-1] > day.DAY_S + day.WARMUP_S - 600
+    assert trace.arrival_s[-1] < day.DAY_S + day.WARMUP_S
+    hours = [0] * 26
+    for t in trace.arrival_s:
+        hours[int(t // 3600)] += 1
+    busiest = max(hours[2:]) / 3600
+    assert busiest == pytest.approx(peak_rps * factor, rel=0.2)
+    assert all(n > 0 for n in hours[:2])  # the warm-up has traffic to warm up on
+
+
+def test_the_azure_weekday_is_the_code_shape_over_code_requests(traces: Path) -> None:
+    source = day.azure_code_weekday(traces)
+    assert source.name == "azure-code-weekday" and len(source.peak_inputs) == len(source.peak_outputs) > 1000
+    factor = 0.003
+    trace = source.make(factor)
+    check_day(trace, source.peak_rps, factor)
+    # a weekday swings (5-11x within a day in the source): the night is well below the peak
+    assert source.peak_rps > 4 * min(r for _, _, r in source_curve_day(traces))
+
+
+def source_curve_day(traces: Path):
+    from pdcluster.sim import longload
+
+    week = longload.azure2024_curve(traces / "azure2024" / "azure2024_code_hourly_digitized.csv")
+    return week.cut(day.AZURE_WEEKDAY_START_H * 3600.0, day.DAY_S).windows()
+
+
+def test_the_servegen_day_is_m_large_from_day_thirteen(traces: Path) -> None:
+    source = day.servegen_day(traces)
+    assert 150 < source.peak_rps < 400  # m-large's busiest hour that day (it averages 196 req/s)
+    factor = 0.004
+    trace = source.make(factor)
+    check_day(trace, source.peak_rps, factor)
+    assert math.isclose(day.SERVEGEN_DAY_START_S / 86400, 12)  # 00:00 of day 13
+
+
+def test_engines_over_time_are_time_weighted_means() -> None:
+    # 1:1 for the first 900 s, 3:2 until 2700 s, 2:2 until the end at 3600 s; bins of 1800 s
+    timeline = [(0.0, 1, 1, 1, 1, 2), (900.0, 3, 2, 3, 2, 5), (2700.0, 2, 2, 2, 2, 4)]
+    result = Result("p", [], [], [], 0.0, 3600.0, timeline)
+    centres, prefill, decode = day.engines_over_time(result, 1800.0)
+    assert centres == [-0.25, 0.25]
+    assert prefill == [pytest.approx(2.0), pytest.approx(2.5)]
+    assert decode == [pytest.approx(1.5), pytest.approx(2.0)]
