@@ -47,6 +47,7 @@ KINDS = (
 )
 PROMETHEUS_DOWN_S = 60.0
 OPERATOR_DOWN_S = (2.0, 8.0)  # how long the operator stays dead: a pod's restart, roughly
+INJECT_RETRY_S = 60.0  # a pod fault waits this long for an apiserver that is restarting
 NOTICE_S = 10.0  # a divergence this soon after a fault is the fault's (pods take a moment to fail)
 OPERATOR_DECISIONS = obs.OPERATOR_DECISIONS + "_total"
 
@@ -167,10 +168,16 @@ class Injector:
         started = time.monotonic()
         action, _, what = fault.kind.partition("-")
         async with self._locks.setdefault(what, asyncio.Lock()):
-            try:
-                target = await self._inject(action, what)
-            except Exception as e:  # the apiserver may be restarting: say so, go on
-                target = f"not injected: {type(e).__name__}: {e}"[:120]
+            deadline = started + INJECT_RETRY_S
+            while True:
+                try:
+                    target = await self._inject(action, what)
+                    break
+                except Exception as e:  # the apiserver may be restarting: try again, then say so
+                    if time.monotonic() > deadline:
+                        target = f"not injected: {type(e).__name__}: {e}"[:120]
+                        break
+                    await asyncio.sleep(1.0)
         return Injected(fault, target, started, time.monotonic())
 
     async def _inject(self, action: str, what: str) -> str:

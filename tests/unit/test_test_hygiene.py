@@ -74,6 +74,8 @@ ALLOWED: dict[tuple[str, str, str, str], str] = {
         "kills the operator after a random delay, the fault under test",
     ("e2e/chaosfaults.py", "Injector._inject", SLEEP, "asyncio.sleep(PROMETHEUS_DOWN_S)"):
         "Prometheus stays stopped for a minute, the fault under test",
+    ("e2e/chaosfaults.py", "Injector.inject", SLEEP, "asyncio.sleep(1.0)"):
+        "a fault whose injection met a restarting apiserver is tried again a second later",
     ("e2e/chaosfaults.py", "Injector._operator_fault", SLEEP, "asyncio.sleep(self.rng.uniform(*OPERATOR_DOWN_S))"):
         "the operator stays dead a random while before its restart, the fault under test",
     ("e2e/chaosfaults.py", "run_schedule.at", SLEEP, "asyncio.sleep(max(0.0, started + fault.at - time.monotonic()))"):
