@@ -68,4 +68,6 @@ def test_the_wheel_autoscales_with_nothing_outside_it(tmp_path: Path) -> None:
     assert "feedback only" in got["reasons"][0] and "feedback only" not in got["reasons"][-1], got["reasons"]
     # 60 ms of prefill for 4000 tokens, one request per step; 20+ sequences per 1000 tokens/s.
     assert got["capacity"]["prefill_ns_per_token"] == 15000, got["capacity"]
-    assert got["capacity"]["decode_windows"] == 4 and got["capacity"]["kv_capacity_tokens"] > 0
+    # Decode learns from whole windows only: the first run's series may be younger than its
+    # window, so three of the four count.
+    assert got["capacity"]["decode_windows"] == 3 and got["capacity"]["kv_capacity_tokens"] > 0
