@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from typing import Any
 
@@ -243,6 +244,30 @@ async def test_a_broken_kv_hand_off_is_named_in_the_status_and_routed_around(
         assert failed["reason"] == "HandOffFailed"
         assert "kvcheck-prefill-1 -> kvcheck-decode-0" in failed["message"], failed
         assert "kvcheck-prefill-0" not in failed["message"], failed
+
+        # The condition turns False on the first router's verdict; each router probes on its
+        # own, so the requests below wait until every router has taken the pair out.
+        async def every_router_routes_around() -> bool:
+            routers = await kube.list(
+                "v1",
+                "Pod",
+                namespace,
+                label_selector=f"{C.LABEL_CLUSTER}=kvcheck,{C.LABEL_ROLE}={C.ROLE_ROUTER}",
+            )
+            state = await kube.get("v1", "ConfigMap", "kvcheck-router-state", namespace)
+            verdicts = (state or {}).get("data") or {}
+            names = {r["metadata"]["name"] for r in routers}
+            return bool(names) and all(
+                any(
+                    p["prefill"] == "kvcheck-prefill-1"
+                    for p in json.loads(verdicts.get(n, "{}")).get("failed", [])
+                )
+                for n in names
+            )
+
+        await wait_until(
+            every_router_routes_around, timeout=60, message="every router routes around the pair"
+        )
         url = await router_url(kube, namespace, "kvcheck")
         # Requests sent once the status names the pair, told apart by their ids (the router
         # passes a client's id on to the engines), not by the clock.
