@@ -49,9 +49,11 @@ attainment and within 30% of the oracle's.
 Day scenarios (sim/day.py): `servegen-day` (ServeGen m-large, the day from t = 1,036,800 s)
 and `azure-code-weekday` (the Azure 2024 code shape on a Tuesday over the 2023 code
 trace's requests), each 2 hours of unscored warm-up and 24 scored hours, flat 500 ms TTFT.
-A load level is the number of engines the capacity models give the peak hour
-(`--day-peaks`, 24 and 32 by default), the GPU budget 1.25 times that. Compared: the static
-fleet sized for the peak hour (what users run today), pdcluster, pdcluster-flex,
+A load level is a number of engines for the peak hour (`--day-peaks`, 24 and 32 by
+default): the largest rate factor at which the best static split of that many attains 99%
+of the peak hour, simulated (`--day-level simulated`; `models` asks the capacity models
+instead, which see mean rates and miss bursts), the GPU budget 1.25 times that. Compared:
+that static split (the fleet sized for the peak hour, what users run today), pdcluster, pdcluster-flex,
 dynamo-load, llmd and the oracle, all dynamic ones from 1:1, each with the smallest static
 fleet of equal attainment in hindsight. Targets (pdcluster): A at most 75% of that static
 fleet's GPU-hours; B within 15% of the oracle's GPU-hours at no more than 1 point below its
@@ -229,8 +231,19 @@ def day_run(name: str, peak: int, a: argparse.Namespace) -> dict:
     static split, attainment per hour, and (with --plot) the figure."""
     profile = perf.load(perf.DEFAULT_PROFILE)
     source = day.day_source(name, perf.traces_dir())
-    factor = day.factor_for_peak(source, profile, DAY_SLO, peak)
-    split = day.peak_split(source, profile, DAY_SLO, factor)
+    if a.day_level == "simulated":
+        level = day.level_by_simulation(
+            source, profile, DAY_SLO, peak, attains=a.day_peak_attains, jobs=a.jobs
+        )
+        factor, split = level.factor, level.split
+        print(
+            f"{name}: {peak} engines attain {level.attainment:.1%} of the peak hour at rate factor "
+            f"{factor:.4f} as {split[0]}:{split[1]} ({level.simulated} peak hours simulated)",
+            file=sys.stderr,
+        )
+    else:
+        factor = day.factor_for_peak(source, profile, DAY_SLO, peak)
+        split = day.peak_split(source, profile, DAY_SLO, factor)
     trace = source.make(factor)
     config = PlanConfig(
         gpus=max(round(a.day_budget * peak), sum(split)) * profile.gpus,
@@ -386,6 +399,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", default="0.99,0.9")
     parser.add_argument("--day-peaks", default="24,32", help="day scenarios: engines the peak hour needs")
     parser.add_argument("--day-budget", type=float, default=1.25, help="day scenarios: GPU budget / peak")
+    parser.add_argument(
+        "--day-level",
+        choices=("simulated", "models"),
+        default="simulated",
+        help="day scenarios: the rate factor at which the best static split of the peak engines attains "
+        "--day-peak-attains of the peak hour, simulated; or at which the capacity models need them",
+    )
+    parser.add_argument("--day-peak-attains", type=float, default=0.99, help="day scenarios: see --day-level")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--gpus", type=int, default=16, help="the GPU budget (fewer: a smaller rate, faster)")
     parser.add_argument("--json", help="also write the figures here")

@@ -18,11 +18,25 @@ SLO = scoring.SLO(500.0, 25.0, False)
 PROFILE = perf.load(perf.DEFAULT_PROFILE)
 
 
-def a_source(rate: float = 10.0) -> day.DaySource:
+def a_source(rate: float = 10.0, burst: int = 1) -> day.DaySource:
+    """Lengths uniform; the peak hour (here 5 minutes) at `rate` requests/s, arriving
+    `burst` at a time."""
     rng = random.Random(1)
     inputs = [rng.randint(200, 4000) for _ in range(2000)]
     outputs = [rng.randint(10, 400) for _ in range(2000)]
-    return day.DaySource("synthetic", rate, inputs, outputs, lambda f: Trace("x", [], [], [], []))
+
+    def peak(factor: float) -> Trace:
+        draw = random.Random(2)
+        arrival: list[float] = []
+        t = 0.0
+        while t < 300.0:
+            t += draw.expovariate(rate * factor / burst)
+            arrival += [t] * burst
+        ins = [draw.choice(inputs) for _ in arrival]
+        outs = [draw.choice(outputs) for _ in arrival]
+        return Trace("peak", arrival, ins, outs, [() for _ in arrival])
+
+    return day.DaySource("synthetic", rate, inputs, outputs, lambda f: Trace("x", [], [], [], []), peak)
 
 
 @pytest.mark.parametrize("engines", [4, 9, 24])
@@ -34,6 +48,36 @@ def test_the_factor_is_the_smallest_whose_peak_needs_the_engines(engines: int) -
     # twice the peak rate: half the factor
     doubled = day.factor_for_peak(a_source(20.0), PROFILE, SLO, engines)
     assert doubled == pytest.approx(factor / 2, rel=1e-6)
+
+
+def test_a_level_set_by_simulation_is_the_largest_load_the_engines_serve() -> None:
+    """The same mean rate, requests alone or in bursts of 8: the capacity models see the
+    mean and set one load for both; simulation sets a lower one for the bursts. Each level
+    attains the target, and a load `precision` above it (squared, as the search brackets
+    within it) does not."""
+    fleet = day.fleet_config(day.PlanConfig(gpus=3 * PROFILE.gpus, slo=SLO), PROFILE)
+
+    def attained(source: day.DaySource, factor: float) -> float:
+        setup = day.Setup(source.make_peak(factor), PROFILE, SLO, fleet, day.PolicyKnobs())
+        return day.static_best(setup, 1, exhaustive=False)[0].attainment
+
+    alone, bursts = a_source(burst=1), a_source(burst=8)
+    assert day.factor_for_peak(alone, PROFILE, SLO, 3) == day.factor_for_peak(bursts, PROFILE, SLO, 3)
+    levels = [
+        day.level_by_simulation(s, PROFILE, SLO, 3, attains=0.95, precision=1.1) for s in (alone, bursts)
+    ]
+    assert levels[1].factor < levels[0].factor / 1.1
+    for source, level in zip((alone, bursts), levels, strict=True):
+        assert level.attainment >= 0.95 and sum(level.split) == 3
+        assert attained(source, level.factor) == level.attainment
+        assert attained(source, level.factor * 1.1 * 1.1) < 0.95
+
+
+def test_no_level_when_no_load_is_light_enough() -> None:
+    """Bursts of 40 long prompts miss a 500 ms TTFT however rare they are: a clear error,
+    not a search without end."""
+    with pytest.raises(ValueError, match="brackets 95%"):
+        day.level_by_simulation(a_source(burst=40), PROFILE, SLO, 3, attains=0.95, precision=1.1)
 
 
 def test_attainment_per_hour_counts_each_hour_after_the_warm_up() -> None:

@@ -237,7 +237,7 @@ def _analyse(
     needs, wants = {}, {}
     for role in ROLES:
         if role in known.unseen:
-            need = feedback_need(ctx, m, view, role, known.unseen[role])
+            need = feedback_need(ctx, m, view, role, known.unseen[role], shed=known.decode_narrow)
         else:
             need = prefill_need(ctx, m, view) if role == Role.prefill else decode_need(ctx, m, view)
         needs[role], wants[role] = _want(ctx, current, role, need)

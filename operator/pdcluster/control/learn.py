@@ -233,6 +233,10 @@ class Knowledge:
     prefill: bool  # False: prefill acts on TTFT feedback alone
     decode: bool
     unseen: dict[str, str]  # role -> why it is not known yet
+    # Decode seen for the windows it needs, under a batch of DECODE_MIN_BATCH throughout
+    # (short outputs): a step is then its fixed part, it stays unfitted, and its feedback
+    # may shed an engine (needs.decode_spares_one).
+    decode_narrow: bool = False
 
 
 def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: MetricsSnapshot) -> Knowledge:
@@ -282,4 +286,9 @@ def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: Metric
         kv_bytes_per_token=prior.kv_bytes_per_token if prior else 0,
         gpus=prior.gpus if prior else 1,
     )
-    return Knowledge(profile, "prefill" not in unseen, "decode" not in unseen, unseen)
+    narrow = (
+        "decode" in unseen
+        and c.decode_windows >= MIN_WINDOWS["decode"]
+        and max((x.sequences_milli / 1000.0 for x in c.decode_samples or []), default=0.0) < DECODE_MIN_BATCH
+    )
+    return Knowledge(profile, "prefill" not in unseen, "decode" not in unseen, unseen, narrow)

@@ -325,9 +325,12 @@ def decode_cause(kv_full: bool, violated: bool) -> Cause:
     return Cause.itl_over_target if violated else Cause.decode_short
 
 
-def feedback_need(ctx: Context, m: MetricsSnapshot, view: View, role: Role, unseen: str) -> Need:
+def feedback_need(
+    ctx: Context, m: MetricsSnapshot, view: View, role: Role, unseen: str, shed: bool = False
+) -> Need:
     """A role whose capacity is not learned yet: one more engine while its SLO is
-    missed, never fewer unless another role needs the GPUs."""
+    missed; fewer only where another role needs the GPUs, or, with `shed` (decode that
+    stays unfitted), where one fewer is bound to keep the target (`decode_spares_one`)."""
     cur, slo, tol = view.current[role], ctx.auto.slo, ctx.tol
     if role == Role.prefill:
         target, seen, full = float(slo.ttft_ms), prefill_part(ctx, m, view), False
@@ -345,8 +348,24 @@ def feedback_need(ctx: Context, m: MetricsSnapshot, view: View, role: Role, unse
     if need.violated:
         need = replace(need, up=cur + 1, down=cur + 1)
     elif need.headroom:
-        # Never fewer of its own accord (need.down), but at a full GPU budget it may
-        # lend one engine to a role that misses its target (need.up is that floor).
-        need = replace(need, up=max(cur - 1, 1))
+        # Not fewer of its own accord (need.down) unless that is safe, but at a full GPU
+        # budget it may lend one engine to a role that misses its target (need.up).
+        spare = shed and role == Role.decode and decode_spares_one(ctx, m, cur)
+        need = replace(need, up=max(cur - 1, 1), down=cur - 1 if spare else cur)
     cause = Cause.ttft_over_target if role == Role.prefill else decode_cause(full, need.violated)
-    return replace(need, cause_up=cause)
+    down = Cause.prefill_headroom if role == Role.prefill else Cause.decode_headroom
+    return replace(need, cause_up=cause, cause_down=down)
+
+
+def decode_spares_one(ctx: Context, m: MetricsSnapshot, engines: int) -> bool:
+    """Whether `engines - 1` decode engines keep the ITL and KV targets, bounded from what
+    `engines` show now. A decode step's time is a fixed part (the weights read once) plus
+    a part that grows with the batch, so ITL and KV usage grow by at most engines / (engines
+    - 1) when the same sequences share one engine fewer. Decode whose batches stay too small
+    to fit its capacity (short outputs) would otherwise keep an engine it once added for
+    good: feedback alone never sheds one."""
+    itl, kv = seen_itl_ms(m, m.decode), m.decode_kv_usage
+    if engines < 2 or itl is None:
+        return False
+    grown, keep = engines / (engines - 1), 1.0 - ctx.tol
+    return itl * grown < ctx.auto.slo.itl_ms * keep and (kv or 0.0) * grown < models.KV_LIMIT * keep

@@ -26,7 +26,8 @@ import numpy as np
 from pdcluster import perf
 from pdcluster.sim import longload
 from pdcluster.sim.fleet import Result
-from pdcluster.sim.plan import size_for
+from pdcluster.sim.plan import Setup, fleet_config, size_for, static_best
+from pdcluster.sim.plan_config import PlanConfig, PolicyKnobs
 from pdcluster.sim.scoring import SLO
 from pdcluster.sim.trace import Trace, load_trace
 
@@ -36,6 +37,7 @@ SERVEGEN_DAY_START_S = 1_036_800.0
 AZURE_WEEKDAY_START_H = 96  # Tuesday 2024-05-14 00:00 UTC; hour 0 is Friday 2024-05-10
 SIZING_SAMPLE = 20_000  # lengths drawn to size the peak hour
 DAY_SCENARIOS = ("servegen-day", "azure-code-weekday")
+BRACKET_TRIES = 12  # a level by simulation looks 1.5^12 (130x) either side of the models' factor
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class DaySource:
     peak_inputs: list[int]  # prompt and output lengths of that hour, for sizing
     peak_outputs: list[int]
     make: Callable[[float], Trace]
+    make_peak: Callable[[float], Trace]  # the peak hour alone, to set a level by simulation
 
 
 def servegen_day(root: Path, seed: int = 0) -> DaySource:
@@ -73,12 +76,24 @@ def servegen_day(root: Path, seed: int = 0) -> DaySource:
             name="servegen-day",
         )
 
+    def make_peak(factor: float) -> Trace:
+        return longload.servegen_trace(
+            clients,
+            lengths,
+            start_s=start + peak * 3600.0,
+            duration_s=3600.0,
+            rate_factor=factor,
+            seed=seed,
+            name="servegen-day peak hour",
+        )
+
     return DaySource(
         "servegen-day",
         float(hourly[peak]),
         window.input.sample(rng, SIZING_SAMPLE).tolist(),
         window.output.sample(rng, SIZING_SAMPLE).tolist(),
         make,
+        make_peak,
     )
 
 
@@ -91,7 +106,17 @@ def azure_code_weekday(root: Path, seed: int = 0) -> DaySource:
     def make(factor: float) -> Trace:
         return longload.curve_over_trace(base, curve.scaled(factor), seed=seed, name="azure-code-weekday")
 
-    return DaySource("azure-code-weekday", day.peak_rps, base.input_tokens, base.output_tokens, make)
+    peak_at = max(day.windows(), key=lambda w: w[2])[0]
+    peak_hour = day.cut(peak_at, 3600.0)
+
+    def make_peak(factor: float) -> Trace:
+        return longload.curve_over_trace(
+            base, peak_hour.scaled(factor), seed=seed, name="azure-code-weekday peak hour"
+        )
+
+    return DaySource(
+        "azure-code-weekday", day.peak_rps, base.input_tokens, base.output_tokens, make, make_peak
+    )
 
 
 def day_source(name: str, root: Path, seed: int = 0) -> DaySource:
@@ -125,6 +150,67 @@ def factor_for_peak(source: DaySource, profile: perf.Profile, slo: SLO, engines:
         else:
             low = middle
     return high
+
+
+@dataclass(frozen=True)
+class SimulatedLevel:
+    """A load level set by simulation: the rate factor, and the static split that attains
+    the target on the peak hour at it."""
+
+    factor: float
+    split: tuple[int, int]
+    attainment: float
+    simulated: int  # peak hours simulated to find it (each a hill climb of static splits)
+
+
+def level_by_simulation(
+    source: DaySource,
+    profile: perf.Profile,
+    slo: SLO,
+    engines: int,
+    attains: float = 0.99,
+    jobs: int = 1,
+    precision: float = 1.03,
+) -> SimulatedLevel:
+    """The largest rate factor (to within `precision`) at which the best static split of
+    `engines` engines attains `attains` of the peak hour's requests, each hour simulated
+    from an empty fleet. The capacity models size for mean rates; bursts within the
+    minute need more, so a level the models set can overload every fleet it compares."""
+    fleet = fleet_config(PlanConfig(gpus=engines * profile.gpus, slo=slo), profile)
+    simulated = 0
+
+    def best(factor: float) -> tuple[float, tuple[int, int]]:
+        nonlocal simulated
+        simulated += 1
+        setup = Setup(source.make_peak(factor), profile, slo, fleet, PolicyKnobs())
+        top = static_best(setup, jobs, exhaustive=False)[0]
+        return top.attainment, top.split
+
+    factor = factor_for_peak(source, profile, slo, engines)
+    found = best(factor)
+    low: tuple[float, tuple[float, tuple[int, int]]] | None = (factor, found) if found[0] >= attains else None
+    high = None if low else factor
+    while low is None or high is None:  # bracket: a factor that attains, one that does not
+        if simulated > BRACKET_TRIES:
+            raise ValueError(
+                f"{source.name}: no rate factor within 1.5^{BRACKET_TRIES} of the models' {found[0]:.1%} "
+                f"attainment brackets {attains:.0%} on {engines} engines"
+            )
+        factor = factor * 1.5 if high is None else factor / 1.5
+        found = best(factor)
+        if found[0] >= attains:
+            low = (factor, found)
+        else:
+            high = factor
+    while high / low[0] > precision:
+        middle = (low[0] * high) ** 0.5
+        found = best(middle)
+        if found[0] >= attains:
+            low = (middle, found)
+        else:
+            high = middle
+    factor, (attainment, split) = low
+    return SimulatedLevel(factor, split, attainment, simulated)
 
 
 def hourly(
