@@ -423,3 +423,29 @@ def test_a_long_calm_keeps_the_one_large_batch_the_fit_needs() -> None:
     samples = learned.prefill_samples
     assert len(samples) == learn.PREFILL_SAMPLES
     assert max(s.tokens_per_step for s in samples) == 7500
+
+
+def _fitted_steep():
+    """A state whose decode fit says a step costs 15 ms a sequence (three windows, loads
+    2-4 sequences an engine, 2x apart), steeper than the engines the window shows."""
+    from pdcluster.api.v1alpha1.status import AutoscalingState, DecodeSample, LearnedCapacity
+
+    samples = [
+        DecodeSample(sequences_milli=n * 1000, kv_usage_ppm=10_000 * n, step_us=15_000 * n - 20_000)
+        for n in (2, 3, 4)
+    ]
+    return AutoscalingState(
+        prefill=3, decode=3, capacity=LearnedCapacity(decode_windows=3, decode_samples=samples)
+    )
+
+
+def test_the_measured_itl_outranks_a_fit_that_asks_for_more_decode() -> None:
+    """The fit asks for more decode engines. At an ITL under half the target the measured
+    bound (ITL and KV usage grow at most with the load) holds the three there are; nearer
+    the target the fit is followed."""
+    low = _law(prefill_ttft=300.0, itl=7.0, state=_fitted_steep())
+    assert "decode" not in _feedback_only(low)
+    assert low.decision.decode == 3, low.decision.reason
+    assert "ITL 7 ms and KV usage 25%" in low.decision.reason and "3 held" in low.decision.reason
+    near = _law(prefill_ttft=300.0, itl=14.0, state=_fitted_steep())
+    assert near.decision.decode > 3, near.decision.reason

@@ -300,6 +300,23 @@ def decode_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
             reactive=violated and up <= view.current[Role.decode],
         )
     need = replace(need, cause_up=size.driver or decode_cause(kv_full, need.violated))
+    # Under half the ITL target the measured bound outranks the fit: one from a narrow
+    # spread of loads asked for a second engine at a third of the target (ServeGen's day).
+    cur = view.current[Role.decode]
+    growth = view.factor(Role.decode) * (1.0 + ctx.tol) + view.backlog.get(Role.decode, 0.0) / max(
+        m.request_rate, 1e-9
+    )
+    if need.up > cur and need.pressure < 0.5 and decode_holds(ctx, m, growth):
+        held = note(
+            NoteKind.measured_holds,
+            Role.decode,
+            want=need.up,
+            itl_ms=seen_itl_ms(m, m.decode),
+            kv=m.decode_kv_usage or 0.0,
+            growth=growth,
+            engines=cur,
+        )
+        need = replace(need, up=cur, down=min(need.down, cur), notes=(held,))
     # Without the transfer-time series (vLLM 0.32 exports none) a decode wait may be a
     # slow hand-off: only a measured split asks for decode.
     waited = largest_stage(view.stages) == Stage.decode_wait and m.kv_handoff_ms is not None
@@ -358,14 +375,20 @@ def feedback_need(
 
 
 def decode_spares_one(ctx: Context, m: MetricsSnapshot, engines: int) -> bool:
-    """Whether `engines - 1` decode engines keep the ITL and KV targets, bounded from what
-    `engines` show now. A decode step's time is a fixed part (the weights read once) plus
-    a part that grows with the batch, so ITL and KV usage grow by at most engines / (engines
-    - 1) when the same sequences share one engine fewer. Decode whose batches stay too small
-    to fit its capacity (short outputs) would otherwise keep an engine it once added for
-    good: feedback alone never sheds one."""
+    """Whether `engines - 1` decode engines keep the ITL and KV targets (`decode_holds` at
+    engines / (engines - 1) times the load). Decode whose batches stay too small to fit
+    its capacity (short outputs) would otherwise keep an engine it once added for good:
+    feedback alone never sheds one."""
+    return engines >= 2 and decode_holds(ctx, m, engines / (engines - 1))
+
+
+def decode_holds(ctx: Context, m: MetricsSnapshot, growth: float) -> bool:
+    """Whether the decode engines there are keep the ITL and KV targets at `growth` times
+    the sequences each runs now, bounded from what they show. A decode step's time is a
+    fixed part (the weights read once) plus parts that grow with the batch and its KV, so
+    ITL and KV usage grow by at most `growth`."""
     itl, kv = seen_itl_ms(m, m.decode), m.decode_kv_usage
-    if engines < 2 or itl is None:
+    if itl is None:
         return False
-    grown, keep = engines / (engines - 1), 1.0 - ctx.tol
-    return itl * grown < ctx.auto.slo.itl_ms * keep and (kv or 0.0) * grown < models.KV_LIMIT * keep
+    keep = 1.0 - ctx.tol
+    return itl * growth < ctx.auto.slo.itl_ms * keep and (kv or 0.0) * growth < models.KV_LIMIT * keep

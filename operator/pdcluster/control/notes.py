@@ -17,6 +17,7 @@ class NoteKind(StrEnum):
     queueing_share = "QueueingShare"  # TTFT without queueing nearly fills the target
     beyond_limit = "BeyondLimit"  # the role needs more engines than it may have
     reactive = "Reactive"  # the SLO is missed although the model sees enough engines
+    measured_holds = "MeasuredHolds"  # the fit asks for more decode; what the engines show bounds it
     donor_misses = "DonorMisses"  # budget full, the other role misses its own target
     donor_needs = "DonorNeeds"  # budget full, the other role needs all its engines
     free_shared = "FreeShared"  # both roles miss: free GPUs shared between them
@@ -45,6 +46,8 @@ _TEXT: dict[NoteKind, str | dict[str, str]] = {
         "colocated": "the pool needs more than {limit} engines",
     },
     NoteKind.reactive: "{role} SLO missed although the model sees enough engines: +1",
+    NoteKind.measured_holds: "the fit asks for {want} decode engines, but ITL {itl_ms:.0f} ms and KV "
+    "usage {kv:.0%} at {growth:.2f}x the load stay within the targets: {engines} held",
     NoteKind.donor_misses: "GPU budget {budget} full and {role} misses its own target",
     NoteKind.donor_needs: "GPU budget {budget} full and {role} needs its {engines} engines",
     NoteKind.free_shared: "both roles miss their targets: free GPUs shared towards {prefill}:{decode}",
