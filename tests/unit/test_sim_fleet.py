@@ -250,9 +250,9 @@ def test_a_flexible_fleet_still_starts_pods_to_grow() -> None:
 
 
 def test_the_flexible_law_moves_its_split_by_flips_when_prompts_grow() -> None:
-    """Short prompts with long answers, then long prompts with short ones, on four GPUs:
-    the flexible law flips a decode engine to prefill, with no start-up, and has three
-    prefill engines serving before the fixed-role law does."""
+    """Short prompts with long answers, then long prompts (none of them cached) with short
+    ones, on four GPUs: the flexible law flips a decode engine to prefill, with no
+    start-up, and has three prefill engines serving before the fixed-role law does."""
     from pdcluster.api.v1alpha1 import PDClusterSpec
     from pdcluster.sim.policies import FlexiblePDCluster, PDCluster
 
@@ -261,7 +261,7 @@ def test_the_flexible_law_moves_its_split_by_flips_when_prompts_grow() -> None:
     shifted = Trace(
         "shift", [*short.arrival_s, *(t + short.arrival_s[-1] for t in long.arrival_s)],
         [*short.input_tokens, *long.input_tokens], [*short.output_tokens, *long.output_tokens],
-        [*short.blocks, *long.blocks],
+        [*short.blocks, *([()] * len(long))],
     )  # fmt: skip
     spec = PDClusterSpec.model_validate(
         {

@@ -246,7 +246,67 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
             and not _lost_after_prefill(view),
         )
     cause = Cause.ttft_over_target if need.violated else Cause.prefill_short
-    return replace(need, cause_up=size.driver or cause)
+    need = replace(need, cause_up=size.driver or cause)
+    # Under half the TTFT target the measured bound outranks the model's busy cap: on
+    # ServeGen's day one prefill engine at 60% busy answered in 150 ms while the trend
+    # asked for a second (and flapped it all day).
+    cur, growth = view.current[Role.prefill], _growth(ctx, m, view, Role.prefill)
+    busy = prefill_busy(m)
+    if need.up > cur and need.pressure < 0.5 and prefill_holds(ctx, m, growth):
+        held = note(
+            NoteKind.measured_holds,
+            Role.prefill,
+            want=need.up,
+            ttft_ms=ttft,
+            busy=busy,
+            growth=growth,
+            engines=cur,
+        )
+        need = replace(need, up=cur, down=min(need.down, cur), notes=(*need.notes, held))
+    elif need.down >= cur >= 2 and need.pressure < 0.5 and prefill_spares_one(ctx, m, view, cur):
+        # The same bound lets go of an engine the recent peak's load would still keep.
+        need = replace(need, down=cur - 1)
+    return need
+
+
+def prefill_spares_one(ctx: Context, m: MetricsSnapshot, view: View, engines: int) -> bool:
+    """Whether `engines - 1` prefill engines keep the TTFT target at the recent peak's load
+    (`prefill_holds` at engines / (engines - 1) times it)."""
+    peak = max(view.factor(Role.prefill), view.peak.get(Role.prefill, 1.0)) * (1.0 + ctx.tol)
+    return prefill_holds(ctx, m, peak * engines / (engines - 1))
+
+
+def _growth(ctx: Context, m: MetricsSnapshot, view: View, role: Role) -> float:
+    """The load a bound must hold at, over today's: the law's factor with its tolerance,
+    plus the rate that drains the role's queue within a window."""
+    return view.factor(role) * (1.0 + ctx.tol) + view.backlog.get(role, 0.0) / max(m.request_rate, 1e-9)
+
+
+# The busiest a measured prefill bound plans an engine: the queue's sojourn grows as
+# 1/(1 - busy), so past this a window's noise in the busy figure decides the answer.
+PREFILL_HOLD_BUSY = 0.9
+
+
+def prefill_busy(m: MetricsSnapshot) -> float | None:
+    """The share of the time a prefill engine computes, from what the engines show: steps
+    per second times the mean prefill time, per engine. It errs high: a prompt that spans
+    several steps counts each of them at its whole prefill time."""
+    steps, prefill_ms, ready = m.prefill.steps_per_s, m.prefill.prefill_time_ms, m.prefill.ready
+    if steps is None or prefill_ms is None or not ready:
+        return None
+    return steps * prefill_ms / 1000.0 / ready
+
+
+def prefill_holds(ctx: Context, m: MetricsSnapshot, growth: float) -> bool:
+    """Whether the prefill engines there are keep the TTFT target at `growth` times the
+    load, bounded from what they show: at `busy` a queue's sojourn is its service time
+    over (1 - busy) (M/M/1), so the whole TTFT quantile grows by at most
+    (1 - busy) / (1 - busy x growth) (its fixed part does not grow at all)."""
+    ttft, busy = prefill_latency(ctx.auto, m), prefill_busy(m)
+    if ttft is None or busy is None or busy * growth >= PREFILL_HOLD_BUSY:
+        return False
+    grown = ttft * (1.0 - busy) / (1.0 - busy * growth)
+    return grown < ctx.auto.slo.ttft_ms * (1.0 - ctx.tol)
 
 
 def _mean_wait(m: MetricsSnapshot) -> float | None:
@@ -302,10 +362,7 @@ def decode_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
     need = replace(need, cause_up=size.driver or decode_cause(kv_full, need.violated))
     # Under half the ITL target the measured bound outranks the fit: one from a narrow
     # spread of loads asked for a second engine at a third of the target (ServeGen's day).
-    cur = view.current[Role.decode]
-    growth = view.factor(Role.decode) * (1.0 + ctx.tol) + view.backlog.get(Role.decode, 0.0) / max(
-        m.request_rate, 1e-9
-    )
+    cur, growth = view.current[Role.decode], _growth(ctx, m, view, Role.decode)
     if need.up > cur and need.pressure < 0.5 and decode_holds(ctx, m, growth):
         held = note(
             NoteKind.measured_holds,

@@ -17,7 +17,7 @@ class NoteKind(StrEnum):
     queueing_share = "QueueingShare"  # TTFT without queueing nearly fills the target
     beyond_limit = "BeyondLimit"  # the role needs more engines than it may have
     reactive = "Reactive"  # the SLO is missed although the model sees enough engines
-    measured_holds = "MeasuredHolds"  # the fit asks for more decode; what the engines show bounds it
+    measured_holds = "MeasuredHolds"  # the fit asks for more engines; what they show bounds it
     donor_misses = "DonorMisses"  # budget full, the other role misses its own target
     donor_needs = "DonorNeeds"  # budget full, the other role needs all its engines
     free_shared = "FreeShared"  # both roles miss: free GPUs shared between them
@@ -46,8 +46,12 @@ _TEXT: dict[NoteKind, str | dict[str, str]] = {
         "colocated": "the pool needs more than {limit} engines",
     },
     NoteKind.reactive: "{role} SLO missed although the model sees enough engines: +1",
-    NoteKind.measured_holds: "the fit asks for {want} decode engines, but ITL {itl_ms:.0f} ms and KV "
-    "usage {kv:.0%} at {growth:.2f}x the load stay within the targets: {engines} held",
+    NoteKind.measured_holds: {
+        "decode": "the fit asks for {want} decode engines, but ITL {itl_ms:.0f} ms and KV usage {kv:.0%} "
+        "at {growth:.2f}x the load stay within the targets: {engines} held",
+        "prefill": "the fit asks for {want} prefill engines, but TTFT {ttft_ms:.0f} ms at {busy:.0%} busy "
+        "stays within the target at {growth:.2f}x the load: {engines} held",
+    },
     NoteKind.donor_misses: "GPU budget {budget} full and {role} misses its own target",
     NoteKind.donor_needs: "GPU budget {budget} full and {role} needs its {engines} engines",
     NoteKind.free_shared: "both roles miss their targets: free GPUs shared towards {prefill}:{decode}",

@@ -1,0 +1,97 @@
+"""A measured bound that outranks the capacity model: what prefill engines show (busy
+share and TTFT) against the model's busy cap."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from pdcluster import perf
+from pdcluster.api.v1alpha1 import PDClusterSpec
+from pdcluster.control import NoteKind, Observed, RoleObserved, decide_outcome
+from pdcluster.control.needs import prefill_busy
+from pdcluster.control.types import MetricsSnapshot, assemble
+
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
+ISL = 1500.0
+
+
+def _spec(prefill: int) -> PDClusterSpec:
+    return PDClusterSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "prefill": {"replicas": prefill, "minReplicas": 1, "maxReplicas": 8},
+            "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 8},
+            "autoscaling": {
+                "enabled": True,
+                "gpuBudget": 8,
+                "scaleDownStabilizationSeconds": 0,
+                "profile": perf.DEFAULT_PROFILE,
+            },
+        }
+    )
+
+
+def _window(rps: float, ttft_ms: float, busy: float, engines: int) -> MetricsSnapshot:
+    """A window of `rps` prompts of ISL tokens whose prefill engines are each `busy` (40 ms
+    prefills) and answer the first token at `ttft_ms`; decode far from its targets."""
+    tokens = rps * ISL
+    return assemble(
+        window_s=120,
+        prompt_tokens_rate=tokens,
+        prefilled_tokens_rate=tokens,
+        prefilled_rate=rps,
+        finished_rate=rps,
+        generated_tokens_rate=rps * 200,
+        prefill_time_ms=40.0,
+        prefill_steps_rate=busy * engines / 0.040,
+        prefill_ready=float(engines),
+        prefix_queries_rate=tokens,
+        prefix_hits_rate=0.0,
+        decode_running=rps * 200 * 0.008,
+        decode_tokens_rate=rps * 200,
+        decode_kv_usage=0.05,
+        decode_ready=1.0,
+        ttft_ms=ttft_ms,
+        itl_ms=8.0,
+        prefill_ttft_ms=ttft_ms,
+        queue_time_ms=10.0,
+        queue_time_q_ms=20.0,
+    )
+
+
+def _decide(prefill: int, m: MetricsSnapshot):
+    observed = Observed(RoleObserved(prefill, prefill, prefill), RoleObserved(1, 1, 1))
+    return decide_outcome(_spec(prefill), m, None, observed, NOW, profile=perf.load())
+
+
+def _held(outcome) -> set[str | None]:
+    return {n.role for n in outcome.notes if n.kind == NoteKind.measured_holds}
+
+
+def test_the_busy_share_is_steps_times_the_prefill_time_per_engine() -> None:
+    assert prefill_busy(_window(20.0, 150.0, busy=0.6, engines=2)) == 0.6
+    unseen = MetricsSnapshot(window_s=120, request_rate=20.0)
+    assert prefill_busy(unseen) is None
+
+
+def test_a_measured_prefill_bound_outranks_the_models_busy_cap() -> None:
+    """At 25 requests/s the model's busy cap asks for a second prefill engine. One engine
+    at 70% busy answering in 150 ms is bound to keep the 500 ms target at the load plus
+    its tolerance: it is held. Nearer the target, or busier, the model is followed."""
+    calm = _decide(1, _window(25.0, 150.0, busy=0.7, engines=1))
+    assert calm.decision.prefill == 1, calm.decision.reason
+    assert _held(calm) == {"prefill"}
+    near = _decide(1, _window(25.0, 300.0, busy=0.7, engines=1))
+    assert near.decision.prefill == 2, near.decision.reason
+    busy = _decide(1, _window(25.0, 150.0, busy=0.85, engines=1))
+    assert busy.decision.prefill == 2, busy.decision.reason
+    assert not _held(near) and not _held(busy)
+
+
+def test_a_measured_prefill_bound_lets_go_of_an_engine_the_model_would_keep() -> None:
+    """Two engines at 25% busy each, 100 ms TTFT: one is bound to carry both at the load
+    plus its tolerance, though the model's busy cap less its tolerance keeps two."""
+    light = _decide(2, _window(23.0, 100.0, busy=0.25, engines=2))
+    assert light.decision.prefill == 1, light.decision.reason
+    loaded = _decide(2, _window(23.0, 100.0, busy=0.45, engines=2))
+    assert loaded.decision.prefill == 2, loaded.decision.reason
