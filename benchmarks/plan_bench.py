@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", help="day scenarios: write a PNG per run into this folder")
     parser.add_argument("--no-law-figures", action="store_true", help="skip the decision cost and learning")
     a = parser.parse_args(argv)
+    if a.plot:  # made now: a day's run takes many minutes to reach its plot
+        Path(a.plot).mkdir(parents=True, exist_ok=True)
     out: dict = {"runs": []}
     if not a.no_law_figures:
         out["decision_cpu_ms"], out["learning"] = round(decision_cpu_ms(), 3), learning()

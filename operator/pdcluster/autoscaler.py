@@ -15,7 +15,7 @@ from typing import NamedTuple
 import aiohttp
 
 from pdcluster import constants as C
-from pdcluster import metrics, perf, slo
+from pdcluster import flexible, metrics, perf, slo
 from pdcluster.api.v1alpha1 import (
     AutoscalingMode,
     AutoscalingState,
@@ -53,6 +53,23 @@ def _unschedulable(pods: list[dict]) -> int:
             ):
                 count += 1
     return count
+
+
+def flexible_observed(spec: PDClusterSpec, status: PDClusterStatus, pods: list[dict]) -> Observed:
+    """A flexible pool as the law sees two roles: the engines the routers make each role
+    act as (ready ones in pool order, flexible.split), the split last decided, and pods
+    that cannot schedule counted against the role still short of its engines."""
+    pool = status.flexible or RoleStatus()
+    prefill, total = flexible.assignment(spec, status.autoscaling)
+    ready = flexible.split(pool.ready, prefill)
+    made = flexible.split(pool.replicas, prefill)
+    stuck = _unschedulable(pods)
+    short_prefill = stuck if ready[0] < prefill else 0
+    startup = float(pool.startup.median_seconds) if pool.startup else None
+    return Observed(
+        RoleObserved(prefill, made[0], ready[0], short_prefill, startup),
+        RoleObserved(total - prefill, made[1], ready[1], stuck - short_prefill, startup),
+    )
 
 
 def _held(status: PDClusterStatus, kind: str) -> Condition | None:
@@ -98,15 +115,12 @@ class PrometheusAutoscaler:
         return NO_CREDENTIALS if a.prometheus_url else self.default_credentials.load()
 
     async def _observed(self, spec: PDClusterSpec, owner: Owner, status: PDClusterStatus) -> Observed:
+        if spec.mode == ServingMode.flexible:
+            return flexible_observed(spec, status, await self._pods(owner, C.ROLE_FLEXIBLE))
         none = RoleObserved(0, 0, 0)
         roles = dict.fromkeys((*C.ENGINE_ROLES, C.ROLE_COLOCATED), none)
         for role in spec.engine_roles:
-            pods = await self.kube.list(
-                "v1",
-                "Pod",
-                owner.namespace,
-                label_selector=f"{C.LABEL_CLUSTER}={owner.name},{C.LABEL_ROLE}={role}",
-            )
+            pods = await self._pods(owner, role)
             s = getattr(status, role) or RoleStatus()
             roles[role] = RoleObserved(
                 desired=s.desired,
@@ -116,6 +130,10 @@ class PrometheusAutoscaler:
                 startup_s=float(s.startup.median_seconds) if s.startup else None,
             )
         return Observed(**roles)
+
+    async def _pods(self, owner: Owner, role: str) -> list[dict]:
+        selector = f"{C.LABEL_CLUSTER}={owner.name},{C.LABEL_ROLE}={role}"
+        return await self.kube.list("v1", "Pod", owner.namespace, label_selector=selector)
 
     async def _prior(self, spec: PDClusterSpec, owner: Owner) -> perf.Profile | None:
         """The latency profile the spec names, the capacity model's prior; None: none."""
@@ -165,7 +183,7 @@ class PrometheusAutoscaler:
             recommend = "recommend: " if a.mode == AutoscalingMode.recommend else ""
             condition = (True, decision.cause, recommend + decision.summary)
         metrics.DECISIONS.labels(owner.namespace, owner.name, decision.action, decision.cause).inc()
-        events = _scaling_events(state, new_state, decision)
+        events = _scaling_events(spec, state, new_state, decision)
         fit, advice = _mode_advice(spec, read.snapshot, fit)
         return AutoscaleResult(new_state, condition, read.latency_p99_ms, events + advice, mode_fit=fit)
 
@@ -216,15 +234,22 @@ class _MetricsRead(NamedTuple):
 
 
 def _scaling_events(
-    state: AutoscalingState | None, new_state: AutoscalingState, decision: Decision
+    spec: PDClusterSpec, state: AutoscalingState | None, new_state: AutoscalingState, decision: Decision
 ) -> list[Event]:
-    """One event when the law scaled or recommended new replica counts."""
+    """One event when the law scaled or recommended new replica counts. A flexible pool's
+    split alone moves by flips, which reconcile reports (RolesFlipped) as the routers get it."""
     counts = ("prefill", "decode", "colocated")
     changed = state is None or any(getattr(new_state, r) != getattr(state, r) for r in counts)
+    if spec.mode == ServingMode.flexible and state is not None and decision.action == "scale":
+        changed = _pool_size(new_state) != _pool_size(state)
     if decision.action in ("scale", "recommend") and changed:
         reason = "Scaled" if decision.action == "scale" else "Recommended"
         return [("Normal", reason, decision.summary)]
     return []
+
+
+def _pool_size(state: AutoscalingState) -> int:
+    return (state.prefill or 0) + (state.decode or 0)
 
 
 def _mode_advice(

@@ -26,6 +26,10 @@ FIELD_MANAGER: Final = "pdcluster-operator"
 # autoscaler's PromQL all select on these.
 LABEL_CLUSTER: Final = f"{GROUP}/cluster"
 LABEL_ROLE: Final = f"{GROUP}/role"
+# On a flexible pool's pods: the role the routers make the engine act as now (prefill,
+# decode; absent while it is not ready). Prometheus relabels it to `role`, so the law reads
+# per-role engine series from kv_both engines as from fixed roles (flexible.acting_roles).
+LABEL_ACTING_ROLE: Final = f"{GROUP}/acting-role"
 # Set by the Job controller on the pods of a Job (Kubernetes 1.27+).
 LABEL_JOB_NAME: Final = "batch.kubernetes.io/job-name"
 # On engine pods: what prefill and decode must share to exchange KV (rollout.py).

@@ -6,16 +6,31 @@ routing alone, no pod restarts."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from pdcluster import constants as C
 
 if TYPE_CHECKING:
-    from pdcluster.api.v1alpha1 import PDClusterSpec, RoleFlips
+    from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec, RoleFlips
 
 
-def prefill_engines(spec: PDClusterSpec) -> int:
-    """How many engines of the flexible pool are to act as prefill: prefill.replicas (the
-    pool holds prefill.replicas + decode.replicas engines)."""
-    return spec.prefill.replicas
+def assignment(spec: PDClusterSpec, state: AutoscalingState | None) -> tuple[int, int]:
+    """(engines to act as prefill, engines in the pool): the law's split where it sizes the
+    pool (autoscaling in `auto` mode, once it has decided), else prefill.replicas of
+    prefill.replicas + decode.replicas."""
+    from pdcluster.api.v1alpha1 import AutoscalingMode
+
+    a = spec.autoscaling
+    decided = state is not None and state.prefill is not None and state.decode is not None
+    if a.enabled and a.mode == AutoscalingMode.auto and decided:
+        return state.prefill, state.prefill + state.decode
+    return spec.prefill.replicas, spec.prefill.replicas + spec.decode.replicas
+
+
+def prefill_engines(spec: PDClusterSpec, state: AutoscalingState | None = None) -> int:
+    """How many engines of the flexible pool are to act as prefill (`assignment`)."""
+    return assignment(spec, state)[0]
 
 
 def split(engines: int, prefill_engines: int) -> tuple[int, int]:
@@ -27,18 +42,20 @@ def split(engines: int, prefill_engines: int) -> tuple[int, int]:
     return prefill, engines - prefill
 
 
-def record_flip(spec: PDClusterSpec, previous: RoleFlips | None, now: str) -> RoleFlips:
+def record_flip(
+    spec: PDClusterSpec, state: AutoscalingState | None, previous: RoleFlips | None, now: str
+) -> RoleFlips:
     """The assignment this reconcile applies, counting the engines it moves against the
-    last one recorded; the first assignment moves none."""
+    last one recorded; the first assignment moves none. Engines act as prefill in pool
+    order, so a change of the count by k moves k engines, whatever the pool's size."""
     from pdcluster.api.v1alpha1 import RoleFlips
 
-    wanted = prefill_engines(spec)
+    wanted, engines = assignment(spec, state)
     if previous is None:
         return RoleFlips(prefill_engines=wanted)
     moved = wanted - previous.prefill_engines
     if moved == 0:
         return previous
-    engines = spec.prefill.replicas + spec.decode.replicas
     way = "decode -> prefill" if moved > 0 else "prefill -> decode"
     noun = "engine" if abs(moved) == 1 else "engines"
     return RoleFlips(
@@ -54,3 +71,37 @@ def flip_event(previous: RoleFlips | None, current: RoleFlips | None) -> tuple[s
     if current is None or previous is None or current.flips == previous.flips or current.last_flip is None:
         return None
     return "RolesFlipped", current.last_flip
+
+
+def _ordinal(pod: Mapping[str, Any]) -> int:
+    tail = pod["metadata"]["name"].rpartition("-")[2]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    deleting = (pod.get("metadata") or {}).get("deletionTimestamp")
+    return not deleting and any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def acting_roles(pods: Iterable[Mapping[str, Any]], prefill_engines: int) -> dict[str, str | None]:
+    """Each pool pod's role as the routers apply the rule (router/membership.py): of the
+    ready pods in ordinal order the first `prefill_engines` prefill, the rest decode; None
+    for a pod not ready, and for a lone engine (it serves requests whole)."""
+    pool = [p for p in pods if (p["metadata"].get("labels") or {}).get(C.LABEL_ROLE) == C.ROLE_FLEXIBLE]
+    ready = sorted((p for p in pool if _ready(p)), key=lambda p: (_ordinal(p), p["metadata"]["name"]))
+    prefill, _ = split(len(ready), prefill_engines)
+    roles: dict[str, str | None] = {p["metadata"]["name"]: None for p in pool}
+    if len(ready) >= 2:
+        for n, pod in enumerate(ready):
+            roles[pod["metadata"]["name"]] = C.ROLE_PREFILL if n < prefill else C.ROLE_DECODE
+    return roles
+
+
+def relabels(pods: Iterable[Mapping[str, Any]], prefill_engines: int) -> dict[str, str | None]:
+    """The pods whose acting-role label differs from `acting_roles`, with the value to set
+    (None: remove it)."""
+    pods = list(pods)
+    wanted = acting_roles(pods, prefill_engines)
+    now = {p["metadata"]["name"]: (p["metadata"].get("labels") or {}).get(C.LABEL_ACTING_ROLE) for p in pods}
+    return {name: role for name, role in wanted.items() if now.get(name) != role}

@@ -32,6 +32,7 @@ from pdcluster.api.v1alpha1 import (
 )
 from pdcluster.children import Children, cluster_pods
 from pdcluster.drift import in_sync, merge_patch, stamp
+from pdcluster.flexible_labels import label_acting_roles
 from pdcluster.io.events import EventRecorder
 from pdcluster.io.kube import ApiError, Kube
 from pdcluster.podstate import observe_pods
@@ -195,7 +196,10 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
 
     workloads = {_workload_role(o): live[_key(o)] for o in plan.desired if _workload_role(o) is not None}
     obs = _observation(spec, owner, plan, live, workloads, problems)
-    observe_pods(obs, spec, previous, await cluster_pods(ctx.children, ctx.kube, owner.namespace, owner.name))
+    pods = await cluster_pods(ctx.children, ctx.kube, owner.namespace, owner.name)
+    observe_pods(obs, spec, previous, pods)
+    if spec.mode == ServingMode.flexible and not spec.paused:
+        await label_acting_roles(ctx.kube, owner.namespace, pods, plan.replicas.flexible_prefill)
     obs.model = await _model_cache(ctx, spec, owner, live, previous)
     status = compute_status(spec, generation, obs, previous, plan.autoscale.state, now)
     for role, scaler in plan.scalers.items():

@@ -144,6 +144,7 @@ def _condition(
 
 def _ratio(
     spec: PDClusterSpec,
+    autoscaling: AutoscalingState | None,
     prefill: RoleStatus,
     decode: RoleStatus,
     colocated: RoleStatus | None,
@@ -152,7 +153,7 @@ def _ratio(
     if colocated is not None:
         return None
     if flexible_pool is not None:  # the split the routers apply to the ready engines
-        return "{}:{}".format(*flexible.split(flexible_pool.ready, flexible.prefill_engines(spec)))
+        return "{}:{}".format(*flexible.split(flexible_pool.ready, flexible.prefill_engines(spec, autoscaling)))
     return f"{prefill.ready}:{decode.ready}"
 
 
@@ -179,8 +180,10 @@ def compute_status(
         decode=decode,
         colocated=colocated,
         flexible=flexible_pool,
-        roles=flexible.record_flip(spec, previous.roles, time_s(now)) if flexible_pool is not None else None,
-        ratio=_ratio(spec, prefill, decode, colocated, flexible_pool),
+        roles=None
+        if flexible_pool is None
+        else flexible.record_flip(spec, autoscaling, previous.roles, time_s(now)),
+        ratio=_ratio(spec, autoscaling, prefill, decode, colocated, flexible_pool),
         router=ComponentStatus(replicas=seen.router.replicas, ready=seen.router.ready),
         mooncake=ComponentStatus(replicas=seen.master.replicas, ready=seen.master.ready),
         ttft_p99_ms=ttft if ttft is not None else previous.ttft_p99_ms,

@@ -243,3 +243,108 @@ async def test_a_colocated_pool_grows_when_ttft_misses_and_advice_follows_the_tr
     assert fit is not None and (fit["status"], fit["reason"]) == ("False", "OtherModeBetter"), fit
     assert fit["message"].startswith("disaggregated would serve this traffic")
     assert outcomes.get(200, 0) > 0 and outcomes.get(-1, 0) == 0, outcomes
+
+
+async def test_a_flexible_pool_flips_a_decode_engine_to_prefill_without_a_pod_restart(
+    kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, sim_cluster: Any, local_cluster: Any
+) -> None:
+    """spec.mode flexible under the law: TTFT missed at 1:2, the pool at its budget of 3.
+    The split moves by a flip (the routers' ConfigMap), the StatefulSet keeps its 3 pods
+    and their containers, each engine's series go under the role it acts as, and status
+    and Events report the flip."""
+    autoscaling = {
+        "enabled": True,
+        "mode": "auto",
+        "slo": {"ttftMs": 500, "itlMs": 25, "quantile": "p90"},
+        "gpuBudget": 3,
+        "intervalSeconds": 10,
+        "windowSeconds": 30,
+        "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 600,
+        "cooldownSeconds": 10,
+        "scaleUpTimeoutSeconds": 120,
+    }
+    doc = sim_cluster(
+        "flex",
+        mode="flexible",
+        prefill={"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
+        decode={"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
+        autoscaling=autoscaling,
+    )
+    await pdc.apply(doc)
+
+    async def serving() -> bool:
+        status = (await pdc.get("flex")).get("status") or {}
+        return await pdc.is_true("flex", "Ready") and (status.get("flexible") or {}).get("ready") == 3
+
+    await wait_until(serving, timeout=120, message="Ready with 3 flexible engines")
+    selector = f"{C.LABEL_CLUSTER}=flex,{C.LABEL_ROLE}={C.ROLE_FLEXIBLE}"
+    before = {
+        p["metadata"]["name"]: p["metadata"]["uid"]
+        for p in await kube.list("v1", "Pod", namespace, label_selector=selector)
+    }
+
+    async def labelled(wanted: dict[str, int]) -> dict[str, int]:
+        pods = await kube.list("v1", "Pod", namespace, label_selector=selector)
+        acting = [p["metadata"]["labels"].get(C.LABEL_ACTING_ROLE) for p in pods]
+        counts = {role: acting.count(role) for role in C.ENGINE_ROLES}
+        assert counts == wanted, acting
+        return counts
+
+    await wait_until(lambda: labelled({"prefill": 1, "decode": 2}), timeout=30, message="acting roles 1:2")
+    router_ip = (await kube.get("v1", "Service", "flex-router", namespace))["spec"]["clusterIP"]
+
+    stop, outcomes = asyncio.Event(), {}
+    traffic = asyncio.create_task(load(router_ip, stop, outcomes))
+    try:
+
+        async def flipped() -> dict:
+            state = ((await pdc.get("flex")).get("status") or {}).get("autoscaling") or {}
+            assert (state.get("prefill"), state.get("decode")) == (2, 1), (
+                state.get("lastDecision") or {}
+            ).get("reason")
+            return state
+
+        state = await wait_until(flipped, timeout=240, interval=1, message="the law flips decode -> prefill")
+        await wait_until(
+            lambda: labelled({"prefill": 2, "decode": 1}), timeout=30, message="acting roles 2:1"
+        )
+    finally:
+        stop.set()
+        await traffic
+
+    decision = state["lastDecision"]
+    assert decision["action"] == "scale" and decision["metrics"]["ttftMs"] > 500, decision
+    print(f"flipped: {decision['summary']}; outcomes {outcomes}")
+    roles = await kube.get("v1", "ConfigMap", "flex-router-roles", namespace)
+    assert roles["data"] == {C.KEY_PREFILL_ENGINES: "2"}
+    sts = await kube.get("apps/v1", "StatefulSet", "flex-flexible", namespace)
+    assert sts["spec"]["replicas"] == 3  # a flip, not a pod: the pool keeps its size
+    pods = await kube.list("v1", "Pod", namespace, label_selector=selector)
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods} == before
+    assert all(c.get("restartCount", 0) == 0 for p in pods for c in p["status"].get("containerStatuses", []))
+    status = (await pdc.get("flex"))["status"]
+    assert status["roles"]["prefillEngines"] == 2 and status["roles"]["flips"] >= 1, status["roles"]
+    assert (await pdc.get("flex"))["spec"]["prefill"]["replicas"] == 1  # the spec is never rewritten
+
+    async def flip_event() -> bool:
+        events = await kube.list("v1", "Event", namespace)
+        return any(e["reason"] == "RolesFlipped" and e["involvedObject"]["name"] == "flex" for e in events)
+
+    await wait_until(flip_event, timeout=10, message="RolesFlipped Event")
+
+    # Prometheus files each engine's series under the role it acts as now.
+    async def series_by_role() -> dict[str, int]:
+        waiting = f'{{__name__=~"vllm(:|_)num_requests_waiting", pdcluster="flex", namespace="{namespace}"}}'
+        url = f"{local_cluster.prometheus_url}/api/v1/query"
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(url, params={"query": f"count by (role) ({waiting})"}) as r,
+        ):
+            result = (await r.json())["data"]["result"]
+        found = {s["metric"].get("role"): int(s["value"][1]) for s in result}
+        assert found == {"prefill": 2, "decode": 1}, found
+        return found
+
+    await wait_until(series_by_role, timeout=60, interval=2, message="series under the acting roles")
+    assert outcomes.get(200, 0) > 0 and outcomes.get(-1, 0) == 0, outcomes

@@ -195,8 +195,8 @@ def test_rbac_covers_every_child_and_watch(name: str) -> None:
         for group, resource in _rendered_children() | {(g, p) for g, _, p in KINDS}:
             if resource in ("pdrolescalers", "persistentvolumeclaims"):
                 continue  # created once, never applied; a claim, never deleted: checked below
-            if resource == "pods":  # watched for start-up times and stuck pods, never written
-                assert _grants(role["rules"], group, resource) == {"get", "list", "watch"}
+            if resource == "pods":  # watched for start-up times and stuck pods; labelled, never made
+                assert _grants(role["rules"], group, resource) == {"get", "list", "watch", "patch"}
                 continue
             assert _grants(role["rules"], group, resource) >= VERBS_FOR_CHILDREN, (group, resource)
         # PDRoleScalers belong to HPA/KEDA after creation: the operator may not patch their spec.

@@ -61,6 +61,7 @@ DRIVERS: dict[Cause, tuple[str | None, tuple[str, ...]]] = {
     Cause.queue_backlog: ("decode", ("17 requests", "120 s", "needs 3 engines", "5 ready")),
     Cause.queue_growing: ("prefill", ("42 requests", "maxStep 2", "needs 6 engines")),
     Cause.peak_floor: ("prefill", ("7 engines", "300 s", "2.50x")),
+    Cause.split_flipped: (None, ("prefill needs 6 engines", "decode 3")),
 }
 
 

@@ -111,12 +111,21 @@ def _with(**changes: dict) -> dict:
         (_with(decode={"gpuResourceName": "amd.com/gpu"}), "spec.decode.gpuResourceName"),
         (_with(prefill={"gpusPerNode": 1, "tensorParallelSize": 2}, decode={"tensorParallelSize": 2}),
          "spec.prefill.gpusPerNode"),
-        (_with(autoscaling={"enabled": True}), "spec.autoscaling.enabled"),
+        (_with(autoscaling={"enabled": True, "mode": "external"}), "spec.autoscaling.mode"),
     ],
 )  # fmt: skip
 def test_the_crd_refuses_what_one_configuration_cannot_run_naming_the_field(doc: dict, field: str) -> None:
     found = problems(doc)
     assert any(p.startswith(field) and "flexible" in p for p in found), found
+
+
+def test_the_law_autoscales_a_flexible_pool_but_hpa_cannot() -> None:
+    """The operator's law moves engines between the roles of one pool; HPA or KEDA
+    (mode external) scale one workload per role and cannot."""
+    assert problems(_with(autoscaling={"enabled": True})) == []
+    assert problems(_with(autoscaling={"enabled": True, "mode": "recommend"})) == []
+    with pytest.raises(ValueError, match=r"autoscaling\.mode auto or recommend"):
+        PDClusterSpec.model_validate(_with(autoscaling={"enabled": True, "mode": "external"})["spec"])
 
 
 def test_pod_settings_that_differ_are_refused_by_name() -> None:
@@ -130,15 +139,15 @@ def test_a_flip_counts_the_engines_that_change_role_either_way() -> None:
     spec = PDClusterSpec.model_validate(
         {"model": {"name": "m"}, "mode": "flexible", "prefill": {"replicas": 1}, "decode": {"replicas": 3}}
     )
-    first = flexible.record_flip(spec, None, "t0")
+    first = flexible.record_flip(spec, None, None, "t0")
     assert (first.prefill_engines, first.flips, first.last_flip) == (1, 0, None)
-    assert flexible.record_flip(spec, first, "t1") is first  # no change, nothing recorded
+    assert flexible.record_flip(spec, None, first, "t1") is first  # no change, nothing recorded
     assert flexible.flip_event(first, first) is None
 
     more_prefill = spec.model_copy(update={"prefill": spec.prefill.model_copy(update={"replicas": 3})})
-    moved = flexible.record_flip(more_prefill, first, "t2")
+    moved = flexible.record_flip(more_prefill, None, first, "t2")
     assert (moved.prefill_engines, moved.flips, moved.last_flip_time) == (3, 2, "t2")
     assert moved.last_flip == "2 engines decode -> prefill: prefill engines 1 -> 3 of 6"
-    back = flexible.record_flip(spec, moved, "t3")
+    back = flexible.record_flip(spec, None, moved, "t3")
     assert (back.flips, back.last_flip) == (4, "2 engines prefill -> decode: prefill engines 3 -> 1 of 4")
     assert flexible.flip_event(moved, back) == ("RolesFlipped", back.last_flip)

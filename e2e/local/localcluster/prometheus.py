@@ -32,6 +32,8 @@ def config(*, targets_url: str, scrape_interval: str) -> dict[str, Any]:
         },
         {"source_labels": [_label_meta("pdcluster.io/cluster")], "target_label": "pdcluster"},
         {"source_labels": [_label_meta("pdcluster.io/role")], "target_label": "role"},
+        # A flexible engine's series go under the role it acts as now (when it has one).
+        {"source_labels": [_label_meta("pdcluster.io/acting-role")], "regex": "(.+)", "target_label": "role"},
         {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
         {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
     ]

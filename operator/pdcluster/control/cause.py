@@ -37,6 +37,7 @@ class Cause(StrEnum):
     queue_backlog = "QueueBacklog"  # a queue to drain within a window needs more engines
     queue_growing = "QueueGrowing"  # while a queue grows, a step of several maxSteps
     peak_floor = "RecentPeakFloor"  # a scale-down held at what the recent peak needed
+    split_flipped = "SplitFlipped"  # flexible pool: engines flipped to the roles' needed shares
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,11 @@ def _raw(f: Figures) -> str:
     return f" (TTFT {_ms(f.raw_ttft_ms)})"
 
 
+def _shares(f: Figures) -> str:
+    """'prefill needs 6 engines, decode 3'."""
+    return f"prefill needs {f.needed.get('prefill', 0)} engines, decode {f.needed.get('decode', 0)}"
+
+
 def _kv(f: Figures) -> str:
     used = "unseen" if f.kv_usage is None else f"{f.kv_usage:.0%}"
     return f"KV cache {used} full, limit {f.kv_limit or 0:.0%}"
@@ -142,5 +148,6 @@ def summary(
         f"past maxStep {f.max_step}; {_engines(f, role)}",
         Cause.peak_floor: f"{role} scale-down held at {f.floor.get(role or '', 0)} engines, what the peak of "
         f"the last {f.peak_span_s} s needs ({f.peak.get(role or '', 1.0):.2f}x today's load)",
+        Cause.split_flipped: f"engines flipped towards the needed shares, {_shares(f)} (no pod restarts)",
     }[cause]
     return f"{change}: {why}"

@@ -42,6 +42,7 @@ from pdcluster.control.budget import Counts, fit_budget, gpu_total, split_budget
 from pdcluster.control.cause import Cause, summary
 from pdcluster.control.context import ROLES, Context, Role, Timer, Timers, context
 from pdcluster.control.explain import Analysis, cause_of, figures, notes_of, reason, stages_status
+from pdcluster.control.flexsplit import prefill_share
 from pdcluster.control.needs import (
     Need,
     View,
@@ -271,17 +272,25 @@ def _want(ctx: Context, current: Counts, role: Role, need: Need) -> tuple[Need, 
 def _finish(ctx: Context, start: _Start, m: MetricsSnapshot | None, end: _End) -> Outcome:
     stored = {r.value: start.stored[r] for r in ROLES}
     target = {r.value: end.target[r] for r in ROLES}
-    act, applied = action(ctx, stored, target)
-    timers = pending_from_now(ctx, end.timers, {r: end.target[r] for r in ROLES}, applied)
     figs = figures(ctx, m, start.current, end.analysis)
+    cause, role, why = end.cause, end.role, end.reason
+    if ctx.spec.mode == ServingMode.flexible and m is not None:
+        total = target["prefill"] + target["decode"]
+        prefill = prefill_share(total, target["prefill"], figs.needed)
+        if prefill != target["prefill"]:
+            target = {"prefill": prefill, "decode": total - prefill}
+            cause, role = Cause.split_flipped, None
+            why = f"{why}; flexible pool split {prefill}:{total - prefill} by flips"
+    act, applied = action(ctx, stored, target)
+    timers = pending_from_now(ctx, end.timers, {r: target[r.value] for r in ROLES}, applied)
     decision = Decision(
         time=time_ms(ctx.now),
         prefill=target["prefill"],
         decode=target["decode"],
         action=act,
-        cause=end.cause.value,
-        summary=summary(end.cause, figs, stored, target, end.role),
-        reason=end.reason,
+        cause=cause.value,
+        summary=summary(cause, figs, stored, target, role),
+        reason=why,
         metrics=observed_metrics(m),
     )
     state = next_state(

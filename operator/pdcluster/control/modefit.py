@@ -67,9 +67,10 @@ def ratio(t: Table, prompt_tokens: float, itl_target_ms: float) -> float:
 def mode_fit(
     mode: ServingMode, profile: str | None, prompt_tokens: float | None, itl_target_ms: float
 ) -> tuple[bool, str, str] | None:
-    """(fits, reason, message) for the ModeFit condition; None without a sweep or traffic."""
+    """(fits, reason, message) for the ModeFit condition; None without a sweep or traffic,
+    and for a flexible pool, whose engines serve either way (router.prefillOnDecodeBelowTokens)."""
     t = table(profile) if profile else None
-    if t is None or not prompt_tokens:
+    if t is None or not prompt_tokens or mode == ServingMode.flexible:
         return None
     r = ratio(t, prompt_tokens, itl_target_ms)
     other = ServingMode.colocated if mode == ServingMode.disaggregated else ServingMode.disaggregated

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster import constants as C
-from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingState, PDClusterSpec
+from pdcluster import flexible
+from pdcluster.api.v1alpha1 import AutoscalingMode, AutoscalingState, PDClusterSpec, ServingMode
 from pdcluster.render.engine import build_role
 from pdcluster.render.model import build_model
 from pdcluster.render.mooncake import build_mooncake
@@ -24,6 +25,7 @@ class Replicas:
     decode: int
     colocated: int = 0
     flexible: int = 0
+    flexible_prefill: int = 0  # of the flexible pool's engines, how many the routers make prefill
 
     def of(self, role: str) -> int:
         counts = {
@@ -49,7 +51,7 @@ class Replicas:
         a = spec.autoscaling
         source: dict[str, int | None] = {}
         if a.enabled and a.mode == AutoscalingMode.auto and state is not None:
-            source = {role: getattr(state, role) for role in spec.engine_roles}
+            source = {role: _decided(state, role) for role in spec.engine_roles}
         elif a.enabled and a.mode == AutoscalingMode.external and external is not None:
             source = external
         counts: dict[str, int] = {}
@@ -57,7 +59,15 @@ class Replicas:
             r = spec.role(role)
             wanted = source.get(role)
             counts[role] = r.replicas if wanted is None else min(max(wanted, r.min_replicas), r.max_replicas)
-        return cls(*(counts.get(role, 0) for role in (*C.ENGINE_ROLES, C.ROLE_COLOCATED, C.ROLE_FLEXIBLE)))
+        prefill = flexible.prefill_engines(spec, state) if spec.mode == ServingMode.flexible else 0
+        return cls(*(counts.get(role, 0) for role in (*C.ENGINE_ROLES, C.ROLE_COLOCATED, C.ROLE_FLEXIBLE)), prefill)
+
+
+def _decided(state: AutoscalingState, role: str) -> int | None:
+    """The law's count for a role's workload; a flexible pool holds both roles' engines."""
+    if role == C.ROLE_FLEXIBLE:
+        return None if state.prefill is None or state.decode is None else state.prefill + state.decode
+    return getattr(state, role)
 
 
 def render_all(
@@ -68,7 +78,7 @@ def render_all(
     objects = build_model(spec, owner) + build_mooncake(spec, owner, suspended=spec.suspend)
     for role in spec.engine_roles:
         objects += build_role(spec, owner, role, replicas.of(role), (partitions or {}).get(role, 0))
-    objects += build_router(spec, owner, suspended=spec.suspend)
+    objects += build_router(spec, owner, suspended=spec.suspend, prefill_engines=replicas.flexible_prefill)
     objects += build_network_policies(spec, owner)
     _pull_secrets(objects, [{"name": ref.name} for ref in spec.image_pull_secrets])
     return sorted(objects, key=apply_stage)

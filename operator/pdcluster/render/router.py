@@ -61,6 +61,8 @@ def router_args(spec: PDClusterSpec, owner: Owner) -> list[str]:
     if spec.mode == ServingMode.flexible:
         args += [
             f"--roles-configmap={roles_configmap_name(owner)}",
+            # Where to start until the ConfigMap is read: the spec's split, so that the
+            # law's flips (the ConfigMap alone) do not roll the routers.
             f"--prefill-engines={flexible.prefill_engines(spec)}",
         ]
     if r.api_key_secret:
@@ -236,14 +238,14 @@ def roles_configmap_name(owner: Owner) -> str:
     return f"{owner.child(C.ROLE_ROUTER)}-roles"
 
 
-def roles_configmap(spec: PDClusterSpec, owner: Owner) -> dict[str, Any]:
+def roles_configmap(owner: Owner, prefill_engines: int) -> dict[str, Any]:
     """The flexible split the routers apply (router/membership.py): a change here moves
     engines between the roles within a second, with no pod restarted."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(owner, C.ROLE_ROUTER, roles_configmap_name(owner)),
-        "data": {C.KEY_PREFILL_ENGINES: str(flexible.prefill_engines(spec))},
+        "data": {C.KEY_PREFILL_ENGINES: str(prefill_engines)},
     }
 
 
@@ -293,9 +295,12 @@ def rbac(spec: PDClusterSpec, owner: Owner) -> list[dict[str, Any]]:
     ]
 
 
-def build_router(spec: PDClusterSpec, owner: Owner, *, suspended: bool) -> list[dict[str, Any]]:
+def build_router(
+    spec: PDClusterSpec, owner: Owner, *, suspended: bool, prefill_engines: int = 0
+) -> list[dict[str, Any]]:
+    """`prefill_engines`: of a flexible pool's engines, how many act as prefill."""
     replicas = 0 if suspended else spec.router.replicas
-    roles = [roles_configmap(spec, owner)] if spec.mode == ServingMode.flexible else []
+    roles = [roles_configmap(owner, prefill_engines)] if spec.mode == ServingMode.flexible else []
     # A budget over no pod only makes the disruption controller warn (as for the engines).
     budget = [disruption_budget(owner, C.ROLE_ROUTER)] if replicas > 0 else []
     return [

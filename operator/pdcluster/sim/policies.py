@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
-from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
-from pdcluster.control import Observed, RoleObserved, decide, decide_outcome
+from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec, ServingMode
+from pdcluster.control import Observed, RoleObserved, decide
 from pdcluster.perf import Profile
 from pdcluster.sim import scrapes
 from pdcluster.sim.engines import PENDING
@@ -68,39 +68,9 @@ class PDCluster:
         return decision.prefill, decision.decode
 
 
-# A split moves when the needed share is this many engines away: past the rounding's 0.5,
-# so a share that hovers at a half does not flip an engine back and forth.
-SPLIT_BAND = 0.75
-
-
 class FlexiblePDCluster(PDCluster):
-    """The law on flexible engines, on two time scales: the fleet's size as the law
-    decides it (pods: damped by its windows, steps and cooldown), its split every
-    interval in proportion to the engines the capacity models need per role (flips:
-    seconds, so not damped). The state keeps the split applied, so the law sees no
-    scale-up pending where an engine was flipped instead."""
+    """The law on flexible engines (spec.mode flexible, control/flexsplit.py): the size
+    as the law decides it, the split every interval by flips."""
 
-    def decide(self, now_s: float, fleet: Fleet) -> tuple[int, int] | None:
-        auto = self.spec.autoscaling
-        snap = scrapes.snapshot(fleet.scrapes, now_s, auto.window_seconds, auto.slo.quantile.fraction)
-        now = EPOCH + timedelta(seconds=now_s)
-        outcome = decide_outcome(self.spec, snap, self.state, observed(fleet), now, profile=self.profile)
-        decision = outcome.decision
-        self.last_reason = decision.reason
-        total = decision.prefill + decision.decode
-        prefill = self._split(total, decision.prefill, outcome.figures.needed)
-        self.state = outcome.state.model_copy(update={"prefill": prefill, "decode": total - prefill})
-        return prefill, total - prefill
-
-    def _split(self, total: int, decided: int, needed: dict[str, int]) -> int:
-        """Prefill engines of `total`: the needed share of it, moved only when that share
-        is more than SPLIT_BAND engines away from the split now (no flapping on a ratio
-        that hovers between two splits)."""
-        want_p, want_d = needed.get("prefill", 0), needed.get("decode", 0)
-        if total < 2 or want_p + want_d == 0:
-            return decided
-        now = min(max(decided, 1), total - 1)
-        share = total * want_p / (want_p + want_d)
-        if abs(share - now) <= SPLIT_BAND:
-            return now
-        return min(max(round(share), 1), total - 1)
+    def __init__(self, spec: PDClusterSpec, profile: Profile | None, name: str = "pdcluster-flex") -> None:
+        super().__init__(spec.model_copy(update={"mode": ServingMode.flexible}), profile, name)

@@ -10,7 +10,7 @@ from pydantic.alias_generators import to_camel
 from pdcluster import constants as C
 from pdcluster import images
 from pdcluster.api.base import Model, cel
-from pdcluster.api.v1alpha1.autoscaling import AutoscalingSpec
+from pdcluster.api.v1alpha1.autoscaling import AutoscalingMode, AutoscalingSpec
 from pdcluster.api.v1alpha1.common import ModelSpec, section
 from pdcluster.api.v1alpha1.engines import (
     EngineSpec,
@@ -64,10 +64,11 @@ def _flexible_rules() -> list[dict[str, str]]:
     ]
     rules.append(
         cel(
-            f"{flexible} || !self.autoscaling.enabled",
-            "mode flexible is not autoscaled yet: set autoscaling.enabled false and size it by "
-            "prefill.replicas and decode.replicas",
-            ".autoscaling.enabled",
+            f"{flexible} || !self.autoscaling.enabled || !has(self.autoscaling.mode)"
+            " || self.autoscaling.mode != 'external'",
+            "mode flexible is autoscaled by the operator's law (autoscaling.mode auto or recommend): "
+            "HPA or KEDA cannot move engines between the roles of one pool",
+            ".autoscaling.mode",
         )
     )
     return rules
@@ -132,7 +133,8 @@ class PDClusterSpec(Model):
         "autoscaling is on); for short, uniform prompts. `flexible`: one pool of prefill.replicas + "
         "decode.replicas engines of one configuration (the two sections must agree on it), each started as "
         "both KV producer and consumer; the router makes each engine prefill or decode, and moves an engine "
-        "between the roles in seconds, without a restart. Changing it replaces the pools.",
+        "between the roles in seconds, without a restart; with autoscaling, the law moves the split by such flips "
+        "every interval and the pool's size by pods. Changing it replaces the pools.",
     )
     engine: EngineSpec = section(EngineSpec)
     kv_transfer: KVTransferSpec = section(KVTransferSpec)
@@ -176,8 +178,9 @@ class PDClusterSpec(Model):
                 "mode flexible runs one engine configuration: prefill and decode differ in "
                 + ", ".join(to_camel(f) for f in differ)
             )
-        if self.autoscaling.enabled:  # as the CRD says, for a spec that did not pass through it
-            raise ValueError("mode flexible is not autoscaled yet: set autoscaling.enabled false")
+        if self.autoscaling.enabled and self.autoscaling.mode == AutoscalingMode.external:
+            # as the CRD says, for a spec that did not pass through it
+            raise ValueError("mode flexible is autoscaled by the operator's law: autoscaling.mode auto or recommend")
         return self
 
     def role(self, name: str) -> RoleSpec:

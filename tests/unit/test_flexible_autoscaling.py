@@ -1,0 +1,143 @@
+"""A flexible pool under the law: the size by pods, the split by flips (the routers'
+ConfigMap alone), each engine's acting role for Prometheus, and what the law sees of the
+two roles of one pool."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime
+from pathlib import Path
+
+import yaml
+
+from pdcluster import constants as C
+from pdcluster import flexible, perf
+from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec, PDClusterStatus, RoleStatus
+from pdcluster.autoscaler import _scaling_events, flexible_observed
+from pdcluster.control import Observed, RoleObserved, decide_outcome
+from pdcluster.control.cause import Cause
+from pdcluster.control.flexsplit import prefill_share
+from pdcluster.control.types import assemble
+from pdcluster.render import Owner, Replicas, render_all
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdcluster-flexible.yaml"
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def _spec(**autoscaling) -> PDClusterSpec:
+    doc = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text())["spec"])  # prefill 1, decode 3
+    doc["autoscaling"] = {"enabled": True, "gpuBudget": 8, **autoscaling}
+    return PDClusterSpec.model_validate(doc)
+
+
+def _pod(n: int, ready: bool = True, acting: str | None = None, role: str = C.ROLE_FLEXIBLE) -> dict:
+    labels = {C.LABEL_ROLE: role} | ({C.LABEL_ACTING_ROLE: acting} if acting else {})
+    return {
+        "metadata": {"name": f"agile-flexible-{n}", "labels": labels},
+        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def test_the_laws_split_goes_to_the_routers_configmap_and_its_size_to_the_statefulset() -> None:
+    spec, state = _spec(), AutoscalingState(prefill=3, decode=2)
+    replicas = Replicas.choose(spec, state)
+    assert (replicas.flexible, replicas.flexible_prefill) == (5, 3)
+    objs = render_all(spec, Owner("agile", "ns", "uid"), replicas)
+    pool = next(o for o in objs if o["kind"] == "StatefulSet")
+    assert pool["spec"]["replicas"] == 5
+    roles = next(o for o in objs if o["metadata"]["name"] == "agile-router-roles")
+    assert roles["data"] == {C.KEY_PREFILL_ENGINES: "3"}
+    # The routers' flag stays the spec's: a flip must not roll them.
+    router = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "agile-router")
+    assert "--prefill-engines=1" in router["spec"]["template"]["spec"]["containers"][0]["args"]
+    # In recommend mode the law only records: the spec's split and size run.
+    recommend = Replicas.choose(_spec(mode="recommend"), state)
+    assert (recommend.flexible, recommend.flexible_prefill) == (4, 1)
+
+
+def test_each_ready_engine_is_labelled_with_the_role_the_routers_make_it_act_as() -> None:
+    pods = [
+        _pod(2),
+        _pod(0, acting="decode"),
+        _pod(1, acting="prefill"),
+        _pod(3, ready=False, acting="decode"),
+    ]
+    assert flexible.acting_roles(pods, 2) == {
+        "agile-flexible-0": "prefill",
+        "agile-flexible-1": "prefill",
+        "agile-flexible-2": "decode",
+        "agile-flexible-3": None,  # not ready: no role, its series under none
+    }
+    # Only what differs is patched; None removes the label.
+    assert flexible.relabels(pods, 2) == {
+        "agile-flexible-0": "prefill",
+        "agile-flexible-2": "decode",
+        "agile-flexible-3": None,
+    }
+    assert flexible.relabels([_pod(0, acting="decode")], 1) == {"agile-flexible-0": None}  # alone: whole
+    assert flexible.relabels([_pod(0, role=C.ROLE_ROUTER)], 1) == {}  # not the pool's
+
+
+def test_the_law_sees_the_engines_each_role_acts_as() -> None:
+    spec = _spec()
+    status = PDClusterStatus(
+        flexible=RoleStatus(desired=5, replicas=5, ready=4),
+        autoscaling=AutoscalingState(prefill=3, decode=2),
+    )
+    stuck = {"metadata": {"name": "agile-flexible-4"}, "status": {"conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}}  # fmt: skip
+    seen = flexible_observed(spec, status, [stuck])
+    assert seen.prefill == RoleObserved(desired=3, replicas=3, ready=3, unschedulable=0)
+    assert seen.decode == RoleObserved(desired=2, replicas=2, ready=1, unschedulable=1)
+
+
+def test_the_needed_shares_move_the_split_past_a_band() -> None:
+    assert prefill_share(6, 2, {"prefill": 4, "decode": 2}) == 4
+    assert prefill_share(6, 2, {"prefill": 5, "decode": 7}) == 2  # share 2.5: within the band
+    assert prefill_share(6, 2, {}) == 2  # no needs known: the law's own split
+    assert prefill_share(3, 1, {"prefill": 9, "decode": 1}) == 2  # one decode engine is kept
+
+
+def _window(prompt_tokens: float, output_tokens: float) -> object:
+    rps = 20.0
+    return assemble(
+        window_s=120,
+        prompt_tokens_rate=rps * prompt_tokens,
+        prefilled_tokens_rate=rps * prompt_tokens,
+        prefilled_rate=rps,
+        finished_rate=rps,
+        generated_tokens_rate=rps * output_tokens,
+        prefill_time_ms=prompt_tokens / 20.0,
+        prefill_steps_rate=rps,
+        prefill_ready=2.0,
+        prefix_queries_rate=rps * prompt_tokens,
+        prefix_hits_rate=0.0,
+        decode_running=rps * output_tokens * 0.02,
+        decode_tokens_rate=rps * output_tokens,
+        decode_kv_usage=0.3,
+        decode_ready=2.0,
+        ttft_ms=2500.0,
+        itl_ms=15.0,
+        prefill_ttft_ms=2500.0,
+        queue_time_ms=1500.0,
+        queue_time_q_ms=2000.0,
+    )
+
+
+def test_long_prompts_flip_decode_engines_to_prefill_within_the_pool() -> None:
+    """Long prompts, short answers, TTFT missed at 2:2 of a budget of 4: the fixed-role law
+    waits out a window before it takes a GPU from decode (a pod to stop, one to start); the
+    flexible law flips engines to prefill at once (cause SplitFlipped), and the pool stays
+    at 4 pods."""
+    spec = _spec(gpuBudget=4)
+    observed = Observed(RoleObserved(2, 2, 2), RoleObserved(2, 2, 2))
+    state = AutoscalingState(prefill=2, decode=2)
+    flex = decide_outcome(spec, _window(8000, 20), state, observed, NOW, profile=perf.load())
+    assert flex.decision.cause == Cause.split_flipped.value, flex.decision.reason
+    assert flex.decision.prefill > 2 and flex.decision.prefill + flex.decision.decode == 4
+    assert flex.decision.action == "scale"
+    events = _scaling_events(spec, state, flex.state, flex.decision)
+    assert events == []  # a flip alone: reconcile reports it as RolesFlipped, not Scaled
+    fixed = spec.model_copy(update={"mode": "disaggregated"})
+    held = decide_outcome(fixed, _window(8000, 20), state, observed, NOW, profile=perf.load())
+    assert (held.decision.prefill, held.decision.decode) != (flex.decision.prefill, flex.decision.decode)
