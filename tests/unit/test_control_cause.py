@@ -32,6 +32,7 @@ FIGURES = Figures(
     peak={"prefill": 2.5, "decode": 1.5},
     peak_span_s=300,
     floor={"prefill": 7, "decode": 4},
+    asked={"prefill": 7, "decode": 2},
 )
 
 # cause -> (the role it names, what its summary must quote: the driver and its threshold)
@@ -61,7 +62,7 @@ DRIVERS: dict[Cause, tuple[str | None, tuple[str, ...]]] = {
     Cause.queue_backlog: ("decode", ("17 requests", "120 s", "needs 3 engines", "5 ready")),
     Cause.queue_growing: ("prefill", ("42 requests", "maxStep 2", "needs 6 engines")),
     Cause.peak_floor: ("prefill", ("7 engines", "300 s", "2.50x")),
-    Cause.split_flipped: (None, ("prefill needs 6 engines", "decode 3")),
+    Cause.split_flipped: (None, ("prefill wants 7 engines", "decode 2")),
 }
 
 

@@ -72,6 +72,7 @@ class Figures:
     peak: dict[str, float] = field(default_factory=dict)  # per role: the recent peak's load / today's
     peak_span_s: int | None = None
     floor: dict[str, int] = field(default_factory=dict)  # per role: engines the recent peak needs
+    asked: dict[str, int] = field(default_factory=dict)  # per role: wanted before the GPU budget
 
 
 def _ms(value: float | None) -> str:
@@ -96,8 +97,8 @@ def _raw(f: Figures) -> str:
 
 
 def _shares(f: Figures) -> str:
-    """'prefill needs 6 engines, decode 3'."""
-    return f"prefill needs {f.needed.get('prefill', 0)} engines, decode {f.needed.get('decode', 0)}"
+    """'prefill wants 6 engines, decode 3'."""
+    return f"prefill wants {f.asked.get('prefill', 0)} engines, decode {f.asked.get('decode', 0)}"
 
 
 def _kv(f: Figures) -> str:

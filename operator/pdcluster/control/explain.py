@@ -30,6 +30,7 @@ class Analysis:
     fit: Fit
     settled: Settled
     ttft_missed: bool  # the TTFT quantile above its target x (1 + tol)
+    asked: Counts  # what each role wants before the GPU budget (a flexible pool's shares)
 
 
 @dataclass(frozen=True)

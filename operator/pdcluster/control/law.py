@@ -247,7 +247,7 @@ def _analyse(
     free = ctx.auto.gpu_budget is None or gpu_total(ctx, current) < ctx.auto.gpu_budget
     surge = frozenset(r for r in ROLES if free and view.backlog[r] > 0 and queue_growing(m, r))
     settled = stabilise(ctx, timers, current, fit.wants, fit.donor, surge)
-    return Analysis(m, view, needs, fit.wants, fit, settled, ttft_missed(ctx, m))
+    return Analysis(m, view, needs, fit.wants, fit, settled, ttft_missed(ctx, m), wants)
 
 
 def _want(ctx: Context, current: Counts, role: Role, need: Need) -> tuple[Need, int]:
@@ -274,9 +274,10 @@ def _finish(ctx: Context, start: _Start, m: MetricsSnapshot | None, end: _End) -
     target = {r.value: end.target[r] for r in ROLES}
     figs = figures(ctx, m, start.current, end.analysis)
     cause, role, why = end.cause, end.role, end.reason
-    if ctx.spec.mode == ServingMode.flexible and m is not None:
+    if ctx.spec.mode == ServingMode.flexible and end.analysis is not None:
         total = target["prefill"] + target["decode"]
-        prefill = prefill_share(total, target["prefill"], figs.needed)
+        figs = replace(figs, asked={r.value: n for r, n in end.analysis.asked.items()})
+        prefill = prefill_share(total, target["prefill"], figs.asked)
         if prefill != target["prefill"]:
             target = {"prefill": prefill, "decode": total - prefill}
             cause, role = Cause.split_flipped, None
