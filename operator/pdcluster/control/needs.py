@@ -263,8 +263,9 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
             engines=cur,
         )
         need = replace(need, up=cur, down=min(need.down, cur), notes=(*need.notes, held))
-    elif need.down >= cur >= 2 and need.pressure < 0.5 and prefill_spares_one(ctx, m, view, cur):
-        # The same bound lets go of an engine the recent peak's load would still keep.
+    elif need.down >= cur >= 2 and need.pressure < 0.3 and prefill_spares_one(ctx, m, view, cur):
+        # The same bound lets go of an engine the recent peak's load would still keep; under
+        # a third of the target only (at half, the Mooncake conversation hour lost 0.3 points).
         need = replace(need, down=cur - 1)
     return need
 
