@@ -7,13 +7,16 @@ from typing import Any
 from pdcluster import constants as C
 from pdcluster import flexible
 from pdcluster.io.kube import ApiError, Kube
+from pdcluster.status import Problem
 
 
 async def label_acting_roles(
     kube: Kube, namespace: str, pods: list[dict[str, Any]], prefill_engines: int
-) -> None:
+) -> list[Problem]:
     """Label each flexible engine pod with the role the routers make it act as, so that
-    Prometheus files its series under that role (constants.LABEL_ACTING_ROLE)."""
+    Prometheus files its series under that role (constants.LABEL_ACTING_ROLE). A label
+    that cannot be written is a warning, not a stop: routing does not depend on it, only
+    the law's per-role metrics do."""
     for name, role in flexible.relabels(pods, prefill_engines).items():
         try:
             await kube.merge_patch(
@@ -21,4 +24,6 @@ async def label_acting_roles(
             )
         except ApiError as e:
             if e.status != 404:  # a pod deleted since the cache saw it needs no label
-                raise
+                why = f"Pod {name}: {C.LABEL_ACTING_ROLE} not written ({e.message}); the operator needs patch on pods"
+                return [Problem("ActingRoleLabelFailed", why, blocks=False)]
+    return []

@@ -199,7 +199,7 @@ async def reconcile(ctx: Context, body: dict[str, Any]) -> PDClusterStatus:
     pods = await cluster_pods(ctx.children, ctx.kube, owner.namespace, owner.name)
     observe_pods(obs, spec, previous, pods)
     if spec.mode == ServingMode.flexible and not spec.paused:
-        await label_acting_roles(ctx.kube, owner.namespace, pods, plan.replicas.flexible_prefill)
+        obs.problems += await label_acting_roles(ctx.kube, owner.namespace, pods, plan.replicas.flexible_prefill)
     obs.model = await _model_cache(ctx, spec, owner, live, previous)
     status = compute_status(spec, generation, obs, previous, plan.autoscale.state, now)
     for role, scaler in plan.scalers.items():

@@ -18,6 +18,8 @@ from pdcluster.control import Observed, RoleObserved, decide_outcome
 from pdcluster.control.cause import Cause
 from pdcluster.control.flexsplit import prefill_share
 from pdcluster.control.types import assemble
+from pdcluster.flexible_labels import label_acting_roles
+from pdcluster.io.kube import ApiError
 from pdcluster.render import Owner, Replicas, render_all
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdcluster-flexible.yaml"
@@ -141,3 +143,29 @@ def test_long_prompts_flip_decode_engines_to_prefill_within_the_pool() -> None:
     fixed = spec.model_copy(update={"mode": "disaggregated"})
     held = decide_outcome(fixed, _window(8000, 20), state, observed, NOW, profile=perf.load())
     assert (held.decision.prefill, held.decision.decode) != (flex.decision.prefill, flex.decision.decode)
+
+
+class _Kube:
+    """Answers merge patches as an apiserver would: done, the pod gone, or forbidden."""
+
+    def __init__(self, answers: dict[str, int]) -> None:
+        self.answers, self.patched = answers, {}
+
+    async def merge_patch(self, api_version, kind, name, namespace, patch):
+        status = self.answers.get(name, 200)
+        if status != 200:
+            raise ApiError(
+                status, "Forbidden" if status == 403 else "NotFound", f"pods {name!r} said {status}"
+            )
+        self.patched[name] = patch["metadata"]["labels"][C.LABEL_ACTING_ROLE]
+        return {}
+
+
+async def test_labels_are_patched_and_a_refusal_is_a_warning_not_a_failed_reconcile() -> None:
+    pods = [_pod(0), _pod(1), _pod(2, acting="decode")]
+    kube = _Kube({"agile-flexible-1": 404})  # deleted since the cache saw it
+    assert await label_acting_roles(kube, "ns", pods, 1) == []
+    assert kube.patched == {"agile-flexible-0": "prefill"}
+    refused = await label_acting_roles(_Kube({"agile-flexible-0": 403}), "ns", pods, 1)
+    assert [(p.reason, p.blocks) for p in refused] == [("ActingRoleLabelFailed", False)]
+    assert "patch on pods" in refused[0].message
