@@ -95,3 +95,27 @@ def test_a_measured_prefill_bound_lets_go_of_an_engine_the_model_would_keep() ->
     assert light.decision.prefill == 1, light.decision.reason
     loaded = _decide(2, _window(23.0, 100.0, busy=0.45, engines=2))
     assert loaded.decision.prefill == 2, loaded.decision.reason
+
+
+def test_the_bound_holds_at_the_forecasts_load_not_the_trends() -> None:
+    """A step in the load reads as a ramp in the window's mean for a whole window; the
+    trend would carry it a window past the new level (here 1.5x). The bound holds one
+    engine at 60% busy regardless; the model, which does follow the trend, asks for two."""
+    from datetime import timedelta
+
+    from pdcluster.api.v1alpha1 import AutoscalingState, LoadSample
+    from pdcluster.timestamps import time_ms
+
+    ramp = [
+        LoadSample(time=time_ms(NOW - timedelta(seconds=s)), prefill=int(25 * ISL * f), decode=100)
+        for s, f in ((90, 0.62), (60, 0.75), (30, 0.88))
+    ]
+    state = AutoscalingState(
+        prefill=1, decode=1, last_run_time=time_ms(NOW - timedelta(seconds=30)), history=ramp
+    )
+    observed = Observed(RoleObserved(1, 1, 1), RoleObserved(1, 1, 1))
+    outcome = decide_outcome(
+        _spec(1), _window(25.0, 150.0, busy=0.6, engines=1), state, observed, NOW, profile=perf.load()
+    )
+    assert outcome.decision.prefill == 1, outcome.decision.reason
+    assert _held(outcome) == {"prefill"}

@@ -249,8 +249,11 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
     need = replace(need, cause_up=size.driver or cause)
     # Under half the TTFT target the measured bound outranks the model's busy cap: on
     # ServeGen's day one prefill engine at 60% busy answered in 150 ms while the trend
-    # asked for a second (and flapped it all day).
-    cur, growth = view.current[Role.prefill], _growth(ctx, m, view, Role.prefill)
+    # asked for a second (and flapped it all day). The bound holds at the forecast's load,
+    # not the trend's: ServeGen's rates change in steps, which the window's mean shows as
+    # a ramp for a whole window, and the trend carries it a window past the new level. A
+    # load that does keep rising takes the TTFT past half its target, and the model decides.
+    cur, growth = view.current[Role.prefill], _growth(ctx, m, view, Role.prefill, trend=False)
     busy = prefill_busy(m)
     if need.up > cur and need.pressure < 0.5 and prefill_holds(ctx, m, growth):
         held = note(
@@ -277,10 +280,12 @@ def prefill_spares_one(ctx: Context, m: MetricsSnapshot, view: View, engines: in
     return prefill_holds(ctx, m, peak * engines / (engines - 1))
 
 
-def _growth(ctx: Context, m: MetricsSnapshot, view: View, role: Role) -> float:
-    """The load a bound must hold at, over today's: the law's factor with its tolerance,
-    plus the rate that drains the role's queue within a window."""
-    return view.factor(role) * (1.0 + ctx.tol) + view.backlog.get(role, 0.0) / max(m.request_rate, 1e-9)
+def _growth(ctx: Context, m: MetricsSnapshot, view: View, role: Role, trend: bool = True) -> float:
+    """The load a bound must hold at, over today's: the law's factor (without `trend`, the
+    forecast's alone) with its tolerance, plus the rate that drains the role's queue
+    within a window."""
+    factor = view.factor(role) if trend else max(view.ahead.get(role, 1.0), 1.0)
+    return factor * (1.0 + ctx.tol) + view.backlog.get(role, 0.0) / max(m.request_rate, 1e-9)
 
 
 # The busiest a measured prefill bound plans an engine: the queue's sojourn grows as
