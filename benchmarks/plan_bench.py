@@ -17,9 +17,9 @@ at which the best full-budget static split attains the level (99% or 90%). Then:
 - dynamo: Dynamo's throughput planner; dynamo-load: throughput + load-based (Dynamo's
   recommendation for bursty traffic); llmd: per-role scaling on queue and KV usage, as
   llm-d's KEDA/HPA setup; all given the true profile where they need one;
-- pdcluster-flex: the law on flexible engines, on two time scales: the fleet's size as the
-  law decides it, the split every interval by the engines needed per role, moved by
-  draining an engine and flipping it, with no start-up (sim/policies.py FlexiblePDCluster);
+- pdcluster-flex: the law on flexible engines (spec.mode flexible), on two time scales: the
+  fleet's size as the law decides it, the split every interval by what each role wants,
+  moved by draining an engine and flipping it, with no start-up (control/flexsplit.py);
 - oracle: sized every 30 s by the capacity models on the load it will serve (known in
   advance, start-up delays honoured).
 

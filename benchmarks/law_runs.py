@@ -1,0 +1,100 @@
+"""Quick runs of the law for comparing two versions of it side by side: the hour table at
+fixed rate scales, and one policy alone over a day.
+
+    .venv/bin/python benchmarks/law_runs.py hours [--scenarios mix,burst]
+        [--policies pdcluster,pdcluster-prior]
+    .venv/bin/python benchmarks/law_runs.py day servegen-day 0.1945 5 [--policy pdcluster]
+
+`hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
+table (the scales plan_bench's level search found: fixed here, so that a change of the law
+does not move the load it is judged on), 8 GPUs, the policies from 1:1; each cell is
+attainment and GPU-hours. `day` runs one policy alone from 1:1 over a day scenario
+(sim/day.py) at a rate factor and GPU budget, with the default policy settings, warm-up
+unscored; plan_bench's day runs add every other policy and the static searches.
+Run it once on each version of the law (e.g. a `git worktree` of the one before, with
+PYTHONPATH pointing at its operator/) and compare the lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import plan_bench
+from pdcluster import perf
+from pdcluster.sim import day, plan, scoring
+from pdcluster.sim.plan_config import PlanConfig, PolicyKnobs
+from pdcluster.sim.plan_policies import parse_policy
+
+# (scenario, level, rate scale): docs/benchmarks.md's hour table.
+HOUR_RUNS = (
+    ("conv", 0.99, 1.704), ("conv", 0.9, 2.727), ("synthetic", 0.99, 1.45), ("synthetic", 0.9, 2.321),
+    ("azure", 0.99, 21.252), ("azure", 0.9, 22.872), ("mix", 0.99, 1.832), ("mix", 0.9, 2.931),
+    ("burst", 0.99, 10.15), ("burst", 0.9, 10.607),
+)  # fmt: skip
+HOUR_GPUS = 8
+
+
+def hours(scenarios: set[str], policies: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, level, scale in HOUR_RUNS:
+            if name not in scenarios:
+                continue
+            trace, plus_prefill = plan_bench.scenario(name)
+            path = Path(tmp) / f"{name}.jsonl"
+            plan_bench.write_jsonl(trace, path)
+            config = replace(
+                plan_bench.plan_config(path, plus_prefill, level, 1, HOUR_GPUS),
+                rate_scale=scale,
+                equal_attainment=False,
+                policies=tuple(parse_policy(p) for p in policies),
+            )
+            started = time.process_time()
+            report = plan.evaluate(config).report
+            cells = [
+                f"{p['attainment'] * 100:.1f}%, {p['gpu_hours']:.2f}" for p in report["policies"].values()
+            ]
+            cpu = time.process_time() - started
+            print(f"{name} {level} {scale}x: " + " | ".join(cells) + f"  [{cpu:.0f} s CPU]", flush=True)
+
+
+def one_day(name: str, factor: float, gpus: int, policy: str) -> None:
+    profile, slo = perf.load(perf.DEFAULT_PROFILE), scoring.SLO(500.0, 25.0, False)
+    trace = day.day_source(name, perf.traces_dir()).make(factor)
+    config = PlanConfig(gpus=gpus, slo=slo, rate_scale=1.0, start="neutral", warmup_s=day.WARMUP_S)
+    setup = plan.Setup(trace, profile, slo, plan.fleet_config(config, profile), PolicyKnobs(), day.WARMUP_S)
+    started = time.process_time()
+    score, _ = plan._simulate(setup, (1, 1), parse_policy(policy))
+    cpu = time.process_time() - started
+    print(
+        f"{name} x{factor} on {gpus} GPUs, {policy}: {score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h  [{cpu:.0f} s CPU]"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    h = sub.add_parser("hours", help="the hour table at fixed rate scales")
+    h.add_argument("--scenarios", default=",".join(dict.fromkeys(r[0] for r in HOUR_RUNS)))
+    h.add_argument("--policies", default="pdcluster,pdcluster-prior")
+    d = sub.add_parser("day", help="one policy alone over a day scenario")
+    d.add_argument("scenario", choices=sorted(day.DAY_SCENARIOS))
+    d.add_argument("factor", type=float, help="the rate factor (plan_bench prints a level's)")
+    d.add_argument("gpus", type=int)
+    d.add_argument("--policy", default="pdcluster")
+    a = parser.parse_args(argv)
+    if a.what == "hours":
+        hours(set(a.scenarios.split(",")), a.policies.split(","))
+    else:
+        one_day(a.scenario, a.factor, a.gpus, a.policy)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
