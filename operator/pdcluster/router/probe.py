@@ -9,14 +9,18 @@ v1/metrics/loggers.py) must have grown by the whole prompt under
 recomputed the prompt instead (a failed pull under `kv_load_failure_policy: recompute`,
 a connector silently off) grows `local_compute` by the whole prompt; that, a failed
 request, or too small a growth fails the probe. Other requests on the same decode move
-the same counters, but they can only make a good pair's probe fail (by computing at the
-same time), never a bad pair's pass: its own prompt is always among the computed tokens.
+the same counters, so a bad pair's probe never passes (its own prompt is always among
+the computed tokens) and a reading where both counters grew by the whole prompt proves
+nothing either way: another router probing a broken pair through the same decode at the
+same moment looks exactly like it. Such a probe is inconclusive and is tried again.
 
 New pairs are probed as soon as both engines are known, and an engine takes traffic only
-once one of its pairs has passed (unless no engine has yet, so a router never refuses
-to serve at start). Then, every interval, the failed pairs and a few sampled others. A
-passing pair fails after three failed probes in a row, and is left out of rotation
-until one probe passes again.
+once one of its pairs has passed. While none has (at start, so a router never refuses
+to serve), every engine not known broken does. A prefill whose every pair failed takes
+no traffic (with no other prefill left, decode computes the prompt alone); such a decode
+takes traffic only when no other decode is left. Then, every interval, the failed pairs
+and a few sampled others. A passing pair fails after three failed probes in a row, and
+is left out of rotation until one probe passes again.
 """
 
 from __future__ import annotations
@@ -39,10 +43,13 @@ from pdcluster.router.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
 
+PROBE_OUTCOME = {True: "passed", False: "failed", None: "inconclusive"}
+
 BY_SOURCE = obs.VLLM_PROMPT_TOKENS_BY_SOURCE + "_total"
 PROBE_TIMEOUT_S = 60.0
 FAIL_AFTER = 3  # failed probes in a row that take a pair out of rotation
-RETRY_AFTER_S = 0.2
+PROBES_PER_CHECK = 6  # at most, inconclusive ones included
+RETRY_AFTER_S = 0.2  # on average: jittered, so routers probing one decode fall out of step
 
 
 @dataclass
@@ -79,11 +86,17 @@ class KvProber:
         verdict = self.verdicts.get((prefill.id, decode.id))
         return verdict is not None and verdict.ok is False
 
-    def usable(self, upstreams: list[Upstream]) -> list[Upstream]:
-        """Engines with a passed pair; all of them while none has passed."""
-        passed = {engine for (p, d), v in self.verdicts.items() if v.ok for engine in (p, d)}
+    def usable(self, upstreams: list[Upstream], last_resort: bool = True) -> list[Upstream]:
+        """Engines with a passed pair; while none of these has one, those not known
+        broken (every pair failed); the broken ones only as a `last_resort` (a prefill's
+        requests can go to decode alone instead)."""
+        passed: set[str] = set()
+        failed: set[str] = set()
+        for pair, verdict in self.verdicts.items():
+            if verdict.ok is not None:
+                (passed if verdict.ok else failed).update(pair)
         chosen = [u for u in upstreams if u.id in passed]
-        return chosen or upstreams
+        return chosen or [u for u in upstreams if u.id not in failed] or (upstreams if last_resort else [])
 
     def settled(self) -> bool:
         """Every pair the pool has now has a verdict."""
@@ -121,7 +134,7 @@ class KvProber:
         before = self.summary()
         for key in set(self.verdicts) - set(pairs):
             del self.verdicts[key]
-        due = [key for key in pairs if key not in self.verdicts]
+        due = [key for key in pairs if self.verdicts.get(key, Verdict()).ok is None]
         if now - self._last_round >= self.interval_s:
             self._last_round = now
             failed = [key for key, v in self.verdicts.items() if v.ok is False and key not in due]
@@ -136,17 +149,23 @@ class KvProber:
             self.on_change()
 
     async def check(self, prefill: Upstream, decode: Upstream) -> Verdict:
+        """Probe until a pass, or until enough failures to judge the pair (one for a pair
+        already failed, FAIL_AFTER in a row otherwise); inconclusive probes judge nothing,
+        and a check of only those leaves the verdict as it was."""
         verdict = self.verdicts.setdefault((prefill.id, decode.id), Verdict())
-        ok, reason = await self.probe(prefill, decode)
-        for _ in range(FAIL_AFTER - 1 if verdict.ok is not False else 0):
-            if ok:
-                break
-            # Other requests on this decode computing at the same time can fail a good
-            # pair's probe, never pass a bad one's (its own prompt is recomputed).
-            self.services.metrics.kv_probes["failed"].inc()
-            await asyncio.sleep(RETRY_AFTER_S)
+        failures_needed = FAIL_AFTER if verdict.ok is not False else 1
+        ok: bool | None = None
+        reason, failures = "", 0
+        for attempt in range(PROBES_PER_CHECK):
+            if attempt:
+                await asyncio.sleep(self.rng.uniform(0.5, 1.5) * RETRY_AFTER_S)
             ok, reason = await self.probe(prefill, decode)
-        self.services.metrics.kv_probes["passed" if ok else "failed"].inc()
+            self.services.metrics.kv_probes[PROBE_OUTCOME[ok]].inc()
+            failures += ok is False
+            if ok or failures == failures_needed:
+                break
+        if ok is None or (ok is False and failures < failures_needed):
+            return verdict
         if ok != verdict.ok:
             log.log(
                 logging.INFO if ok else logging.WARNING,
@@ -158,8 +177,8 @@ class KvProber:
         verdict.ok, verdict.reason, verdict.checked_at = ok, reason, time.monotonic()
         return verdict
 
-    async def probe(self, prefill: Upstream, decode: Upstream) -> tuple[bool, str]:
-        """One hand-off through the pair; (passed, why not)."""
+    async def probe(self, prefill: Upstream, decode: Upstream) -> tuple[bool | None, str]:
+        """One hand-off through the pair; (passed, or None when inconclusive; why not)."""
         if prefill.engine is None:
             return False, "the prefill engine has no engine id yet"
         tokens = [self.rng.randrange(10, 1000) for _ in range(self.prompt_tokens)]
@@ -200,19 +219,22 @@ class KvProber:
             response.close()
         return f"decode answered HTTP {status}: {payload[:200]!r}" if status != 200 else ""
 
-    def _judge(self, before: dict[str, float] | None, after: dict[str, float] | None) -> tuple[bool, str]:
-        """Whether decode's counters say it loaded the probe's prompt rather than computing it."""
+    def _judge(
+        self, before: dict[str, float] | None, after: dict[str, float] | None
+    ) -> tuple[bool | None, str]:
+        """Whether decode's counters say it loaded the probe's prompt rather than computing
+        it; None when they grew enough for either."""
         if before is None or after is None:
             return True, f"decode has no {BY_SOURCE}: the hand-off cannot be verified"
         moved = after.get("external_kv_transfer", 0.0) - before.get("external_kv_transfer", 0.0)
         computed = after.get("local_compute", 0.0) - before.get("local_compute", 0.0)
-        if computed >= self.prompt_tokens:
-            return (
-                False,
-                f"decode computed the prompt itself ({computed:.0f} tokens computed, {moved:.0f} moved)",
-            )
+        figures = f"{computed:.0f} tokens computed, {moved:.0f} moved"
         if moved < self.prompt_tokens:
+            if computed >= self.prompt_tokens:
+                return False, f"decode computed the prompt itself ({figures})"
             return False, f"decode loaded {moved:.0f} of {self.prompt_tokens} prompt tokens over the hand-off"
+        if computed >= self.prompt_tokens:
+            return None, f"other requests moved the counters as much as the probe ({figures})"
         return True, ""
 
     async def _by_source(self, decode: Upstream) -> dict[str, float] | None:
