@@ -158,7 +158,7 @@ class MetricFamilies:
             _MOONCAKE_BYTES_BUCKETS,
         )
         self.failed_recvs = self._counter(
-            "vllm:mooncake_num_failed_recvs", "Number of failed Mooncake KV Cache receives."
+            obs.VLLM_MOONCAKE_FAILED_RECVS, "Number of failed Mooncake KV Cache receives."
         )
         self.expired = self._counter(
             "vllm:mooncake_num_kv_expired_reqs", "Number of requests that had their KV expire."

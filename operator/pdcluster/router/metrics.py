@@ -129,7 +129,7 @@ class RouterMetrics:
         )
         self.local_prefills = Counter(
             obs.ROUTER_LOCAL_PREFILLS,
-            "Requests prefilled by their decode engine (a short prompt, or no prefill whose hand-offs work).",
+            "Requests whose prompt was short enough for its decode engine to prefill (no KV hand-off).",
             registry=r,
         )
         self.generation_tokens = Counter(
@@ -188,7 +188,7 @@ class RouterMetrics:
             obs.ROUTER_KV_PROBES, "KV hand-off probes through prefill -> decode pairs, by outcome.", ("outcome",),
             registry=r,
         )  # fmt: skip
-        self.kv_probes = {outcome: probes.labels(outcome) for outcome in ("passed", "failed", "inconclusive")}
+        self.kv_probes = {outcome: probes.labels(outcome) for outcome in ("passed", "failed")}
         self.kv_pairs = Gauge(
             obs.ROUTER_KV_PAIRS, "Prefill -> decode pairs by probe verdict (failed ones take no traffic).",
             ("verdict",), registry=r,

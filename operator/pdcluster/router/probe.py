@@ -9,18 +9,20 @@ v1/metrics/loggers.py) must have grown by the whole prompt under
 recomputed the prompt instead (a failed pull under `kv_load_failure_policy: recompute`,
 a connector silently off) grows `local_compute` by the whole prompt; that, a failed
 request, or too small a growth fails the probe. Other requests on the same decode move
-the same counters, so a bad pair's probe never passes (its own prompt is always among
-the computed tokens) and a reading where both counters grew by the whole prompt proves
-nothing either way: another router probing a broken pair through the same decode at the
-same moment looks exactly like it. Such a probe is inconclusive and is tried again.
+the same counters. They never make a bad pair's probe pass (its own prompt is always
+among the computed tokens), but prompts decode computes itself (short ones, or another
+router's probe of a broken pair) would fail a good pair's. Where decode counts its failed
+pulls (`vllm:mooncake_num_failed_recvs`), a reading where both counters grew by the
+whole prompt and no pull failed passes: the probe's prompt was moved, and what decode
+computed was others'.
 
 New pairs are probed as soon as both engines are known, and an engine takes traffic only
-once one of its pairs has passed. While none has (at start, so a router never refuses
-to serve), every engine not known broken does. A prefill whose every pair failed takes
-no traffic (with no other prefill left, decode computes the prompt alone); such a decode
-takes traffic only when no other decode is left. Then, every interval, the failed pairs
-and a few sampled others. A passing pair fails after three failed probes in a row, and
-is left out of rotation until one probe passes again.
+once one of its pairs has passed. While none of its role has (at start, so a router
+never refuses to serve), every engine not known broken does, and all of them only when
+every one is. Then, every interval, the failed pairs and a few sampled others. A passing
+pair fails after three failed probes in a row (retried after a jittered pause, so that
+routers probing one decode fall out of step), and is left out of rotation until one
+probe passes again.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,13 +45,11 @@ from pdcluster.router.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
 
-PROBE_OUTCOME = {True: "passed", False: "failed", None: "inconclusive"}
-
 BY_SOURCE = obs.VLLM_PROMPT_TOKENS_BY_SOURCE + "_total"
+FAILED_RECVS = obs.VLLM_MOONCAKE_FAILED_RECVS + "_total"
 PROBE_TIMEOUT_S = 60.0
 FAIL_AFTER = 3  # failed probes in a row that take a pair out of rotation
-PROBES_PER_CHECK = 6  # at most, inconclusive ones included
-RETRY_AFTER_S = 0.2  # on average: jittered, so routers probing one decode fall out of step
+RETRY_AFTER_S = 0.2  # on average: each pause is drawn from 0.5-1.5 times it
 
 
 @dataclass
@@ -86,17 +86,16 @@ class KvProber:
         verdict = self.verdicts.get((prefill.id, decode.id))
         return verdict is not None and verdict.ok is False
 
-    def usable(self, upstreams: list[Upstream], last_resort: bool = True) -> list[Upstream]:
+    def usable(self, upstreams: list[Upstream]) -> list[Upstream]:
         """Engines with a passed pair; while none of these has one, those not known
-        broken (every pair failed); the broken ones only as a `last_resort` (a prefill's
-        requests can go to decode alone instead)."""
+        broken (every pair probed failed); all of them only when every one is."""
         passed: set[str] = set()
         failed: set[str] = set()
         for pair, verdict in self.verdicts.items():
             if verdict.ok is not None:
                 (passed if verdict.ok else failed).update(pair)
         chosen = [u for u in upstreams if u.id in passed]
-        return chosen or [u for u in upstreams if u.id not in failed] or (upstreams if last_resort else [])
+        return chosen or [u for u in upstreams if u.id not in failed] or upstreams
 
     def settled(self) -> bool:
         """Every pair the pool has now has a verdict."""
@@ -134,7 +133,7 @@ class KvProber:
         before = self.summary()
         for key in set(self.verdicts) - set(pairs):
             del self.verdicts[key]
-        due = [key for key in pairs if self.verdicts.get(key, Verdict()).ok is None]
+        due = [key for key in pairs if key not in self.verdicts]
         if now - self._last_round >= self.interval_s:
             self._last_round = now
             failed = [key for key, v in self.verdicts.items() if v.ok is False and key not in due]
@@ -149,23 +148,17 @@ class KvProber:
             self.on_change()
 
     async def check(self, prefill: Upstream, decode: Upstream) -> Verdict:
-        """Probe until a pass, or until enough failures to judge the pair (one for a pair
-        already failed, FAIL_AFTER in a row otherwise); inconclusive probes judge nothing,
-        and a check of only those leaves the verdict as it was."""
         verdict = self.verdicts.setdefault((prefill.id, decode.id), Verdict())
-        failures_needed = FAIL_AFTER if verdict.ok is not False else 1
-        ok: bool | None = None
-        reason, failures = "", 0
-        for attempt in range(PROBES_PER_CHECK):
-            if attempt:
-                await asyncio.sleep(self.rng.uniform(0.5, 1.5) * RETRY_AFTER_S)
-            ok, reason = await self.probe(prefill, decode)
-            self.services.metrics.kv_probes[PROBE_OUTCOME[ok]].inc()
-            failures += ok is False
-            if ok or failures == failures_needed:
+        ok, reason = await self.probe(prefill, decode)
+        for _ in range(FAIL_AFTER - 1 if verdict.ok is not False else 0):
+            if ok:
                 break
-        if ok is None or (ok is False and failures < failures_needed):
-            return verdict
+            # Other requests on this decode computing at the same time can fail a good
+            # pair's probe, never pass a bad one's (its own prompt is recomputed).
+            self.services.metrics.kv_probes["failed"].inc()
+            await asyncio.sleep(self.rng.uniform(0.5, 1.5) * RETRY_AFTER_S)
+            ok, reason = await self.probe(prefill, decode)
+        self.services.metrics.kv_probes["passed" if ok else "failed"].inc()
         if ok != verdict.ok:
             log.log(
                 logging.INFO if ok else logging.WARNING,
@@ -177,8 +170,8 @@ class KvProber:
         verdict.ok, verdict.reason, verdict.checked_at = ok, reason, time.monotonic()
         return verdict
 
-    async def probe(self, prefill: Upstream, decode: Upstream) -> tuple[bool | None, str]:
-        """One hand-off through the pair; (passed, or None when inconclusive; why not)."""
+    async def probe(self, prefill: Upstream, decode: Upstream) -> tuple[bool, str]:
+        """One hand-off through the pair; (passed, why not)."""
         if prefill.engine is None:
             return False, "the prefill engine has no engine id yet"
         tokens = [self.rng.randrange(10, 1000) for _ in range(self.prompt_tokens)]
@@ -190,11 +183,11 @@ class KvProber:
         handoff = Handoff(self.services.engines, self.services.protocol, b"/v1/completions", request_id)
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
-                before = await self._by_source(decode)
+                before = await self._reading(decode)
                 failure = await self._through(handoff, prefill, decode, body, transfer_id)
                 if failure:
                     return False, failure
-                after = await self._by_source(decode)
+                after = await self._reading(decode)
         except (UpstreamError, TimeoutError) as e:
             return False, f"probe failed: {e or 'no answer'}"
         return self._judge(before, after)
@@ -219,33 +212,47 @@ class KvProber:
             response.close()
         return f"decode answered HTTP {status}: {payload[:200]!r}" if status != 200 else ""
 
-    def _judge(
-        self, before: dict[str, float] | None, after: dict[str, float] | None
-    ) -> tuple[bool | None, str]:
-        """Whether decode's counters say it loaded the probe's prompt rather than computing
-        it; None when they grew enough for either."""
+    def _judge(self, before: Reading | None, after: Reading | None) -> tuple[bool, str]:
+        """Whether decode's counters say it loaded the probe's prompt rather than computing it."""
         if before is None or after is None:
             return True, f"decode has no {BY_SOURCE}: the hand-off cannot be verified"
-        moved = after.get("external_kv_transfer", 0.0) - before.get("external_kv_transfer", 0.0)
-        computed = after.get("local_compute", 0.0) - before.get("local_compute", 0.0)
-        figures = f"{computed:.0f} tokens computed, {moved:.0f} moved"
+        moved = after.tokens("external_kv_transfer") - before.tokens("external_kv_transfer")
+        computed = after.tokens("local_compute") - before.tokens("local_compute")
+        # What decode computed is the probe's prompt unless that prompt moved and no pull
+        # failed meanwhile (without the counter, it might be).
+        pull_failed = before.failed_recvs is None or after.failed_recvs != before.failed_recvs
+        if computed >= self.prompt_tokens and (moved < self.prompt_tokens or pull_failed):
+            return (
+                False,
+                f"decode computed the prompt itself ({computed:.0f} tokens computed, {moved:.0f} moved)",
+            )
         if moved < self.prompt_tokens:
-            if computed >= self.prompt_tokens:
-                return False, f"decode computed the prompt itself ({figures})"
             return False, f"decode loaded {moved:.0f} of {self.prompt_tokens} prompt tokens over the hand-off"
-        if computed >= self.prompt_tokens:
-            return None, f"other requests moved the counters as much as the probe ({figures})"
         return True, ""
 
-    async def _by_source(self, decode: Upstream) -> dict[str, float] | None:
+    async def _reading(self, decode: Upstream) -> Reading | None:
         _, payload = await self.services.engines.get_read(decode, b"/metrics")
         text = payload.decode("utf-8", "replace")
         if BY_SOURCE.removesuffix("_total") not in text:
             return None
-        out: dict[str, float] = {}
+        reading = Reading()
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == BY_SOURCE:
                     source = s.labels.get("source", "")
-                    out[source] = out.get(source, 0.0) + s.value
-        return out
+                    reading.by_source[source] = reading.by_source.get(source, 0.0) + s.value
+                elif s.name == FAILED_RECVS:
+                    reading.failed_recvs = (reading.failed_recvs or 0.0) + s.value
+        return reading
+
+
+@dataclass
+class Reading:
+    """Decode's counters around a probe: prompt tokens by source, failed KV pulls (None
+    where the engine does not count them)."""
+
+    by_source: dict[str, float] = field(default_factory=dict)
+    failed_recvs: float | None = None
+
+    def tokens(self, source: str) -> float:
+        return self.by_source.get(source, 0.0)

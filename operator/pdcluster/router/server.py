@@ -334,15 +334,11 @@ class Router:
         exact, token_ids = await self._exact_blocks(body, chat, [*engines.prefill, *engines.colocated])
         prompt = Prompt(len(token_ids) if token_ids is not None else count_tokens(text), hashes, exact)
         local = self.config.prefill_on_decode_below
-        # Decode computes the prompt alone when every prefill's hand-offs are broken.
-        chosen = route(
-            engines, prompt, self.policy, self.decode_policy, self._broken,
-            decode_alone=bool(self.pool.prefill), prefill_on_decode_below=local,
-        )  # fmt: skip
+        chosen = route(engines, prompt, self.policy, self.decode_policy, self._broken, prefill_on_decode_below=local)
         if chosen is None:
             return self._reject("no_backend", 503, _NO_BACKEND)
         if chosen.prefill is None and not chosen.colocated:
-            self.metrics.local_prefills.inc()  # its decode engine prefills it
+            self.metrics.local_prefills.inc()  # a short prompt: its decode engine prefills it
         else:
             self._count_cached(chosen.engine, prompt)
         chosen, prompt_tokens, lookup = await self._look_up(chosen, body, chat, prompt.tokens, token_ids)
@@ -383,13 +379,13 @@ class Router:
     def _engines(self, now: float) -> Engines:
         pool = self.pool
         return Engines(
-            pool.routable(self._usable(pool.prefill, last_resort=False), now),
+            pool.routable(self._usable(pool.prefill), now),
             pool.routable(self._usable(pool.decode), now),
             pool.routable(pool.colocated, now),
         )
 
-    def _usable(self, upstreams: list[Upstream], last_resort: bool = True) -> list[Upstream]:
-        return upstreams if self.prober is None else self.prober.usable(upstreams, last_resort)
+    def _usable(self, upstreams: list[Upstream]) -> list[Upstream]:
+        return upstreams if self.prober is None else self.prober.usable(upstreams)
 
     def _broken(self, prefill: Upstream, decode: Upstream) -> bool:
         return self.prober is not None and self.prober.broken(prefill, decode)
