@@ -7,7 +7,8 @@
   engine id: every request completes, and no decode request names a dead engine id
   once the router has seen the new one;
 - one prefill's KV hand-off broken: the router's probes find the pair, it takes no
-  more traffic, every request completes, and it is used again once it works.
+  more traffic, every request completes, and it is used again once it works;
+- prompts decode computes itself while a good pair is probed: no probe fails.
 """
 
 from __future__ import annotations
@@ -296,3 +297,38 @@ async def test_a_broken_hand_off_is_found_and_routed_around() -> None:
                 text = await resp.text()
     assert counter(text, obs.ROUTER_KV_PROBES + "_total", outcome="failed") >= 2
     assert counter(text, obs.ROUTER_REQUESTS + "_total", outcome="ok") == 20
+
+
+async def test_prompts_decode_computes_itself_do_not_fail_a_good_pair() -> None:
+    """Short prompts go to decode alone (--prefill-on-decode-below), so decode's
+    `local_compute` counter grows by more than a probe's prompt during every probe of the
+    good pair; no pull fails meanwhile, so every probe passes and no pair leaves rotation."""
+    short = {"model": MODEL, "max_tokens": 1, "temperature": 0}
+    with engines("prefill", "decode") as (prefill, decode):
+        async with (
+            routed(
+                [prefill], [decode], "--no-admission", "--kv-probe-interval", "0.5",
+                "--prefill-on-decode-below", "4096",
+            ) as url,
+            aiohttp.ClientSession() as http,
+        ):  # fmt: skip
+
+            async def probes(outcome: str) -> float:
+                async with http.get(f"{url}/metrics") as resp:
+                    return counter(await resp.text(), obs.ROUTER_KV_PROBES + "_total", outcome=outcome)
+
+            async def short_prompts(worker: int, rounds: int) -> None:
+                for i in range(rounds):
+                    prompt = f"request {worker}-{i}: " + "computed by decode alone " * 60
+                    async with http.post(f"{url}/v1/completions", json={**short, "prompt": prompt}) as resp:
+                        assert resp.status == 200, await resp.text()
+
+            passed_before = await probes("passed")
+            # Counted in probes, not seconds: until six more have run under this load.
+            while await probes("passed") + await probes("failed") < passed_before + 6:
+                await asyncio.gather(*(short_prompts(w, 5) for w in range(4)))
+            failed, passed = await probes("failed"), await probes("passed")
+            sent = await recorded(http, decode)
+    assert any(request_number(r) == -1 and r["body"].get("kv_transfer_params") for r in sent)  # probes ran
+    assert sum(1 for r in sent if r["body"]["prompt"][:8] == "request ") >= 20  # decode computed these
+    assert failed == 0 and passed >= 6, (failed, passed)
