@@ -93,11 +93,28 @@ def test_the_law_sees_the_engines_each_role_acts_as() -> None:
     assert seen.decode == RoleObserved(desired=2, replicas=2, ready=1, unschedulable=1)
 
 
-def test_the_needed_shares_move_the_split_past_a_band() -> None:
-    assert prefill_share(6, 2, {"prefill": 4, "decode": 2}) == 4
-    assert prefill_share(6, 2, {"prefill": 5, "decode": 7}) == 2  # share 2.5: within the band
-    assert prefill_share(6, 2, {}) == 2  # no needs known: the law's own split
-    assert prefill_share(3, 1, {"prefill": 9, "decode": 1}) == 2  # one decode engine is kept
+EASY = {"prefill": True, "decode": True}
+
+
+def test_a_role_short_of_engines_takes_what_the_other_spares() -> None:
+    assert prefill_share(6, 2, {"prefill": 4, "decode": 2}, EASY) == 4
+    assert prefill_share(6, 2, {"prefill": 4, "decode": 3}, EASY) == 3  # decode spares one
+    assert prefill_share(6, 2, {}, EASY) == 2  # no needs known: the law's own split
+    assert prefill_share(3, 1, {"prefill": 9, "decode": 1}, EASY) == 2  # one decode engine is kept
+    # Near its own target a role spares nothing, whatever its model says it needs.
+    assert prefill_share(6, 2, {"prefill": 4, "decode": 2}, {"prefill": True, "decode": False}) == 2
+
+
+def test_engines_no_role_asks_for_stay_where_they_are() -> None:
+    # After a burst: prefill holds 7 of 8 engines it no longer needs, decode wants none
+    # more. The split stays for the next burst; the pool's size lets them go.
+    assert prefill_share(8, 7, {"prefill": 1, "decode": 1}, EASY) == 7
+    assert prefill_share(8, 7, {"prefill": 1, "decode": 3}, EASY) == 5  # decode short by 2
+
+
+def test_both_roles_short_share_the_pool_in_proportion_past_a_band() -> None:
+    assert prefill_share(6, 2, {"prefill": 5, "decode": 7}, EASY) == 2  # share 2.5: within the band
+    assert prefill_share(8, 6, {"prefill": 7, "decode": 7}, EASY) == 4
 
 
 def _window(prompt_tokens: float, output_tokens: float) -> object:

@@ -277,7 +277,8 @@ def _finish(ctx: Context, start: _Start, m: MetricsSnapshot | None, end: _End) -
     if ctx.spec.mode == ServingMode.flexible and end.analysis is not None:
         total = target["prefill"] + target["decode"]
         figs = replace(figs, asked={r.value: n for r, n in end.analysis.asked.items()})
-        prefill = prefill_share(total, target["prefill"], figs.asked)
+        easy = {r.value: need.headroom for r, need in end.analysis.needs.items()}
+        prefill = prefill_share(total, target["prefill"], figs.asked, easy)
         if prefill != target["prefill"]:
             target = {"prefill": prefill, "decode": total - prefill}
             cause, role = Cause.split_flipped, None
