@@ -37,7 +37,7 @@ class Cause(StrEnum):
     queue_backlog = "QueueBacklog"  # a queue to drain within a window needs more engines
     queue_growing = "QueueGrowing"  # while a queue grows, a step of several maxSteps
     peak_floor = "RecentPeakFloor"  # a scale-down held at what the recent peak needed
-    split_flipped = "SplitFlipped"  # flexible pool: engines flipped to the roles' needed shares
+    split_flipped = "SplitFlipped"  # flexible pool: engines flipped to the role short of them
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,6 @@ def summary(
         f"past maxStep {f.max_step}; {_engines(f, role)}",
         Cause.peak_floor: f"{role} scale-down held at {f.floor.get(role or '', 0)} engines, what the peak of "
         f"the last {f.peak_span_s} s needs ({f.peak.get(role or '', 1.0):.2f}x today's load)",
-        Cause.split_flipped: f"engines flipped towards the needed shares, {_shares(f)} (no pod restarts)",
+        Cause.split_flipped: f"engines flipped to the role short of them, {_shares(f)} (no pod restarts)",
     }[cause]
     return f"{change}: {why}"
