@@ -31,8 +31,8 @@ VLLM_PREFIX_HITS: Final = "vllm:prefix_cache_hits"  # counter, tokens
 # Histogram on the sending side: Mooncake is prefill-push, so prefill records the transfers
 # (vLLM's mooncake_connector.py, MooncakeConnector.get_kv_connector_stats).
 VLLM_MOONCAKE_XFER_TIME: Final = "vllm:mooncake_xfer_time_seconds"
-VLLM_MOONCAKE_FAILED_RECVS: Final = "vllm:mooncake_num_failed_recvs"  # counter: KV pulls that failed on decode
 VLLM_MOONCAKE_XFER_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+VLLM_MOONCAKE_FAILED_RECVS: Final = "vllm:mooncake_num_failed_recvs"  # counter: KV pulls that failed on decode
 VLLM_CACHE_CONFIG: Final = "vllm:cache_config_info"  # gauge 1{block_size, num_gpu_blocks, ...}
 VLLM_REQUEST_PROMPT_TOKENS: Final = "vllm:request_prompt_tokens"  # histogram, per finished request
 VLLM_LABELS: Final = ("model_name", "engine")

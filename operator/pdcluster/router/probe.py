@@ -153,8 +153,8 @@ class KvProber:
         for _ in range(FAIL_AFTER - 1 if verdict.ok is not False else 0):
             if ok:
                 break
-            # Other requests on this decode computing at the same time can fail a good
-            # pair's probe, never pass a bad one's (its own prompt is recomputed).
+            # Other requests on this decode can fail a good pair's probe (computing while
+            # a pull fails), never pass a bad one's (its own prompt is recomputed).
             self.services.metrics.kv_probes["failed"].inc()
             await asyncio.sleep(self.rng.uniform(0.5, 1.5) * RETRY_AFTER_S)
             ok, reason = await self.probe(prefill, decode)
