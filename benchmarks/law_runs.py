@@ -73,11 +73,12 @@ def one_day(name: str, factor: float, gpus: int, policy: str, startup_s: float) 
     )
     setup = plan.Setup(trace, profile, slo, plan.fleet_config(config, profile), PolicyKnobs(), day.WARMUP_S)
     started = time.process_time()
-    score, _ = plan._simulate(setup, (1, 1), parse_policy(policy))
+    score, result = plan._simulate(setup, (1, 1), parse_policy(policy))
     cpu = time.process_time() - started
     print(
         f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, {policy}: "
-        f"{score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h  [{cpu:.0f} s CPU]"
+        f"{score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h, {len(result.decisions)} decisions, "
+        f"{result.flips} flips  [{cpu:.0f} s CPU]"
     )
 
 

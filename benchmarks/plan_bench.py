@@ -19,7 +19,8 @@ at which the best full-budget static split attains the level (99% or 90%). Then:
   llm-d's KEDA/HPA setup; all given the true profile where they need one;
 - pdcluster-flex: the law on flexible engines (spec.mode flexible), on two time scales: the
   fleet's size as the law decides it, the split every interval by what each role wants,
-  moved by draining an engine and flipping it, with no start-up (control/flexsplit.py);
+  moved by flips: an engine takes its new role's requests at once and finishes its old
+  role's work beside them, with no start-up (control/flexsplit.py, sim/fleet_state.py);
 - oracle: sized every 30 s by the capacity models on the load it will serve (known in
   advance, start-up delays honoured).
 

@@ -5,7 +5,7 @@ two roles of one pool."""
 from __future__ import annotations
 
 import copy
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import yaml
@@ -16,7 +16,7 @@ from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec, PDClusterSta
 from pdcluster.autoscaler import _scaling_events, flexible_observed
 from pdcluster.control import Observed, RoleObserved, decide_outcome
 from pdcluster.control.cause import Cause
-from pdcluster.control.flexsplit import prefill_share
+from pdcluster.control.flexsplit import DONOR_SETTLE_S, prefill_share
 from pdcluster.control.types import assemble
 from pdcluster.flexible_labels import label_acting_roles
 from pdcluster.io.kube import ApiError
@@ -144,22 +144,28 @@ def _window(prompt_tokens: float, output_tokens: float) -> object:
 
 
 def test_long_prompts_flip_decode_engines_to_prefill_within_the_pool() -> None:
-    """Long prompts, short answers, TTFT missed at 2:2 of a budget of 4: the fixed-role law
-    waits out a window before it takes a GPU from decode (a pod to stop, one to start); the
-    flexible law flips engines to prefill at once (cause SplitFlipped), and the pool stays
-    at 4 pods."""
+    """Long prompts, short answers, TTFT missed at 2:2 of a budget of 4. Decode has
+    headroom; once it has wanted fewer engines for DONOR_SETTLE_S the flexible law flips
+    engines to prefill (cause SplitFlipped), and the pool stays at 4 pods; the fixed-role
+    law still waits out its window before it takes a GPU from decode (a pod to stop, one
+    to start)."""
     spec = _spec(gpuBudget=4)
     observed = Observed(RoleObserved(2, 2, 2), RoleObserved(2, 2, 2))
     state = AutoscalingState(prefill=2, decode=2)
-    flex = decide_outcome(spec, _window(8000, 20), state, observed, NOW, profile=perf.load())
+    first = decide_outcome(spec, _window(8000, 20), state, observed, NOW, profile=perf.load())
+    assert (first.decision.prefill, first.decision.decode) == (2, 2), first.decision.reason
+    assert "decode scale-down to 1 wanted for 0/" in first.decision.reason
+    later = NOW + timedelta(seconds=DONOR_SETTLE_S)
+    flex = decide_outcome(spec, _window(8000, 20), first.state, observed, later, profile=perf.load())
     assert flex.decision.cause == Cause.split_flipped.value, flex.decision.reason
     assert flex.decision.prefill > 2 and flex.decision.prefill + flex.decision.decode == 4
     assert flex.decision.action == "scale"
-    events = _scaling_events(spec, state, flex.state, flex.decision)
+    events = _scaling_events(spec, first.state, flex.state, flex.decision)
     assert events == []  # a flip alone: reconcile reports it as RolesFlipped, not Scaled
     fixed = spec.model_copy(update={"mode": "disaggregated"})
-    held = decide_outcome(fixed, _window(8000, 20), state, observed, NOW, profile=perf.load())
-    assert (held.decision.prefill, held.decision.decode) != (flex.decision.prefill, flex.decision.decode)
+    waited = decide_outcome(fixed, _window(8000, 20), state, observed, NOW, profile=perf.load())
+    held = decide_outcome(fixed, _window(8000, 20), waited.state, observed, later, profile=perf.load())
+    assert (held.decision.prefill, held.decision.decode) == (2, 2), held.decision.reason
 
 
 class _Kube:

@@ -228,19 +228,37 @@ def test_the_engines_events_reuse_at_least_what_the_routers_guess_does() -> None
 
 
 def test_a_flexible_fleet_moves_engines_between_roles_without_a_start_up() -> None:
-    """At 20 s the split goes from 1:3 to 3:1 at the same size: two decode engines drain
-    and then prefill, on the GPUs they hold; a fixed-role fleet starts two new engines."""
+    """At 20 s the split goes from 1:3 to 3:1 at the same size: two decode engines prefill
+    at once, on the GPUs they hold, while their streams finish; a fixed-role fleet starts
+    two new engines."""
     busy = trace(400, rate=6.0, osl=(200, 400))
     flexible = simulate(busy, PROFILE, Scripted((1, 3), [(3, 1)]), FleetConfig(gpus=8, startup_s=60.0, flexible=True))
     fixed = simulate(busy, PROFILE, Scripted((1, 3), [(3, 1)]), FleetConfig(gpus=8, startup_s=60.0))
     assert all(flexible.finished) and all(fixed.finished)
-    # Never more than the four engines' GPUs, and three prefill engines well before a start-up.
+    # Never more than the four engines' GPUs, and three prefill engines at the decision.
     assert max(row[5] for row in flexible.timeline) == 4
-    ready_at = next(t for t, p, *_ in flexible.timeline if p == 3)
-    assert 20.0 < ready_at < 20.0 + 60.0  # after their streams ended, before a start-up
+    assert next(t for t, p, *_ in flexible.timeline if p == 3) == 20.0
     assert max(row[5] for row in fixed.timeline) > 4  # new engines start beside the draining ones
     assert all(t >= 20.0 + 60.0 for t, p, *_ in fixed.timeline if p == 3)
     assert flexible.flips == 2 and fixed.flips == 0
+
+
+def test_a_flipped_engine_shares_its_gpus_while_its_old_role_drains() -> None:
+    """One of two decode engines, each with a long stream, flips to prefill: its stream
+    finishes there, its steps twice as long while a prompt is prefilled beside it, and
+    that prompt takes twice its time alone."""
+    stream = Trace("flip", [1.0, 1.0, 30.0, 30.0], [100, 100, 8000, 8000], [10000, 10000, 2, 2], [()] * 4)
+    script = Scripted((1, 2), [(2, 1)])  # decides at 20 s, mid-stream
+    shared = simulate(stream, PROFILE, script, FleetConfig(gpus=3, flexible=True, link_gbps=LINK_GBPS))
+    alone = simulate(stream, PROFILE, Static(2, 2), FleetConfig(gpus=4, link_gbps=LINK_GBPS))
+    assert all(shared.finished) and shared.flips == 1
+    assert max(row[5] for row in shared.timeline) == 3
+    # The two prompts go one to each prefill engine: the flipped one takes twice as long.
+    prefill_s = PROFILE.prefill_one_ms(8000) / 1000.0
+    slower = sorted(s - a for s, a in zip(shared.ttft_s[2:], alone.ttft_s[2:], strict=True))
+    assert slower[0] == pytest.approx(0.0, abs=0.05) and slower[1] == pytest.approx(prefill_s, rel=0.05)
+    # The stream ran part of its steps at half speed while that prompt was prefilled.
+    assert max(shared.itl_s[:2]) > max(alone.itl_s[:2])
 
 
 def test_a_flexible_fleet_still_starts_pods_to_grow() -> None:

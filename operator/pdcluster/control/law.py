@@ -42,7 +42,7 @@ from pdcluster.control.budget import Counts, fit_budget, gpu_total, split_budget
 from pdcluster.control.cause import Cause, summary
 from pdcluster.control.context import ROLES, Context, Role, Timer, Timers, context
 from pdcluster.control.explain import Analysis, cause_of, figures, notes_of, reason, stages_status
-from pdcluster.control.flexsplit import prefill_share
+from pdcluster.control.flexsplit import DONOR_SETTLE_S, prefill_share
 from pdcluster.control.needs import (
     Need,
     View,
@@ -277,7 +277,11 @@ def _finish(ctx: Context, start: _Start, m: MetricsSnapshot | None, end: _End) -
     if ctx.spec.mode == ServingMode.flexible and end.analysis is not None:
         total = target["prefill"] + target["decode"]
         figs = replace(figs, asked={r.value: n for r, n in end.analysis.asked.items()})
-        easy = {r.value: need.headroom for r, need in end.analysis.needs.items()}
+        downs = end.timers.down_since
+        easy = {
+            r.value: need.headroom and r in downs and ctx.since(downs[r]) >= DONOR_SETTLE_S
+            for r, need in end.analysis.needs.items()
+        }
         prefill = prefill_share(total, target["prefill"], figs.asked, easy)
         if prefill != target["prefill"]:
             target = {"prefill": prefill, "decode": total - prefill}

@@ -23,7 +23,8 @@ class Engine(Backend):
         self.ordinal = ordinal
         self.gpus = gpus
         self.state = PENDING
-        self.becomes: str | None = None  # flexible fleets: the role it drains into
+        # Flexible fleets: the same GPUs in the other role, while one of the two drains.
+        self.twin: Engine | None = None
 
 
 class PrefillEngine(Engine):

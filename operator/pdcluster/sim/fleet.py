@@ -155,10 +155,14 @@ class Fleet(PrefillStage, DecodeStage):
         self.ready[engine.role].append(engine)
         self.events_from(engine)
         self.mark()
-        backlog = self.backlog[engine.role]
-        while backlog:
+        self.serve_backlog(engine.role)
+
+    def serve_backlog(self, role: str) -> None:
+        """Requests that found no ready engine of a role, once one is ready."""
+        backlog = self.backlog[role]
+        while backlog and self.ready[role]:
             i = backlog.popleft()
-            if engine.role == "prefill":
+            if role == "prefill":
                 self.arrive(i, counted=True)
             else:
                 self.to_decode(i)
@@ -169,6 +173,8 @@ class Fleet(PrefillStage, DecodeStage):
         if wanted is not None and wanted != self.targets:
             self.decisions.append((self.now, *wanted, getattr(self.policy, "last_reason", "")))
             self.scale(*wanted)
+            for role in self.backlog:  # a flip can give a role its first ready engine
+                self.serve_backlog(role)
 
     def scrape(self) -> None:
         prefill, decode = self.ready["prefill"], self.ready["decode"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 
 from pdcluster.sim import scrapes as M
-from pdcluster.sim.engines import DecodeEngine
+from pdcluster.sim.engines import DecodeEngine, Engine
 from pdcluster.sim.fleet_state import DECODE_WAKE, FleetState
 
 
@@ -81,8 +81,9 @@ class DecodeStage(FleetState):
         engine.t0 = self.now
         engine.step0 = step
         engine.kv = kv
-        engine.step_ms = d0 + d1 * engine.batch + d2 * kv
-        engine.growth = d2 * engine.batch
+        share = self.share(engine)
+        engine.step_ms = (d0 + d1 * engine.batch + d2 * kv) / share
+        engine.growth = d2 * engine.batch / share
         engine.fresh = len(joined)
         first = self.now + engine.step_ms / 1000.0
         ttft_hist, beyond_hist = self.hist[M.ROUTER_TTFT], self.hist[M.ROUTER_TTFT_BEYOND_PREFILL]
@@ -102,6 +103,15 @@ class DecodeStage(FleetState):
         else:
             engine.wake += 1
             self.retire_if_empty(engine)
+
+    def reshared(self, engine: Engine) -> None:
+        """Close the epoch at the end of the step under way, so that the steps after it
+        take the engine's new share (an earlier wake-up is never skipped: none is due
+        before that step ends)."""
+        if isinstance(engine, DecodeEngine) and engine.batch:
+            engine.wake += 1
+            step = engine.step0 + engine.steps_done(self.now) + 1
+            self.push(engine.boundary_s(step), DECODE_WAKE, engine, engine.wake)
 
     def complete(self, i: int) -> None:
         tr = self.trace

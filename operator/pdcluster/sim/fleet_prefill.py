@@ -32,6 +32,8 @@ class PrefillStage(FleetState):
         engine.inflight_requests += 1
         if not engine.busy:
             self.start_prefill(engine)
+            if engine.twin is not None:
+                self.reshared(engine.twin)
 
     def look_up(self, i: int) -> bool:
         """The router's store lookup; True when the request is on its way without prefill
@@ -90,7 +92,8 @@ class PrefillStage(FleetState):
             self.reused_tokens += cached
         engine.busy = True
         self.hist[M.PREFILL_STEPS].observe(used)  # one engine step (a batch within the token budget)
-        self.push(self.now + ms / 1000.0, PREFILL_DONE, (engine, batch, ms / 1000.0))
+        took_s = ms / 1000.0 / self.share(engine)
+        self.push(self.now + took_s, PREFILL_DONE, (engine, batch, took_s))
 
     def cached_blocks(self, engine: PrefillEngine, blocks: tuple[int, ...]) -> int:
         cache = engine.cache
@@ -139,5 +142,6 @@ class PrefillStage(FleetState):
         engine.busy = False
         if engine.queue:
             self.start_prefill(engine)
-        else:
-            self.retire_if_empty(engine)
+        elif engine.twin is not None:
+            self.reshared(engine.twin)
+        self.retire_if_empty(engine)

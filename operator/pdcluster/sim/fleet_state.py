@@ -55,7 +55,8 @@ class FleetConfig:
     # tokenization: work that holds no GPU), so an isolated request's TTFT is unchanged.
     prefill_fixed_ms: float | None = None
     # Flexible engines (spec.mode flexible): a split change at the same size moves ready
-    # engines between the roles, each once it has drained its work, with no start-up.
+    # engines between the roles at once, as the router does: new requests of the new role
+    # go to the engine while its old role's work finishes there (FleetState.flip_toward).
     flexible: bool = False
 
 
@@ -125,7 +126,6 @@ class FleetState:
         self.engines: dict[str, list[Engine]] = {"prefill": [], "decode": []}
         self.ready: dict[str, list[Engine]] = {"prefill": [], "decode": []}
         self.pending: deque[Engine] = deque()
-        self.flipping: dict[str, list[Engine]] = {"prefill": [], "decode": []}  # by the role they become
         self.flips = 0
         self.held = 0
         self.gpu_seconds = 0.0
@@ -193,10 +193,9 @@ class FleetState:
             self.flip_toward(prefill, decode)
         for role, want in (("prefill", prefill), ("decode", decode)):
             active = self.active(role)
-            coming = len(self.flipping[role])
-            for _ in range(want - len(active) - coming):
+            for _ in range(want - len(active)):
                 self.add_engine(role, ready=initial)
-            excess = len(active) + coming - want
+            excess = len(active) - want
             if excess > 0:
                 # A StatefulSet removes its highest ordinals first.
                 for engine in sorted(active, key=lambda e: e.ordinal, reverse=True)[:excess]:
@@ -207,20 +206,36 @@ class FleetState:
         self.mark()
 
     def flip_toward(self, prefill: int, decode: int) -> None:
-        """Move ready engines from a role with more than wanted to one with fewer: each
-        drains its work (no new requests) and then serves the other role at once."""
+        """Move ready engines from a role with more than wanted to one with fewer. As the
+        router does with a kv_both engine: the engine takes the new role's requests at once
+        and finishes its old role's work meanwhile, on the same GPUs. The simulator keeps
+        the two roles as two engines linked as twins; while both have work, each runs at
+        half speed (share())."""
         want = {"prefill": prefill, "decode": decode}
-        have = {role: len(self.active(role)) + len(self.flipping[role]) for role in want}
+        have = {role: len(self.active(role)) for role in want}
         for role, other in (("prefill", "decode"), ("decode", "prefill")):
-            moves = min(want[role] - have[role], have[other] - want[other])
-            # The least loaded drain soonest.
-            for engine in sorted(self.ready[other], key=lambda e: e.inflight_tokens)[: max(moves, 0)]:
+            moves = max(min(want[role] - have[role], have[other] - want[other]), 0)
+            # The least loaded first; an engine whose last flip is still draining waits.
+            movable = [e for e in self.ready[other] if e.twin is None]
+            for engine in sorted(movable, key=lambda e: e.inflight_tokens)[:moves]:
                 engine.state = DRAINING
-                engine.becomes = role
                 self.ready[other].remove(engine)
-                self.flipping[role].append(engine)
+                now = self.new_engine(role)
+                now.state = READY
+                now.twin, engine.twin = engine, now
+                self.ready[role].append(now)
+                self.events_from(now)
                 self.flips += 1
+                self.reshared(engine)
                 self.retire_if_empty(engine)
+
+    def share(self, engine: Engine) -> float:
+        """The part of its GPUs an engine computes with: half while its twin has work."""
+        twin = engine.twin
+        return 0.5 if twin is not None and not twin.idle() else 1.0  # type: ignore[attr-defined]
+
+    def reshared(self, engine: Engine) -> None:
+        """An engine's share of its GPUs changed: the decode stage re-times its steps."""
 
     def new_engine(self, role: str) -> Engine:
         self.next_id += 1
@@ -258,26 +273,18 @@ class FleetState:
             self.retire_if_empty(engine)
 
     def retire_if_empty(self, engine: Engine) -> None:
-        if engine.state == DRAINING and engine.idle() and engine.becomes is not None:  # type: ignore[attr-defined]
-            self.become(engine, engine.becomes)
-        elif engine.state == DRAINING and engine.idle():  # type: ignore[attr-defined]
-            engine.state = GONE
-            self.router.forget(engine.id)
-            self.set_held(-engine.gpus)
-            self.engines[engine.role] = [e for e in self.engines[engine.role] if e.state != GONE]
-            self.schedule_pending()
-            self.mark()
-
-    def become(self, engine: Engine, role: str) -> None:
-        """A drained flexible engine serves its new role: the same GPUs, no start-up."""
+        if engine.state != DRAINING or not engine.idle():  # type: ignore[attr-defined]
+            return
         engine.state = GONE
         self.router.forget(engine.id)
-        self.flipping[role].remove(engine)
+        twin = engine.twin
+        if twin is not None and twin.state != GONE:
+            twin.twin = None  # it holds the GPUs on, alone
+            self.reshared(twin)
+        else:
+            self.set_held(-engine.gpus)
         self.engines[engine.role] = [e for e in self.engines[engine.role] if e.state != GONE]
-        now = self.new_engine(role)
-        now.state = READY
-        self.ready[role].append(now)
-        self.events_from(now)
+        self.schedule_pending()
         self.mark()
 
     def schedule_pending(self) -> None:
