@@ -261,6 +261,20 @@ def test_a_flipped_engine_shares_its_gpus_while_its_old_role_drains() -> None:
     assert max(shared.itl_s[:2]) > max(alone.itl_s[:2])
 
 
+def test_a_flipped_engine_removed_before_its_old_role_drains_gives_its_gpus_back_once() -> None:
+    """A decode engine flips to prefill at 20 s and the pool shrinks at 40 s, taking the
+    flipped engine while its stream still runs: its GPUs stay held until the stream is
+    done, and are given back once."""
+    streams = Trace("shrink", [1.0, 1.0], [100, 100], [10000, 10000], [(), ()])
+    script = Scripted((1, 2), [(2, 1), (1, 1)])
+    result = simulate(streams, PROFILE, script, FleetConfig(gpus=3, flexible=True))
+    assert all(result.finished) and result.flips == 1
+    held = [(t, gpus) for t, *_, gpus in result.timeline]
+    assert max(g for _, g in held) == 3 and held[-1][1] == 2
+    released = next(t for t, g in held if t > 40.0 and g == 2)
+    assert released == pytest.approx(max(1.0 + itl * 9999 for itl in result.itl_s), rel=0.05)
+
+
 def test_a_flexible_fleet_still_starts_pods_to_grow() -> None:
     quiet = Trace("quiet", [1.0, 400.0], [100, 100], [2, 2], [(), ()])
     grown = simulate(quiet, PROFILE, Scripted((1, 1), [(3, 1)]), FleetConfig(gpus=8, startup_s=60.0, flexible=True))
