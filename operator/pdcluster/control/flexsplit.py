@@ -5,10 +5,9 @@ band, plus one where its target is missed and the model did not see why). A spli
 by flips (routing alone, seconds), so it is not damped, but only toward a role that
 wants more engines than it has, and only from one that has had headroom under its
 target for a minute. A role with engines to spare keeps them until the pool's size lets
-them go, so the next
-burst finds them where the last one needed them. Splitting in proportion to the wants
-instead moved them to a role that asked for nothing: on the Azure code day at peak 8
-that cost 1.3 points and 12% more GPU-hours."""
+them go, so the next burst finds them where the last one needed them. Splitting in
+proportion to the wants instead moved them to a role that asked for nothing: on the
+Azure code day at peak 8 that cost 1.3 points and 12% more GPU-hours."""
 
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ def prefill_share(total: int, decided: int, wanted: dict[str, int], easy: dict[s
     """Prefill engines of a pool of `total`, from the law's own split (`decided`): a role
     that wants more than it has takes engines the other has to spare (wants fewer than it
     has, and is `easy`: has had the law's headroom under its target, wanting fewer, for
-    DONOR_SETTLE_S); both short, the pool is
-    shared in proportion to their wants (past SPLIT_BAND); at least one of each role."""
+    DONOR_SETTLE_S); both short, the pool is shared in proportion to their wants (past
+    SPLIT_BAND); at least one of each role."""
     want_p, want_d = wanted.get("prefill", 0), wanted.get("decode", 0)
     if total < 2 or want_p + want_d == 0:
         return decided
