@@ -4,7 +4,7 @@ fixed rate scales, and one policy alone over a day.
     .venv/bin/python benchmarks/law_runs.py hours [--scenarios mix,burst]
         [--policies pdcluster,pdcluster-prior]
     .venv/bin/python benchmarks/law_runs.py day servegen-day 0.1945 5 [--policy pdcluster]
-        [--startup 300]
+        [--startup 300] [--tolerance 0]
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
@@ -65,18 +65,19 @@ def hours(scenarios: set[str], policies: list[str]) -> None:
             print(f"{name} {level} {scale}x: " + " | ".join(cells) + f"  [{cpu:.0f} s CPU]", flush=True)
 
 
-def one_day(name: str, factor: float, gpus: int, policy: str, startup_s: float) -> None:
+def one_day(name: str, factor: float, gpus: int, policy: str, startup_s: float, tolerance: int) -> None:
     profile, slo = perf.load(perf.DEFAULT_PROFILE), scoring.SLO(500.0, 25.0, False)
     trace = day.day_source(name, perf.traces_dir()).make(factor)
     config = PlanConfig(
         gpus=gpus, slo=slo, rate_scale=1.0, start="neutral", warmup_s=day.WARMUP_S, startup_s=startup_s
     )
-    setup = plan.Setup(trace, profile, slo, plan.fleet_config(config, profile), PolicyKnobs(), day.WARMUP_S)
+    knobs = PolicyKnobs(tolerance_percent=tolerance)
+    setup = plan.Setup(trace, profile, slo, plan.fleet_config(config, profile), knobs, day.WARMUP_S)
     started = time.process_time()
     score, result = plan._simulate(setup, (1, 1), parse_policy(policy))
     cpu = time.process_time() - started
     print(
-        f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, {policy}: "
+        f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, tolerance {tolerance}%, {policy}: "
         f"{score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h, {len(result.decisions)} decisions, "
         f"{result.flips} flips  [{cpu:.0f} s CPU]"
     )
@@ -94,11 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("gpus", type=int)
     d.add_argument("--policy", default="pdcluster")
     d.add_argument("--startup", type=float, default=60.0, help="engine start-up (s), pod created to Ready")
+    d.add_argument(
+        "--tolerance", type=int, default=PolicyKnobs.tolerance_percent, help="autoscaling.tolerancePercent"
+    )
     a = parser.parse_args(argv)
     if a.what == "hours":
         hours(set(a.scenarios.split(",")), a.policies.split(","))
     else:
-        one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup)
+        one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup, a.tolerance)
     return 0
 
 
