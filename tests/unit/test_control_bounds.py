@@ -3,12 +3,15 @@ share and TTFT) against the model's busy cap."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
+
+import pytest
 
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.control import NoteKind, Observed, RoleObserved, decide_outcome
-from pdcluster.control.needs import prefill_busy
+from pdcluster.control.needs import prefill_busy, prefill_busy_at
 from pdcluster.control.types import MetricsSnapshot, assemble
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
@@ -83,7 +86,7 @@ def test_a_measured_prefill_bound_outranks_the_models_busy_cap() -> None:
     assert _held(calm) == {"prefill"}
     near = _decide(1, _window(25.0, 300.0, busy=0.7, engines=1))
     assert near.decision.prefill == 2, near.decision.reason
-    busy = _decide(1, _window(25.0, 150.0, busy=0.85, engines=1))
+    busy = _decide(1, _window(25.0, 150.0, busy=0.9, engines=1))
     assert busy.decision.prefill == 2, busy.decision.reason
     assert not _held(near) and not _held(busy)
 
@@ -93,8 +96,24 @@ def test_a_measured_prefill_bound_lets_go_of_an_engine_the_model_would_keep() ->
     plus its tolerance, though the model's busy cap less its tolerance keeps two."""
     light = _decide(2, _window(23.0, 100.0, busy=0.25, engines=2))
     assert light.decision.prefill == 1, light.decision.reason
-    loaded = _decide(2, _window(23.0, 100.0, busy=0.45, engines=2))
+    loaded = _decide(2, _window(23.0, 100.0, busy=0.6, engines=2))
     assert loaded.decision.prefill == 2, loaded.decision.reason
+
+
+def test_a_steps_fixed_cost_does_not_grow_with_the_load() -> None:
+    """Two engines at 45% busy, steps of 40 ms of which the profile's 16.5 ms are fixed:
+    on one engine the prompts fill fuller steps, and the busy share grows to 77%, not 99%.
+    Bound to keep the target there, one engine is let go; a profile whose steps have no
+    fixed cost keeps both."""
+    m = _window(23.0, 100.0, busy=0.45, engines=2)
+    assert prefill_busy_at(m, 0.45, 2.2, None) == pytest.approx(0.99)
+    assert prefill_busy_at(m, 0.45, 2.2, 16.5) == pytest.approx(0.186 + 0.264 * 2.2, abs=1e-3)
+    assert _decide(2, m).decision.prefill == 1
+    h200 = perf.load()
+    unbatched = replace(h200, prefill_coef=(0.0, *h200.prefill_coef[1:]))
+    observed = Observed(RoleObserved(2, 2, 2), RoleObserved(1, 1, 1))
+    kept = decide_outcome(_spec(2), m, None, observed, NOW, profile=unbatched)
+    assert kept.decision.prefill == 2, kept.decision.reason
 
 
 def test_the_bound_holds_at_the_forecasts_load_not_the_trends() -> None:

@@ -413,6 +413,18 @@ def test_without_a_prior_a_fitted_step_replaces_the_linear_cost() -> None:
     assert fitted[:2] == pytest.approx((16.5, 0.0152), rel=0.01)
 
 
+def test_a_prefill_steps_fixed_cost_is_the_priors_own() -> None:
+    """The prior's figure, not scaled by what this window's tokens cost (that scale is a
+    per-token one); without a prior it is not known, a fit or not."""
+    m = window(tokens=150_000.0, isl=1200.0, prefill_ms=35.0, steps=110.0, engines=5.0)
+    c = learn.update(None, m)
+    scaled = learn.knowledge(c, PRIOR, m)
+    assert scaled.profile.prefill_coef[0] != PRIOR.prefill_coef[0]
+    assert scaled.prefill_step_ms == PRIOR.prefill_coef[0]
+    c = c.model_copy(update={"prefill_samples": _steps([7360, 5400, 1485, 1300, 1250])})
+    assert learn.knowledge(c, None, m).prefill_step_ms is None
+
+
 def test_a_long_calm_keeps_the_one_large_batch_the_fit_needs() -> None:
     learned = None
     busy = window(tokens=150_000.0, isl=1200.0, prefill_ms=130.0, steps=20.0, engines=5.0)  # 7,500 a step

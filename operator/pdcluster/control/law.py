@@ -234,7 +234,7 @@ def _analyse(
     m: MetricsSnapshot,
     known: learn.Knowledge,
 ) -> Analysis:
-    view = replace(view, profile=known.profile)
+    view = replace(view, profile=known.profile, prefill_step_ms=known.prefill_step_ms)
     needs, wants = {}, {}
     for role in ROLES:
         if role in known.unseen:

@@ -237,6 +237,10 @@ class Knowledge:
     # (short outputs): a step is then its fixed part, it stays unfitted, and its feedback
     # may shed an engine (needs.decode_spares_one).
     decode_narrow: bool = False
+    # A prefill step's fixed cost (ms) as the prior measured it on the GPU, unscaled (the
+    # scale is a per-token figure); None without a prior. Not the fit's: between windows
+    # the prompt mix moves the tokens per step as much as batching does (docs/benchmarks.md).
+    prefill_step_ms: float | None = None
 
 
 def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: MetricsSnapshot) -> Knowledge:
@@ -291,4 +295,5 @@ def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: Metric
         and c.decode_windows >= MIN_WINDOWS["decode"]
         and max((x.sequences_milli / 1000.0 for x in c.decode_samples or []), default=0.0) < DECODE_MIN_BATCH
     )
-    return Knowledge(profile, "prefill" not in unseen, "decode" not in unseen, unseen, narrow)
+    step_ms = prior.prefill_coef[0] if prior else None
+    return Knowledge(profile, "prefill" not in unseen, "decode" not in unseen, unseen, narrow, step_ms)

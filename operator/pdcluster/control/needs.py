@@ -54,6 +54,7 @@ class View:
     ahead: dict[Role, float] = field(default_factory=dict)  # the forecast's load a start-up ahead / today's
     peak: dict[Role, float] = field(default_factory=dict)  # the recent peak's load / today's
     backlog: dict[Role, float] = field(default_factory=dict)  # requests/s that drain the queue in a window
+    prefill_step_ms: float | None = None  # a prefill step's fixed cost, where known (learn.Knowledge)
 
     def factor(self, role: Role, forecast: bool = True) -> float:
         """What today's load is multiplied by to size for the time new engines serve."""
@@ -255,7 +256,7 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
     # load that does keep rising takes the TTFT past half its target, and the model decides.
     cur, growth = view.current[Role.prefill], _growth(ctx, m, view, Role.prefill, trend=False)
     busy = prefill_busy(m)
-    if need.up > cur and need.pressure < 0.5 and prefill_holds(ctx, m, growth):
+    if need.up > cur and need.pressure < 0.5 and prefill_holds(ctx, m, growth, view.prefill_step_ms):
         held = note(
             NoteKind.measured_holds,
             Role.prefill,
@@ -277,7 +278,7 @@ def prefill_spares_one(ctx: Context, m: MetricsSnapshot, view: View, engines: in
     """Whether `engines - 1` prefill engines keep the TTFT target at the recent peak's load
     (`prefill_holds` at engines / (engines - 1) times it)."""
     peak = max(view.factor(Role.prefill), view.peak.get(Role.prefill, 1.0)) * (1.0 + ctx.tol)
-    return prefill_holds(ctx, m, peak * engines / (engines - 1))
+    return prefill_holds(ctx, m, peak * engines / (engines - 1), view.prefill_step_ms)
 
 
 def _growth(ctx: Context, m: MetricsSnapshot, view: View, role: Role, trend: bool = True) -> float:
@@ -303,15 +304,33 @@ def prefill_busy(m: MetricsSnapshot) -> float | None:
     return steps * prefill_ms / 1000.0 / ready
 
 
-def prefill_holds(ctx: Context, m: MetricsSnapshot, growth: float) -> bool:
+def prefill_busy_at(m: MetricsSnapshot, busy: float, growth: float, step_ms: float | None) -> float:
+    """The busy share at `growth` times the load. The prompts' tokens grow with it; a
+    step's fixed cost `step_ms` is counted at today's steps per second, since prompts that
+    arrive while an engine computes join its next step (vLLM schedules what waits, up to
+    its token budget): a busier engine runs fuller steps, not more of them. That is exact
+    for an engine never idle and low for one mostly idle, whose new prompts start steps
+    of their own, so the bound is only used far under the target. Without a known fixed
+    cost the whole busy share grows with the load."""
+    steps, ready = m.prefill.steps_per_s, m.prefill.ready
+    if step_ms is None or not steps or not ready:
+        return busy * growth
+    fixed = min(steps * step_ms / 1000.0 / ready, busy)
+    return fixed + (busy - fixed) * growth
+
+
+def prefill_holds(ctx: Context, m: MetricsSnapshot, growth: float, step_ms: float | None) -> bool:
     """Whether the prefill engines there are keep the TTFT target at `growth` times the
-    load, bounded from what they show: at `busy` a queue's sojourn is its service time
-    over (1 - busy) (M/M/1), so the whole TTFT quantile grows by at most
-    (1 - busy) / (1 - busy x growth) (its fixed part does not grow at all)."""
+    load, from what they show: at `busy` a queue's sojourn is its service time over
+    (1 - busy) (M/M/1), so the whole TTFT quantile grows by at most
+    (1 - busy) / (1 - busy at the grown load) (its fixed part does not grow at all)."""
     ttft, busy = prefill_latency(ctx.auto, m), prefill_busy(m)
-    if ttft is None or busy is None or busy * growth >= PREFILL_HOLD_BUSY:
+    if ttft is None or busy is None:
         return False
-    grown = ttft * (1.0 - busy) / (1.0 - busy * growth)
+    grown_busy = prefill_busy_at(m, busy, growth, step_ms)
+    if grown_busy >= PREFILL_HOLD_BUSY:
+        return False
+    grown = ttft * (1.0 - busy) / (1.0 - grown_busy)
     return grown < ctx.auto.slo.ttft_ms * (1.0 - ctx.tol)
 
 
