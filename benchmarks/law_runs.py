@@ -4,7 +4,7 @@ fixed rate scales, and one policy alone over a day.
     .venv/bin/python benchmarks/law_runs.py hours [--scenarios mix,burst]
         [--policies pdcluster,pdcluster-prior]
     .venv/bin/python benchmarks/law_runs.py day servegen-day 0.1945 5 [--policy pdcluster]
-        [--startup 300] [--tolerance 0]
+        [--startup 300] [--tolerance 0] [--decisions 8,11]
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
@@ -65,7 +65,15 @@ def hours(scenarios: set[str], policies: list[str]) -> None:
             print(f"{name} {level} {scale}x: " + " | ".join(cells) + f"  [{cpu:.0f} s CPU]", flush=True)
 
 
-def one_day(name: str, factor: float, gpus: int, policy: str, startup_s: float, tolerance: int) -> None:
+def one_day(
+    name: str,
+    factor: float,
+    gpus: int,
+    policy: str,
+    startup_s: float,
+    tolerance: int,
+    decisions: tuple[float, float] | None = None,
+) -> None:
     profile, slo = perf.load(perf.DEFAULT_PROFILE), scoring.SLO(500.0, 25.0, False)
     trace = day.day_source(name, perf.traces_dir()).make(factor)
     config = PlanConfig(
@@ -81,6 +89,11 @@ def one_day(name: str, factor: float, gpus: int, policy: str, startup_s: float, 
         f"{score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h, {len(result.decisions)} decisions, "
         f"{result.flips} flips  [{cpu:.0f} s CPU]"
     )
+    if decisions:
+        start, end = (h * 3600.0 for h in decisions)
+        for t, prefill, decode, why in result.decisions:
+            if start <= t <= end:
+                print(f"  {t / 3600:6.3f} h  {prefill}:{decode}  {why}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,11 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument(
         "--tolerance", type=int, default=PolicyKnobs.tolerance_percent, help="autoscaling.tolerancePercent"
     )
+    d.add_argument(
+        "--decisions", metavar="H0,H1", help="also print the decisions between these hours of the trace"
+    )
     a = parser.parse_args(argv)
     if a.what == "hours":
         hours(set(a.scenarios.split(",")), a.policies.split(","))
     else:
-        one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup, a.tolerance)
+        window = tuple(float(h) for h in a.decisions.split(",")) if a.decisions else None
+        one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup, a.tolerance, window)
     return 0
 
 

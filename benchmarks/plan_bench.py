@@ -214,19 +214,23 @@ def day_targets(report: dict, law: str) -> dict:
         out["A"] = {"met": False, "why": "no static fleet within the budget attains as much"}
     else:
         share = ours["gpu_hours"] / static["gpu_hours"]
-        out["A"] = {"met": bool(share <= 0.75), "gpu_hours_share": round(share, 3), "static": static["split"]}
+        out["A"] = {
+            "met": bool(share <= 0.75),
+            "gpu_hours_share": round(float(share), 3),
+            "static": static["split"],
+        }
     vs_oracle = ours["gpu_hours"] / oracle["gpu_hours"]
     below = oracle["attainment"] - ours["attainment"]
     out["B"] = {
         "met": bool(vs_oracle <= 1.15 and below <= 0.01),
-        "gpu_hours_vs_oracle": round(vs_oracle, 3),
-        "attainment_below_oracle": round(below, 4),
+        "gpu_hours_vs_oracle": round(float(vs_oracle), 3),
+        "attainment_below_oracle": round(float(below), 4),
     }
     ratio = ours["goodput_per_gpu_hour"] / max(load["goodput_per_gpu_hour"], 1e-9)
     out["C"] = {
         "met": bool(ratio >= 1.3 and ours["attainment"] >= load["attainment"]),
-        "vs_dynamo_load": round(ratio, 2),
-        "attainment_vs_dynamo_load": round(ours["attainment"] - load["attainment"], 4),
+        "vs_dynamo_load": round(float(ratio), 2),
+        "attainment_vs_dynamo_load": round(float(ours["attainment"] - load["attainment"]), 4),
     }
     return out
 
