@@ -4,7 +4,7 @@ fixed rate scales, and one policy alone over a day.
     .venv/bin/python benchmarks/law_runs.py hours [--scenarios mix,burst]
         [--policies pdcluster,pdcluster-prior]
     .venv/bin/python benchmarks/law_runs.py day servegen-day 0.1945 5 [--policy pdcluster]
-        [--startup 300] [--tolerance 0] [--decisions 8,11]
+        [--startup 300] [--tolerance 0] [--decisions 8,11] [--by-hour]
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
@@ -25,11 +25,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plan_bench
 from pdcluster import perf
-from pdcluster.sim import day, plan, scoring
+from pdcluster.sim import day, fleet, plan, scoring
 from pdcluster.sim.plan_config import PlanConfig, PolicyKnobs
 from pdcluster.sim.plan_policies import parse_policy
 
@@ -73,6 +75,7 @@ def one_day(
     startup_s: float,
     tolerance: int,
     decisions: tuple[float, float] | None = None,
+    by_hour: bool = False,
 ) -> None:
     profile, slo = perf.load(perf.DEFAULT_PROFILE), scoring.SLO(500.0, 25.0, False)
     trace = day.day_source(name, perf.traces_dir()).make(factor)
@@ -89,11 +92,46 @@ def one_day(
         f"{score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h, {len(result.decisions)} decisions, "
         f"{result.flips} flips  [{cpu:.0f} s CPU]"
     )
+    if by_hour:
+        _print_hours(setup, result)
     if decisions:
         start, end = (h * 3600.0 for h in decisions)
         for t, prefill, decode, why in result.decisions:
             if start <= t <= end:
                 print(f"  {t / 3600:6.3f} h  {prefill}:{decode}  {why}")
+
+
+def _print_hours(setup: plan.Setup, result: fleet.Result) -> None:
+    """Each scored hour: requests, attainment, the requests that missed TTFT and those that
+    missed only ITL, and the mean prefill and decode engines held (ready or starting)."""
+    hours = round(day.DAY_S / 3600)
+    seen, good, ttft, itl = (np.zeros(hours) for _ in range(4))
+    itl_s = setup.slo.itl_ms / 1000.0
+    for i, t in enumerate(setup.trace.arrival_s):
+        h = int((t - day.WARMUP_S) // 3600.0)
+        if 0 <= h < hours:
+            seen[h] += 1
+            late = not result.finished[i] or result.ttft_s[i] > setup.targets_s[i]
+            slow = not late and result.itl_s[i] > itl_s
+            ttft[h], itl[h] = ttft[h] + late, itl[h] + slow
+            good[h] += not (late or slow)
+    engines = np.zeros((hours, 2))
+    held = np.zeros(hours)
+    ends = [t for t, *_ in result.timeline[1:]] + [result.end_s]
+    for (t0, _, _, p, d, _), t1 in zip(result.timeline, ends, strict=True):
+        # An entry holds until the next; spread its span over the hours it covers.
+        while t0 < t1:
+            h = int((t0 - day.WARMUP_S) // 3600.0)
+            upto = min(t1, day.WARMUP_S + (h + 1) * 3600.0)
+            if 0 <= h < hours:
+                engines[h] += (upto - t0) * np.array([p, d])
+                held[h] += upto - t0
+            t0 = upto
+    print("  hour  requests  attained  TTFT-miss  ITL-miss  prefill  decode")
+    for h in range(hours):
+        p, d = engines[h] / held[h] if held[h] else (0.0, 0.0)
+        share = good[h] / seen[h] if seen[h] else float("nan")
+        print(f"  {h:4d}  {seen[h]:8.0f}  {share:8.2%}  {ttft[h]:9.0f}  {itl[h]:8.0f}  {p:7.2f}  {d:6.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument(
         "--decisions", metavar="H0,H1", help="also print the decisions between these hours of the trace"
     )
+    d.add_argument("--by-hour", action="store_true", help="also print each scored hour's figures")
     a = parser.parse_args(argv)
     if a.what == "hours":
         hours(set(a.scenarios.split(",")), a.policies.split(","))
     else:
         window = tuple(float(h) for h in a.decisions.split(",")) if a.decisions else None
-        one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup, a.tolerance, window)
+        one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup, a.tolerance, window, a.by_hour)
     return 0
 
 

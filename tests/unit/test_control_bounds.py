@@ -34,10 +34,10 @@ def _spec(prefill: int) -> PDClusterSpec:
     )
 
 
-def _window(rps: float, ttft_ms: float, busy: float, engines: int) -> MetricsSnapshot:
-    """A window of `rps` prompts of ISL tokens whose prefill engines are each `busy` (40 ms
+def _window(rps: float, ttft_ms: float, busy: float, engines: int, isl: float = ISL) -> MetricsSnapshot:
+    """A window of `rps` prompts of `isl` tokens whose prefill engines are each `busy` (40 ms
     prefills) and answer the first token at `ttft_ms`; decode far from its targets."""
-    tokens = rps * ISL
+    tokens = rps * isl
     return assemble(
         window_s=120,
         prompt_tokens_rate=tokens,
@@ -78,15 +78,16 @@ def test_the_busy_share_is_steps_times_the_prefill_time_per_engine() -> None:
 
 
 def test_a_measured_prefill_bound_outranks_the_models_busy_cap() -> None:
-    """At 25 requests/s the model's busy cap asks for a second prefill engine. One engine
-    at 70% busy answering in 150 ms is bound to keep the 500 ms target at the load plus
-    its tolerance: it is held. Nearer the target, or busier, the model is followed."""
-    calm = _decide(1, _window(25.0, 150.0, busy=0.7, engines=1))
+    """At 25 requests/s of 4,000-token prompts the model's queue asks for a second prefill
+    engine. One engine at 70% busy answering in 150 ms is bound to keep the 500 ms target
+    at the load plus its tolerance: it is held. Nearer the target, or busier, the model is
+    followed."""
+    calm = _decide(1, _window(25.0, 150.0, busy=0.7, engines=1, isl=4000.0))
     assert calm.decision.prefill == 1, calm.decision.reason
     assert _held(calm) == {"prefill"}
-    near = _decide(1, _window(25.0, 300.0, busy=0.7, engines=1))
+    near = _decide(1, _window(25.0, 300.0, busy=0.7, engines=1, isl=4000.0))
     assert near.decision.prefill == 2, near.decision.reason
-    busy = _decide(1, _window(25.0, 150.0, busy=0.9, engines=1))
+    busy = _decide(1, _window(25.0, 150.0, busy=0.9, engines=1, isl=4000.0))
     assert busy.decision.prefill == 2, busy.decision.reason
     assert not _held(near) and not _held(busy)
 

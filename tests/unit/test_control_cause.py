@@ -30,7 +30,7 @@ FIGURES = Figures(
     drain_s=120,
     max_step=2,
     peak={"prefill": 2.5, "decode": 1.5},
-    peak_span_s=300,
+    peak_span_s={"prefill": 3600, "decode": 300},
     floor={"prefill": 7, "decode": 4},
     asked={"prefill": 7, "decode": 2},
 )
@@ -61,7 +61,7 @@ DRIVERS: dict[Cause, tuple[str | None, tuple[str, ...]]] = {
     Cause.forecast_ramp: ("prefill", ("needs 6 engines", "4 ready", "120 s", "1.80x")),
     Cause.queue_backlog: ("decode", ("17 requests", "120 s", "needs 3 engines", "5 ready")),
     Cause.queue_growing: ("prefill", ("42 requests", "maxStep 2", "needs 6 engines")),
-    Cause.peak_floor: ("prefill", ("7 engines", "300 s", "2.50x")),
+    Cause.peak_floor: ("prefill", ("7 engines", "3600 s", "2.50x")),
     Cause.split_flipped: (None, ("prefill wants 7 engines", "decode 2")),
 }
 

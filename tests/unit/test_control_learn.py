@@ -150,13 +150,28 @@ def test_learned_capacity_is_whole_numbers_in_status() -> None:
 
 
 def test_a_prior_is_scaled_to_what_its_tokens_cost() -> None:
-    """Engines twice as slow as the prior says: the prefill model doubles, its shape kept."""
+    """Engines twice as slow as the prior says at the window's prompts per step (one): the
+    prefill model doubles, its shape kept."""
     snapshot = window()
-    modelled = learn.models.mean_prefill_service_s(PRIOR, 4000.0, 0.0) * 1000.0 / 4000.0
+    modelled = learn.models.mean_prefill_service_s(PRIOR, 4000.0, 0.0, per_step=1.0) * 1000.0 / 4000.0
     learned = LearnedCapacity(prefill_ns_per_token=round(2 * modelled * 1e6), prefill_windows=1)
     k = learn.knowledge(learned, PRIOR, snapshot)
     for got, prior in zip(k.profile.prefill_coef, PRIOR.prefill_coef, strict=True):
         assert got == pytest.approx(2 * prior, rel=1e-3)
+
+
+def test_a_prior_is_scaled_at_the_windows_own_prompts_per_step() -> None:
+    """Short prompts one to a step each pay the step's fixed cost. Engines that cost what
+    the prior says a step of one such prompt costs keep the prior as it is; scaled to a
+    full step's cost instead, the fixed cost the step would share would inflate every
+    coefficient (docs/benchmarks.md, "The prior's scale")."""
+    snapshot = window(tokens=5000.0, isl=500.0, steps=10.0)
+    one_a_step = learn.models.mean_prefill_service_s(PRIOR, 500.0, 0.0, per_step=1.0) * 1000.0 / 500.0
+    full_steps = learn.models.mean_prefill_service_s(PRIOR, 500.0, 0.0) * 1000.0 / 500.0
+    assert one_a_step > 1.5 * full_steps
+    learned = LearnedCapacity(prefill_ns_per_token=round(one_a_step * 1e6), prefill_windows=1)
+    k = learn.knowledge(learned, PRIOR, snapshot)
+    assert k.profile.prefill_coef == pytest.approx(PRIOR.prefill_coef, rel=1e-3)
 
 
 def test_a_plant_without_a_profile_is_learned_within_ten_minutes() -> None:

@@ -13,6 +13,8 @@ from tests.unit.test_control_law import PROFILE, T0, metrics, spec
 from pdcluster.api.v1alpha1 import AutoscalingState, LoadSample
 from pdcluster.control import Observed, RoleObserved, decide, decide_outcome
 from pdcluster.control.cause import Cause
+from pdcluster.control.context import context
+from pdcluster.control.trend import PEAK_BUCKET_S, Sample, record
 from pdcluster.timestamps import time_ms
 
 DAY = timedelta(days=1)
@@ -123,3 +125,56 @@ def test_a_growing_queue_takes_several_max_steps_at_once():
     assert outcome.decision.cause == Cause.queue_growing.value
     assert outcome.figures.queue["prefill"] == 60.0
     assert quiet.prefill <= 2
+
+
+def hour_state(recent: list[float]) -> AutoscalingState:
+    """Eight prefill engines, their scale-down wanted for ten minutes; a burst of 20x the
+    load 40 minutes ago, and the last five minutes' demand as `recent` (x the load)."""
+    load = 4.0 * 3000
+    history = [LoadSample(time=time_ms(T0 - timedelta(minutes=40)), prefill=round(20 * load), decode=1)]
+    history += [
+        LoadSample(
+            time=time_ms(T0 - timedelta(seconds=30 * (len(recent) - i))), prefill=round(x * load), decode=1
+        )
+        for i, x in enumerate(recent)
+    ]
+    return AutoscalingState(
+        prefill=8,
+        decode=4,
+        last_run_time=time_ms(T0 - timedelta(seconds=30)),
+        down_wanted_since={"prefill": time_ms(T0 - timedelta(minutes=10))},
+        history=history,
+    )
+
+
+def test_a_bursty_load_keeps_the_hours_peak_and_a_steady_one_lets_it_go():
+    """A burst 40 minutes ago: while the demand of the last five minutes still varies by
+    more than a fifth of its mean (29% here), the scale-down keeps what that burst needed; where the demand
+    has been steady since, it is a load that moved, and the engines go."""
+    s = spec(8, 4, gpuBudget=40, cooldownSeconds=0)
+    seen = Observed(RoleObserved(8, 8, 8), RoleObserved(4, 4, 4))
+    m = replace(metrics(rate=4.0, engines=(8, 4)), ttft_ms=100.0)
+    steady = decide_outcome(s, m, hour_state([1.0] * 10), seen, T0, profile=PROFILE)
+    assert steady.decision.prefill < 8 and steady.decision.cause == Cause.prefill_headroom.value
+    bursty = decide_outcome(s, m, hour_state([1.0, 1.8] * 5), seen, T0, profile=PROFILE)
+    assert bursty.decision.prefill > steady.decision.prefill
+    assert bursty.figures.peak_span_s["prefill"] == 3600
+    assert steady.figures.peak_span_s["prefill"] == 300
+
+
+def test_the_history_keeps_the_recent_span_whole_and_each_five_minutes_most_before_it():
+    """Runs every 30 s for 90 minutes: the last 300 s stay as they were, the hour before
+    them is one sample per five minutes holding each role's most, older runs are gone."""
+    ctx = context(spec(1, 1), None, Observed(RoleObserved(1, 1, 1), RoleObserved(1, 1, 1)), T0)
+    history = tuple(
+        Sample(T0 - timedelta(seconds=30 * k), prefill=k, decode=200 - k) for k in range(180, 0, -1)
+    )
+    m = metrics(rate=4.0, engines=(1, 1))
+    kept = record(ctx, history, m)
+    recent = [h for h in kept if h.time >= T0 - timedelta(seconds=300)]
+    assert [h.prefill for h in recent[:-1]] == list(range(10, 0, -1))
+    older = kept[: len(kept) - len(recent)]
+    assert 10 <= len(older) <= 3600 // PEAK_BUCKET_S + 1
+    # Each bucket holds each role's most, so both roles' maxima of the hour survive.
+    assert max(h.prefill for h in older) == 120  # the run 3600 s ago; older ones are gone
+    assert max(h.decode for h in older) == 200 - 11

@@ -70,7 +70,7 @@ class Figures:
     drain_s: int | None = None  # the window a queue is drained within
     max_step: int | None = None
     peak: dict[str, float] = field(default_factory=dict)  # per role: the recent peak's load / today's
-    peak_span_s: int | None = None
+    peak_span_s: dict[str, int] = field(default_factory=dict)
     floor: dict[str, int] = field(default_factory=dict)  # per role: engines the recent peak needs
     asked: dict[str, int] = field(default_factory=dict)  # per role: wanted before the GPU budget
 
@@ -148,7 +148,7 @@ def summary(
         Cause.queue_growing: f"{role} queue of {f.queue.get(role or '', 0.0):.0f} requests growing: a step "
         f"past maxStep {f.max_step}; {_engines(f, role)}",
         Cause.peak_floor: f"{role} scale-down held at {f.floor.get(role or '', 0)} engines, what the peak of "
-        f"the last {f.peak_span_s} s needs ({f.peak.get(role or '', 1.0):.2f}x today's load)",
+        f"the last {f.peak_span_s.get(role or '', 0)} s needs ({f.peak.get(role or '', 1.0):.2f}x today's load)",
         Cause.split_flipped: f"engines flipped to the role short of them, {_shares(f)} (no pod restarts)",
     }[cause]
     return f"{change}: {why}"

@@ -15,7 +15,6 @@ from pdcluster.control.notes import Note, worded
 from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms, ttft_name
 from pdcluster.control.seasonal import horizon_s
 from pdcluster.control.stabilise import Settled
-from pdcluster.control.trend import peak_span_s
 from pdcluster.control.types import MetricsSnapshot, TTFTBreakdown
 
 
@@ -138,7 +137,7 @@ def figures(ctx: Context, m: MetricsSnapshot | None, current: Counts, a: Analysi
         drain_s=auto.window_seconds,
         max_step=auto.max_step,
         peak={r.value: p for r, p in view.peak.items()} if view else {},
-        peak_span_s=peak_span_s(ctx),
+        peak_span_s={r.value: n for r, n in view.peak_span.items()} if view else {},
         floor={r.value: n.floor for r, n in needs.items() if n.floor is not None},
     )
 

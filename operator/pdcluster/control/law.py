@@ -58,7 +58,16 @@ from pdcluster.control.outcome import Outcome, action, next_state, observed_metr
 from pdcluster.control.pool import pool_outcome
 from pdcluster.control.seasonal import Forecasts, ahead, forecast_status, load_forecasts, observed
 from pdcluster.control.stabilise import stabilise, time_out
-from pdcluster.control.trend import History, demand, growths, history_status, load_history, peaks, record
+from pdcluster.control.trend import (
+    History,
+    demand,
+    growths,
+    history_status,
+    load_history,
+    peak_spans,
+    peaks,
+    record,
+)
 from pdcluster.control.types import MetricsSnapshot, Observed, breakdown
 from pdcluster.timestamps import time_ms
 
@@ -182,13 +191,15 @@ def _run(ctx: Context, start: _Start, m: MetricsSnapshot | None, prior: perf.Pro
     traffic_s = ctx.since(history[0].time) if history else 0.0
     whole = learn.whole_window(m, ctx.seen(Role.decode).ready, traffic_s)
     capacity = learn.update(ctx.prev.capacity, m, whole)
+    spans = peak_spans(ctx, history)
     view = View(
         None,
         current,
         growths(ctx, history, m),
         breakdown(m),
         ahead=ahead(ctx, forecasts, demands),
-        peak=peaks(history),
+        peak=peaks(ctx, history, spans),
+        peak_span=spans,
         backlog={
             Role.prefill: backlog_rate(ctx, m.prefill_queue, m.prefill.ready),
             Role.decode: backlog_rate(ctx, m.decode.waiting, m.decode.ready),

@@ -257,7 +257,15 @@ def knowledge(capacity: LearnedCapacity | None, prior: Profile | None, m: Metric
             # What the prior says a token cost over this window's prompt lengths (long
             # prompts cost more per token), against what it did cost.
             new = max(input_tokens * (1.0 - hit), 1.0)
-            service_s = models.mean_prefill_service_s(prior, input_tokens, hit, m.prefill.prompt_tokens)
+            steps = m.prefill.steps_per_s
+            per_step = (
+                max(m.prefill.tokens_per_s / input_tokens / steps, 1.0)
+                if steps and m.prefill.tokens_per_s
+                else None
+            )
+            service_s = models.mean_prefill_service_s(
+                prior, input_tokens, hit, m.prefill.prompt_tokens, per_step
+            )
             modelled = service_s * 1000.0 / new
             scale = per_token / modelled if modelled > 0 else 1.0
             prefill = tuple(x * scale for x in prior.prefill_coef)

@@ -65,19 +65,26 @@ def per_engine_wait(engines: int, rate: float, service_s: float) -> float:
     return math.inf if busy >= 1.0 else service_s * busy / (1.0 - busy)
 
 
-def prefill_service_s(profile: Profile, input_tokens: float, hit_ratio: float) -> float:
-    """Seconds of engine time per request when an engine is busy (prompts batched)."""
+def prefill_service_s(
+    profile: Profile, input_tokens: float, hit_ratio: float, per_step: float | None = None
+) -> float:
+    """Seconds of engine time per request when an engine is busy (prompts batched), or
+    at `per_step` prompts a step."""
     a, b, c = profile.prefill_coef
     new = max(input_tokens * (1.0 - hit_ratio), 1.0)
     # Attention of the new tokens over the whole prompt: c * (L^2 - cached^2).
     per_request = b * new + c * input_tokens**2 * (1.0 - hit_ratio**2)
     # Whole prompts fill vLLM's token budget, about half a prompt short on average.
-    per_batch = max(1.0, (MAX_BATCHED_TOKENS - new / 2.0) / new)
+    per_batch = per_step or max(1.0, (MAX_BATCHED_TOKENS - new / 2.0) / new)
     return (a / per_batch + per_request) / 1000.0
 
 
 def mean_prefill_service_s(
-    profile: Profile, input_tokens: float, hit_ratio: float, lengths: tuple[tuple[float, float], ...] = ()
+    profile: Profile,
+    input_tokens: float,
+    hit_ratio: float,
+    lengths: tuple[tuple[float, float], ...] = (),
+    per_step: float | None = None,
 ) -> float:
     """Mean engine time per request over the observed prompt lengths.
 
@@ -97,11 +104,12 @@ def mean_prefill_service_s(
         lower = upper
     total = sum(counts)
     if not total or not sum(middles):
-        return prefill_service_s(profile, input_tokens, hit_ratio)
+        return prefill_service_s(profile, input_tokens, hit_ratio, per_step)
     scale = input_tokens / (sum(m * n for m, n in zip(middles, counts, strict=True)) / total)
     return (
         sum(
-            n * prefill_service_s(profile, m * scale, hit_ratio) for m, n in zip(middles, counts, strict=True)
+            n * prefill_service_s(profile, m * scale, hit_ratio, per_step)
+            for m, n in zip(middles, counts, strict=True)
         )
         / total
     )

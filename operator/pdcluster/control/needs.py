@@ -53,6 +53,7 @@ class View:
     stages: TTFTBreakdown | None  # where the mean TTFT went, when the router shows it
     ahead: dict[Role, float] = field(default_factory=dict)  # the forecast's load a start-up ahead / today's
     peak: dict[Role, float] = field(default_factory=dict)  # the recent peak's load / today's
+    peak_span: dict[Role, int] = field(default_factory=dict)  # how far back that peak was looked for (s)
     backlog: dict[Role, float] = field(default_factory=dict)  # requests/s that drain the queue in a window
     prefill_step_ms: float | None = None  # a prefill step's fixed cost, where known (learn.Knowledge)
 

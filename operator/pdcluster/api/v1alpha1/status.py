@@ -222,7 +222,9 @@ class AutoscalingState(Model):
         None, description="Per role, since when a scale-down has been wanted."
     )
     history: list[LoadSample] | None = Field(
-        None, description="Demand seen by the runs of the last metrics window, oldest first."
+        None,
+        description="Demand seen by the runs of the last metrics window, and before it each five minutes' most "
+        "over the last hour (the scale-down floor's memory), oldest first.",
     )
     capacity: LearnedCapacity | None = None
     forecast: dict[str, SeasonalMemory] | None = Field(
