@@ -2,6 +2,7 @@
 in the colocated fleet simulator (sim/colocated.py), without hindsight for the law.
 
     .venv/bin/python benchmarks/colocated_autoscaling.py [--replicate 6] [--max-engines 12]
+    .venv/bin/python benchmarks/colocated_autoscaling.py --day azure-code-weekday --factor 0.047 --max-engines 5
 
 The workload is the Azure conversation trace (2023; short prompts, where colocated
 serving fits), its first 30 minutes with other users' copies added (`--replicate`,
@@ -18,6 +19,11 @@ with TTFT <= 500 ms and mean ITL <= 25 ms; attainment is the share that does.
 
 It prints each one's attainment and GPU-hours, and for the law the smallest static fleet
 that attains as much (static at equal attainment) and the GPU-hours it saves against it.
+
+`--day` runs a day scenario of sim/day.py instead (what plan_bench's day tables run for
+the prefill:decode law, at the same rate factor and GPU budget): the first two hours are
+warm-up, unscored and uncounted, the same for every fleet; the law runs with the
+operator's defaults (30 s interval, 120 s window, maxStep 2, 60 s cooldown), from 1 engine.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import math
 
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
+from pdcluster.sim import day, scoring
 from pdcluster.sim.colocated import ColocatedConfig, simulate_colocated
 from pdcluster.sim.fleet import Result
 from pdcluster.sim.trace import Trace, load_trace
@@ -50,7 +57,9 @@ def attainment(result: Result, trace: Trace) -> float:
     return good / len(trace)
 
 
-def law(max_engines: int, max_step: int, cooldown_s: int) -> PDClusterSpec:
+def law(max_engines: int, max_step: int, cooldown_s: int, fast: bool = True) -> PDClusterSpec:
+    """The pool law's spec; `fast`: a 15 s interval and 60 s window (else the defaults)."""
+    timing = {"intervalSeconds": 15, "windowSeconds": 60} if fast else {}
     return PDClusterSpec.model_validate(
         {
             "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
@@ -59,12 +68,49 @@ def law(max_engines: int, max_step: int, cooldown_s: int) -> PDClusterSpec:
             "autoscaling": {
                 "enabled": True,
                 "slo": {"ttftMs": int(TTFT_S * 1000), "itlMs": int(ITL_S * 1000), "quantile": "p90"},
-                "intervalSeconds": 15,
-                "windowSeconds": 60,
+                **timing,
                 "maxStep": max_step,
                 "cooldownSeconds": cooldown_s,
             },
         }
+    )
+
+
+def one_day(name: str, factor: float, max_engines: int) -> None:
+    """Static colocated fleets of 1..max_engines and the pool law over a day scenario,
+    scored after the warm-up (sim/scoring.py, as plan_bench scores its day runs)."""
+    profile = perf.load("h200-llama3.1-8b")
+    trace = day.day_source(name, perf.traces_dir()).make(factor)
+    targets = [TTFT_S] * len(trace)
+
+    def scored(result: Result) -> scoring.Score:
+        return scoring.score(result, trace, targets, ITL_S * 1000.0, day.WARMUP_S)
+
+    print(f"{name} x{factor}: {len(trace)} requests, colocated, up to {max_engines} engines")
+    print("\n| fleet | attainment | GPU-hours | good requests per GPU-hour |\n|---|---:|---:|---:|")
+    rows = []
+    for k in range(1, max_engines + 1):
+        s = scored(simulate_colocated(trace, profile, ColocatedConfig(engines=k)))
+        rows.append((f"static {k}", s))
+        print(
+            f"| static {k} | {s.attainment:.2%} | {s.gpu_hours:.2f} | {s.good / s.gpu_hours:,.0f} |",
+            flush=True,
+        )
+    config = ColocatedConfig(engines=1, autoscaling=law(max_engines, 2, 60, fast=False), startup_s=60.0)
+    dynamic = simulate_colocated(trace, profile, config)
+    s = scored(dynamic)
+    print(
+        f"| pool law from 1 engine, defaults | {s.attainment:.2%} | {s.gpu_hours:.2f} | {s.good / s.gpu_hours:,.0f} |"
+    )
+    equal = next(((n, e) for n, e in rows if e.attainment >= s.attainment), None)
+    print(
+        f"\npool law: {s.decisions} scaling decisions; "
+        + (
+            f"no static fleet of up to {max_engines} engines attains as much"
+            if equal is None
+            else f"static at equal attainment: {equal[0]} ({equal[1].attainment:.2%}, {equal[1].gpu_hours:.2f} "
+            f"GPU-hours), the law uses {s.gpu_hours / equal[1].gpu_hours:.0%} of its GPU-hours (target A: 75%)"
+        )
     )
 
 
@@ -75,7 +121,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicate", type=float, default=6.0, help="users' copies of the trace's load")
     parser.add_argument("--max-engines", type=int, default=12)
+    parser.add_argument("--day", choices=day.DAY_SCENARIOS, help="a day scenario instead of the burst")
+    parser.add_argument("--factor", type=float, help="--day: the rate factor (plan_bench prints a level's)")
     args = parser.parse_args()
+    if args.day:
+        if args.factor is None:
+            parser.error("--day needs --factor")
+        one_day(args.day, args.factor, args.max_engines)
+        return
     trace = workload(args.replicate)
     profile = perf.load("h200-llama3.1-8b")
     print(

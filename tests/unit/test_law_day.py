@@ -156,6 +156,8 @@ def test_a_bursty_load_keeps_the_hours_peak_and_a_steady_one_lets_it_go():
     m = replace(metrics(rate=4.0, engines=(8, 4)), ttft_ms=100.0)
     steady = decide_outcome(s, m, hour_state([1.0] * 10), seen, T0, profile=PROFILE)
     assert steady.decision.prefill < 8 and steady.decision.cause == Cause.prefill_headroom.value
+    stepped = decide_outcome(s, m, hour_state([1.8] * 5 + [1.0] * 5), seen, T0, profile=PROFILE)
+    assert stepped.figures.peak_span_s["prefill"] == 300
     bursty = decide_outcome(s, m, hour_state([1.0, 1.8] * 5), seen, T0, profile=PROFILE)
     assert bursty.decision.prefill > steady.decision.prefill
     assert bursty.figures.peak_span_s["prefill"] == 3600
