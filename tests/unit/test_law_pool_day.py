@@ -1,6 +1,6 @@
 """The colocated pool law with the prefill:decode law's forecast and burst handling:
 a ramp seen yesterday met a start-up ahead, none on the first day, and a growing
-queue's step past maxStep within the cooldown, and a bursty load's peak floor."""
+queue's step past maxStep within the cooldown."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import timedelta
 
 from tests.unit.test_control_pool import T0, fleet, pool, spec
 
-from pdcluster.api.v1alpha1 import AutoscalingState, LoadSample
+from pdcluster.api.v1alpha1 import AutoscalingState
 from pdcluster.control import Observed, RoleMetrics, RoleObserved, decide, decide_outcome
 from pdcluster.control.cause import Cause
 from pdcluster.timestamps import time_ms
@@ -67,30 +67,3 @@ def test_a_growing_pool_queue_steps_past_max_step_within_the_cooldown():
     assert outcome.decision.colocated - 2 > 1
     assert outcome.decision.cause == Cause.queue_growing.value
     assert outcome.figures.queue["colocated"] == 90.0
-
-
-def test_a_bursty_pools_scale_down_keeps_the_hours_peak_and_a_steady_ones_does_not():
-    """Eight engines at 2 requests/s (1,000-token prompts), their scale-down wanted for ten
-    minutes, a burst of 12 requests/s 40 minutes ago. While the demand of the last two
-    minutes (the stabilization) still jumps from run to run, the pool keeps what the burst
-    needed at today's pressure per engine; steady since, it shrinks."""
-    s = spec(8, cooldownSeconds=0)
-
-    def state(recent: list[float]) -> AutoscalingState:
-        runs = [(T0 - timedelta(minutes=40), 12.0)]
-        runs += [(T0 - timedelta(seconds=30 * (len(recent) - i)), r) for i, r in enumerate(recent)]
-        return AutoscalingState(
-            colocated=8,
-            last_run_time=time_ms(T0 - timedelta(seconds=30)),
-            down_wanted_since={"colocated": time_ms(T0 - timedelta(minutes=10))},
-            history=[LoadSample(time=time_ms(at), prefill=round(r * 1000), decode=0) for at, r in runs],
-        )
-
-    steady = decide_outcome(s, fleet(2.0, 8), state([2.0] * 4), pool(8), T0)
-    assert steady.decision.colocated < 8 and steady.decision.cause == Cause.pool_headroom.value
-    assert not steady.figures.floor
-    bursty = decide_outcome(s, fleet(2.0, 8), state([2.0, 3.0] * 2), pool(8), T0)
-    assert bursty.decision.colocated > steady.decision.colocated
-    assert bursty.figures.peak_span_s["colocated"] == 3600
-    assert bursty.figures.floor["colocated"] >= bursty.decision.colocated
-    assert len(bursty.state.history or []) >= 5  # the pool's law keeps the demand it saw

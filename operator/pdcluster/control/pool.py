@@ -13,8 +13,7 @@ Autoscaler's is, on the same signals and guards as the prefill:decode law:
   x pressure), and nothing more if that is already asked for;
 - below target x (1 - tol) on every signal: the fewest engines whose predicted
   pressure, engines x pressure / n, stays under 1 - tol (never the last one);
-- otherwise hold: the band between the two is the hysteresis;
-- while the prompt load is bursty, a scale-down keeps what the last hour's peak needs.
+- otherwise hold: the band between the two is the hysteresis.
 
 Scale-ups wait out `scaleUpStabilizationSeconds`, scale-downs
 `scaleDownStabilizationSeconds`; no change within `cooldownSeconds` of the last one;
@@ -39,16 +38,7 @@ from pdcluster.control.observed import seen_itl_ms, seen_ttft_ms
 from pdcluster.control.outcome import Outcome, action, next_state, pending_from_now
 from pdcluster.control.seasonal import Forecasts, ahead, forecast_status, horizon_s, load_forecasts, observed
 from pdcluster.control.stabilise import step, time_out
-from pdcluster.control.trend import (
-    History,
-    demand,
-    history_status,
-    load_history,
-    peak_spans,
-    peaks,
-    recent_span_s,
-    record,
-)
+from pdcluster.control.trend import demand
 from pdcluster.control.types import MetricsSnapshot, Observed
 from pdcluster.timestamps import time_ms
 
@@ -91,8 +81,6 @@ class _End:
     want: int | None = None  # what the signals ask for (the summary quotes it)
     forecasts: Forecasts | None = None
     burst: Burst | None = None
-    history: History = ()
-    floor: Floor | None = None
 
 
 def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot | None) -> _End:
@@ -112,11 +100,6 @@ def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot
         return _End(current, cause, f"{why}: {hold}", notes, timers)
     signals = _signals(ctx, m)
     want, wanting, starting = _want(ctx, current, m, signals)
-    history = record(ctx, load_history(ctx), m)
-    floor = _peak_floor(ctx, m, signals, history)
-    held_by_floor = floor is not None and floor.engines > want and want < current
-    if held_by_floor:
-        want = min(floor.engines, current)
     demand_now = {ROLE: demand(m)[0]}  # prompt tokens per second
     forecasts = observed(ctx, load_forecasts(ctx, (ROLE,)), demand_now)
     burst = _burst(ctx, current, m, signals, want, ahead(ctx, forecasts, demand_now)[ROLE])
@@ -132,8 +115,6 @@ def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot
     cause = _burst_cause(ctx, burst, current, target) or _cause(
         signals, current, target, want, held, starting
     )
-    if held_by_floor and target >= want and cause in (Cause.stabilizing, Cause.within_targets):
-        cause = Cause.peak_floor
     return _End(
         target,
         cause,
@@ -143,8 +124,6 @@ def _run(ctx: Context, current: int, notes: tuple[Note, ...], m: MetricsSnapshot
         want,
         forecasts,
         burst,
-        history,
-        floor,
     )
 
 
@@ -159,37 +138,15 @@ class Burst:
     queue: float | None = None  # requests waiting
 
 
-@dataclass(frozen=True)
-class Floor:
-    """What the hour's peak needs, while the load is bursty."""
-
-    engines: int
-    peak: float  # the peak's load / today's
-    span_s: int  # how far back the peak was looked for
-
-
-def _peak_floor(ctx: Context, m: MetricsSnapshot, signals: Signals, history: History) -> Floor | None:
-    """While the prompt load is bursty (trend.peak_spans), the engines its peak of the
-    last hour needs at today's pressure per engine: a scale-down keeps them, since its
-    bursts come back within the hour and last less than a start-up. Not for a load that
-    moved once: after the one burst of the colocated benchmark, a floor held 11 engines
-    for no attainment (docs/benchmarks.md, "Colocated pool")."""
-    spans = peak_spans(ctx, history)
-    span = spans[Role.prefill]
-    pressure = max((v for v in signals.values() if v is not None), default=0.0)
-    if span <= recent_span_s(ctx) or pressure <= 0:
-        return None
-    peak = peaks(ctx, history, spans)[Role.prefill]
-    measured = m.colocated.ready or ctx.seen(ROLE).ready or 1
-    return Floor(math.ceil(measured * pressure * peak / (1.0 - ctx.tol)), peak, span)
-
-
 def _burst(
     ctx: Context, current: int, m: MetricsSnapshot, signals: Signals, want: int, ahead_by: float
 ) -> Burst:
     """As the prefill:decode law does (needs.py): a queue of more than one request per
     engine is drained within a window, and a ramp the forecast sees is met a start-up
-    ahead. The recent peak's floor is `_peak_floor`'s, for bursty loads alone."""
+    ahead. Not the recent peak's floor: on the colocated benchmark it held 11 engines
+    after the burst for no attainment, and kept for an hour while the load is bursty
+    (trend.peak_spans), sized by the pressure at that peak, it held the whole budget
+    through the Azure code weekday (docs/benchmarks.md, "Colocated pool")."""
     low, high = _bounds(ctx)
     measured = m.colocated.ready or ctx.seen(ROLE).ready or 1
     pressure = max((v for v in signals.values() if v is not None), default=0.0)
@@ -362,9 +319,6 @@ def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, end: _End) -
         queue={} if burst is None or burst.queue is None else {ROLE.value: burst.queue},
         drain_s=auto.window_seconds,
         max_step=auto.max_step,
-        peak={} if end.floor is None else {ROLE.value: end.floor.peak},
-        peak_span_s={} if end.floor is None else {ROLE.value: end.floor.span_s},
-        floor={} if end.floor is None else {ROLE.value: end.floor.engines},
     )
 
 
@@ -388,7 +342,6 @@ def _finish(ctx: Context, current: int, m: MetricsSnapshot | None, end: _End) ->
             applied,
             decision,
             colocated=end.target,
-            history=history_status(end.history),
             forecast=None if end.forecasts is None else forecast_status(end.forecasts),
         ),
         decision,
