@@ -14,7 +14,7 @@ from pdcluster.api.v1alpha1 import AutoscalingState, LoadSample
 from pdcluster.control import Observed, RoleObserved, decide, decide_outcome
 from pdcluster.control.cause import Cause
 from pdcluster.control.context import context
-from pdcluster.control.trend import PEAK_BUCKET_S, Sample, record
+from pdcluster.control.trend import PEAK_BUCKET_S, Sample, recent_runs, record
 from pdcluster.timestamps import time_ms
 
 DAY = timedelta(days=1)
@@ -173,7 +173,7 @@ def test_the_history_keeps_the_recent_span_whole_and_each_five_minutes_most_befo
     )
     m = metrics(rate=4.0, engines=(1, 1))
     kept = record(ctx, history, m)
-    recent = [h for h in kept if h.time >= T0 - timedelta(seconds=300)]
+    recent = recent_runs(ctx, kept)
     assert [h.prefill for h in recent[:-1]] == list(range(10, 0, -1))
     older = kept[: len(kept) - len(recent)]
     assert 10 <= len(older) <= 3600 // PEAK_BUCKET_S + 1

@@ -66,6 +66,7 @@ from pdcluster.control.trend import (
     load_history,
     peak_spans,
     peaks,
+    recent_runs,
     record,
 )
 from pdcluster.control.types import MetricsSnapshot, Observed, breakdown
@@ -188,7 +189,9 @@ def _run(ctx: Context, start: _Start, m: MetricsSnapshot | None, prior: perf.Pro
     prefill_demand, decode_demand = demand(m)
     demands = {Role.prefill: prefill_demand, Role.decode: decode_demand}
     forecasts = observed(ctx, forecasts, demands)
-    traffic_s = ctx.since(history[0].time) if history else 0.0
+    # Traffic's age by the runs kept whole: the hour's buckets may be older than a gap.
+    whole_runs = recent_runs(ctx, history)
+    traffic_s = ctx.since(whole_runs[0].time) if whole_runs else 0.0
     whole = learn.whole_window(m, ctx.seen(Role.decode).ready, traffic_s)
     capacity = learn.update(ctx.prev.capacity, m, whole)
     spans = peak_spans(ctx, history)

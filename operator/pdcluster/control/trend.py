@@ -70,6 +70,12 @@ def recent_span_s(ctx: Context) -> int:
     return max(ctx.auto.window_seconds, ctx.auto.scale_down_stabilization_seconds)
 
 
+def recent_runs(ctx: Context, history: History) -> History:
+    """The runs of the recent span, each as it was (before it the history is buckets)."""
+    recent = ctx.now - timedelta(seconds=recent_span_s(ctx))
+    return tuple(s for s in history if s.time >= recent)
+
+
 def record(ctx: Context, history: History, m: MetricsSnapshot) -> History:
     """This run's demand with those before it: the recent span whole, and before it, up
     to PEAK_SPAN_S back, the most of each PEAK_BUCKET_S."""
@@ -134,10 +140,10 @@ def bursty(values: list[float]) -> bool:
 def peak_spans(ctx: Context, history: History) -> dict[Role, int]:
     """Per role, how far back the scale-down floor looks: the recent span, or the hour
     while the role's demand over the recent span is bursty."""
-    recent = ctx.now - timedelta(seconds=recent_span_s(ctx))
+    runs = recent_runs(ctx, history)
     spans = {}
     for role in ROLES:
-        burst = bursty([s.of(role) for s in history if s.time >= recent])
+        burst = bursty([s.of(role) for s in runs])
         spans[role] = max(recent_span_s(ctx), PEAK_SPAN_S) if burst else recent_span_s(ctx)
     return spans
 
