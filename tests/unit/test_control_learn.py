@@ -164,7 +164,7 @@ def test_a_prior_is_scaled_at_the_windows_own_prompts_per_step() -> None:
     """Short prompts one to a step each pay the step's fixed cost. Engines that cost what
     the prior says a step of one such prompt costs keep the prior as it is; scaled to a
     full step's cost instead, the fixed cost the step would share would inflate every
-    coefficient (docs/benchmarks.md, "The prior's scale")."""
+    coefficient (docs/benchmarks.md, "The prior's scale, and bursts held for an hour")."""
     snapshot = window(tokens=5000.0, isl=500.0, steps=10.0)
     one_a_step = learn.models.mean_prefill_service_s(PRIOR, 500.0, 0.0, per_step=1.0) * 1000.0 / 500.0
     full_steps = learn.models.mean_prefill_service_s(PRIOR, 500.0, 0.0) * 1000.0 / 500.0

@@ -51,7 +51,8 @@ def demand(m: MetricsSnapshot) -> tuple[float, float]:
 # engine's start-up, so a floor that forgets them after the stabilization (300 s) lets
 # engines go that the next burst needs. With the prior (autoscaling.profile) an hour's
 # memory took that day from 96.55% on 64.76 GPU-hours to 97.65% on 62.35 at peak 4, and
-# from 95.38% on 105.45 to 97.17% on 98.21 at peak 8 (docs/benchmarks.md, "Bursts").
+# from 95.38% on 105.45 to 97.17% on 98.21 at peak 8 (docs/benchmarks.md, "The prior's
+# scale, and bursts held for an hour").
 PEAK_SPAN_S = 3600
 # Bursty: the demand of the stabilization span's runs jumps by this share of its mean
 # from one run to the next (the median jump). A load that moved once (a prompt mix that
