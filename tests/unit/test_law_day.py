@@ -85,13 +85,18 @@ def held_state(peak: bool) -> AutoscalingState:
             decode=1,
         )
     ]
+    return winding_down(history), m
+
+
+def winding_down(history: list[LoadSample]) -> AutoscalingState:
+    """8:4 engines, the prefill scale-down wanted for ten minutes, after `history`."""
     return AutoscalingState(
         prefill=8,
         decode=4,
         last_run_time=time_ms(T0 - timedelta(seconds=30)),
         down_wanted_since={"prefill": time_ms(T0 - timedelta(minutes=10))},
         history=history,
-    ), m
+    )
 
 
 def test_a_scale_down_keeps_what_the_recent_peak_needed():
@@ -138,13 +143,7 @@ def hour_state(recent: list[float]) -> AutoscalingState:
         )
         for i, x in enumerate(recent)
     ]
-    return AutoscalingState(
-        prefill=8,
-        decode=4,
-        last_run_time=time_ms(T0 - timedelta(seconds=30)),
-        down_wanted_since={"prefill": time_ms(T0 - timedelta(minutes=10))},
-        history=history,
-    )
+    return winding_down(history)
 
 
 def test_a_bursty_load_keeps_the_hours_peak_and_a_steady_one_lets_it_go():
