@@ -105,7 +105,7 @@ def _print_hours(setup: plan.Setup, result: fleet.Result) -> None:
     """Each scored hour: requests, attainment, the requests that missed TTFT and those that
     missed only ITL, and the mean prefill and decode engines held (ready or starting)."""
     hours = round(day.DAY_S / 3600)
-    seen, good, ttft, itl = (np.zeros(hours) for _ in range(4))
+    seen, ttft, itl = (np.zeros(hours) for _ in range(3))
     itl_s = setup.slo.itl_ms / 1000.0
     for i, t in enumerate(setup.trace.arrival_s):
         h = int((t - day.WARMUP_S) // 3600.0)
@@ -114,7 +114,6 @@ def _print_hours(setup: plan.Setup, result: fleet.Result) -> None:
             late = not result.finished[i] or result.ttft_s[i] > setup.targets_s[i]
             slow = not late and result.itl_s[i] > itl_s
             ttft[h], itl[h] = ttft[h] + late, itl[h] + slow
-            good[h] += not (late or slow)
     engines = np.zeros((hours, 2))
     held = np.zeros(hours)
     ends = [t for t, *_ in result.timeline[1:]] + [result.end_s]
@@ -130,7 +129,7 @@ def _print_hours(setup: plan.Setup, result: fleet.Result) -> None:
     print("  hour  requests  attained  TTFT-miss  ITL-miss  prefill  decode")
     for h in range(hours):
         p, d = engines[h] / held[h] if held[h] else (0.0, 0.0)
-        share = good[h] / seen[h] if seen[h] else float("nan")
+        share = 1.0 - (ttft[h] + itl[h]) / seen[h] if seen[h] else float("nan")
         print(f"  {h:4d}  {seen[h]:8.0f}  {share:8.2%}  {ttft[h]:9.0f}  {itl[h]:8.0f}  {p:7.2f}  {d:6.2f}")
 
 
