@@ -5,11 +5,15 @@ fixed rate scales, and one policy alone over a day.
         [--policies pdcluster,pdcluster-prior]
     .venv/bin/python benchmarks/law_runs.py day servegen-day 0.1945 5 [--policy pdcluster]
         [--startup 300] [--tolerance 0] [--decisions 8,11] [--by-hour]
+    .venv/bin/python benchmarks/law_runs.py hour azure-code 31.202 16 [--policy oracle]
+        [--decisions] [--spans 300]
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
 does not move the load it is judged on), 8 GPUs, the policies from 1:1; each cell is
-attainment and GPU-hours. `day` runs one policy alone from 1:1 over a day scenario
+attainment and GPU-hours. `hour` runs one policy alone from 1:1 on one hour scenario at a
+rate scale and GPU budget, with its decisions and attainment by span if asked. `day` runs
+one policy alone from 1:1 over a day scenario
 (sim/day.py) at a rate factor and GPU budget, with the default policy settings, warm-up
 unscored; plan_bench's day runs add every other policy and the static searches.
 Run it once on each version of the law (e.g. a `git worktree` of the one before, with
@@ -19,6 +23,7 @@ PYTHONPATH pointing at its operator/) and compare the lines.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -67,6 +72,28 @@ def hours(scenarios: set[str], policies: list[str]) -> None:
             print(f"{name} {level} {scale}x: " + " | ".join(cells) + f"  [{cpu:.0f} s CPU]", flush=True)
 
 
+def one_hour(name: str, scale: float, gpus: int, policy: str, decisions: bool, span_s: float | None) -> None:
+    trace, plus_prefill = plan_bench.scenario(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{name}.jsonl"
+        plan_bench.write_jsonl(trace, path)
+        config = plan_bench.plan_config(path, plus_prefill, 0.99, 1, gpus)
+        setup = plan.setup_maker(config)(scale)
+    started = time.process_time()
+    score, result = plan._simulate(setup, (1, 1), parse_policy(policy))
+    cpu = time.process_time() - started
+    print(
+        f"{name} x{scale} on {gpus} GPUs, {policy}: {score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h, "
+        f"{len(result.decisions)} decisions, {result.flips} flips  [{cpu:.0f} s CPU]"
+    )
+    if decisions:
+        for t, prefill, decode, why in result.decisions:
+            print(f"  {t:7.0f} s  {prefill}:{decode}  {why}")
+    if span_s:
+        spans = math.ceil(setup.trace.arrival_s[-1] / span_s)
+        _print_spans(setup, result, 0.0, span_s, spans, "min", 60.0)
+
+
 def one_day(
     name: str,
     factor: float,
@@ -93,7 +120,7 @@ def one_day(
         f"{result.flips} flips  [{cpu:.0f} s CPU]"
     )
     if by_hour:
-        _print_hours(setup, result)
+        _print_spans(setup, result, day.WARMUP_S, 3600.0, round(day.DAY_S / 3600), "hour", 3600.0)
     if decisions:
         start, end = (h * 3600.0 for h in decisions)
         for t, prefill, decode, why in result.decisions:
@@ -101,36 +128,39 @@ def one_day(
                 print(f"  {t / 3600:6.3f} h  {prefill}:{decode}  {why}")
 
 
-def _print_hours(setup: plan.Setup, result: fleet.Result) -> None:
-    """Each scored hour: requests, attainment, the requests that missed TTFT and those that
-    missed only ITL, and the mean prefill and decode engines held (ready or starting)."""
-    hours = round(day.DAY_S / 3600)
-    seen, ttft, itl = (np.zeros(hours) for _ in range(3))
+def _print_spans(
+    setup: plan.Setup, result: fleet.Result, start_s: float, span_s: float, spans: int, unit: str, unit_s: float
+) -> None:
+    """Each scored span from `start_s`: requests, attainment, the requests that missed TTFT
+    and those that missed only ITL, and the mean prefill and decode engines the policy
+    asked for."""
+    seen, ttft, itl = (np.zeros(spans) for _ in range(3))
     itl_s = setup.slo.itl_ms / 1000.0
     for i, t in enumerate(setup.trace.arrival_s):
-        h = int((t - day.WARMUP_S) // 3600.0)
-        if 0 <= h < hours:
+        h = int((t - start_s) // span_s)
+        if 0 <= h < spans:
             seen[h] += 1
             late = not result.finished[i] or result.ttft_s[i] > setup.targets_s[i]
             slow = not late and result.itl_s[i] > itl_s
             ttft[h], itl[h] = ttft[h] + late, itl[h] + slow
-    engines = np.zeros((hours, 2))
-    held = np.zeros(hours)
+    engines = np.zeros((spans, 2))
+    held = np.zeros(spans)
     ends = [t for t, *_ in result.timeline[1:]] + [result.end_s]
     for (t0, _, _, p, d, _), t1 in zip(result.timeline, ends, strict=True):
-        # An entry holds until the next; spread its span over the hours it covers.
+        # An entry holds until the next; spread its span over the spans it covers.
         while t0 < t1:
-            h = int((t0 - day.WARMUP_S) // 3600.0)
-            upto = min(t1, day.WARMUP_S + (h + 1) * 3600.0)
-            if 0 <= h < hours:
+            h = int((t0 - start_s) // span_s)
+            upto = min(t1, start_s + (h + 1) * span_s)
+            if 0 <= h < spans:
                 engines[h] += (upto - t0) * np.array([p, d])
                 held[h] += upto - t0
             t0 = upto
-    print("  hour  requests  attained  TTFT-miss  ITL-miss  prefill  decode")
-    for h in range(hours):
+    print(f"  {unit:>6}  requests  attained  TTFT-miss  ITL-miss  prefill  decode")
+    for h in range(spans):
         p, d = engines[h] / held[h] if held[h] else (0.0, 0.0)
         share = 1.0 - (ttft[h] + itl[h]) / seen[h] if seen[h] else float("nan")
-        print(f"  {h:4d}  {seen[h]:8.0f}  {share:8.2%}  {ttft[h]:9.0f}  {itl[h]:8.0f}  {p:7.2f}  {d:6.2f}")
+        at = h * span_s / unit_s
+        print(f"  {at:6g}  {seen[h]:8.0f}  {share:8.2%}  {ttft[h]:9.0f}  {itl[h]:8.0f}  {p:7.2f}  {d:6.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,9 +182,18 @@ def main(argv: list[str] | None = None) -> int:
         "--decisions", metavar="H0,H1", help="also print the decisions between these hours of the trace"
     )
     d.add_argument("--by-hour", action="store_true", help="also print each scored hour's figures")
+    o = sub.add_parser("hour", help="one policy alone on one hour scenario")
+    o.add_argument("scenario", help="one of plan_bench's hour scenarios (conv, synthetic, azure, azure-code, ...)")
+    o.add_argument("scale", type=float, help="the rate scale (plan_bench prints a level's)")
+    o.add_argument("gpus", type=int)
+    o.add_argument("--policy", default="pdcluster")
+    o.add_argument("--decisions", action="store_true", help="also print the policy's decisions")
+    o.add_argument("--spans", type=float, metavar="S", help="also print each S seconds' figures")
     a = parser.parse_args(argv)
     if a.what == "hours":
         hours(set(a.scenarios.split(",")), a.policies.split(","))
+    elif a.what == "hour":
+        one_hour(a.scenario, a.scale, a.gpus, a.policy, a.decisions, a.spans)
     else:
         window = tuple(float(h) for h in a.decisions.split(",")) if a.decisions else None
         one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup, a.tolerance, window, a.by_hour)
