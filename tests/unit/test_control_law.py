@@ -241,6 +241,22 @@ def test_at_the_budget_a_missing_role_takes_from_one_with_lasting_headroom() -> 
     assert (decision.prefill, decision.decode) == (10, 6), decision.reason
 
 
+def test_a_donor_keeps_its_engines_while_the_taker_waits_with_the_free_gpus() -> None:
+    s = spec(prefill=7, decode=8, gpuBudget=16)
+    # Decode has headroom (ITL 9 ms) for a whole window, less than its own stabilization
+    # (300 s); then prefill turns short. It takes the one free GPU at once, and decode's
+    # engines only once its shortfall has lasted a window: decode keeps them meanwhile,
+    # rather than drain two engines nobody takes.
+    calm = metrics(rate=30.0, ttft=300, itl=9, kv=0.03, engines=(7, 8))
+    state, decision = run(s, calm, observed=ready(7, 8))
+    for seconds in (30, 60, 90, 120):
+        state, decision = run(s, calm, state, ready(7, 8), T0 + timedelta(seconds=seconds))
+    assert (decision.prefill, decision.decode) == (7, 8), decision.reason
+    hot = metrics(rate=40.0, ttft=2500, wait=2000, itl=9, kv=0.03, engines=(7, 8))
+    _, decision = run(s, hot, state, ready(7, 8), T0 + timedelta(seconds=150))
+    assert (decision.prefill, decision.decode) == (8, 8), decision.reason
+
+
 def test_at_the_budget_nothing_moves_when_the_other_role_is_at_its_target() -> None:
     s = spec(prefill=8, decode=8, gpuBudget=16)
     # 22 req/s of 8000 + 1000 tokens fill 60% of each decode engine's KV: ITL ~24 ms.

@@ -124,7 +124,7 @@ def stabilise(
     surge: frozenset[Role] = frozenset(),
 ) -> Settled:
     auto = ctx.auto
-    target, notes, blocked = dict(current), [], None
+    target, notes, blocked, taking_waits = dict(current), [], None, False
     for role in ROLES:
         # Giving engines to the other role moves capacity rather than removing it:
         # headroom seen over a whole window is enough.
@@ -153,8 +153,11 @@ def stabilise(
                     )
                 )
                 target[role] = current[role] + free
-    if donor is not None and all(target[r] <= current[r] for r in ROLES if r != donor):
-        target[donor] = current[donor]  # nobody took the GPUs: the donor keeps them
+                taking_waits = True
+    if donor is not None and (taking_waits or all(target[r] <= current[r] for r in ROLES if r != donor)):
+        # Nobody takes the donor's GPUs (a taker waiting for its window has only the free
+        # ones): the donor keeps them, and shrinks on its own by its own stabilization.
+        target[donor] = current[donor]
     if auto.gpu_budget is not None:
         for role in ROLES:  # a donor limited by max_step limits the taker too
             while gpu_total(ctx, target) > auto.gpu_budget and target[role] > current[role]:
