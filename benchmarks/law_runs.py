@@ -11,7 +11,8 @@ fixed rate scales, and one policy alone over a day.
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
 does not move the load it is judged on), 8 GPUs, the policies from 1:1; each cell is
-attainment and GPU-hours. `hour` runs one policy alone from 1:1 on one hour scenario at a
+attainment and GPU-hours. The scales are as printed, rounded: where a run is sensitive to
+its arrivals' jitter (the burst, docs/benchmarks.md) a cell can differ from plan_bench's. `hour` runs one policy alone from 1:1 on one hour scenario at a
 rate scale and GPU budget, with its decisions and attainment by span if asked. `day` runs
 one policy alone from 1:1 over a day scenario
 (sim/day.py) at a rate factor and GPU budget, with the default policy settings, warm-up
