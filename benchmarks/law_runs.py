@@ -73,6 +73,18 @@ def hours(scenarios: set[str], policies: list[str]) -> None:
             print(f"{name} {level} {scale}x: " + " | ".join(cells) + f"  [{cpu:.0f} s CPU]", flush=True)
 
 
+def _alone(setup: plan.Setup, policy: str, label: str) -> fleet.Result:
+    """Simulate one policy from 1:1 and print its line: attainment, GPU-hours, decisions."""
+    started = time.process_time()
+    score, result = plan._simulate(setup, (1, 1), parse_policy(policy))
+    cpu = time.process_time() - started
+    print(
+        f"{label}, {policy}: {score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h, "
+        f"{len(result.decisions)} decisions, {result.flips} flips  [{cpu:.0f} s CPU]"
+    )
+    return result
+
+
 def one_hour(name: str, scale: float, gpus: int, policy: str, decisions: bool, span_s: float | None) -> None:
     trace, plus_prefill = plan_bench.scenario(name)
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,13 +92,7 @@ def one_hour(name: str, scale: float, gpus: int, policy: str, decisions: bool, s
         plan_bench.write_jsonl(trace, path)
         config = plan_bench.plan_config(path, plus_prefill, 0.99, 1, gpus)
         setup = plan.setup_maker(config)(scale)
-    started = time.process_time()
-    score, result = plan._simulate(setup, (1, 1), parse_policy(policy))
-    cpu = time.process_time() - started
-    print(
-        f"{name} x{scale} on {gpus} GPUs, {policy}: {score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h, "
-        f"{len(result.decisions)} decisions, {result.flips} flips  [{cpu:.0f} s CPU]"
-    )
+    result = _alone(setup, policy, f"{name} x{scale} on {gpus} GPUs")
     if decisions:
         for t, prefill, decode, why in result.decisions:
             print(f"  {t:7.0f} s  {prefill}:{decode}  {why}")
@@ -112,14 +118,7 @@ def one_day(
     )
     knobs = PolicyKnobs(tolerance_percent=tolerance)
     setup = plan.Setup(trace, profile, slo, plan.fleet_config(config, profile), knobs, day.WARMUP_S)
-    started = time.process_time()
-    score, result = plan._simulate(setup, (1, 1), parse_policy(policy))
-    cpu = time.process_time() - started
-    print(
-        f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, tolerance {tolerance}%, {policy}: "
-        f"{score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h, {len(result.decisions)} decisions, "
-        f"{result.flips} flips  [{cpu:.0f} s CPU]"
-    )
+    result = _alone(setup, policy, f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, tolerance {tolerance}%")
     if by_hour:
         _print_spans(setup, result, day.WARMUP_S, 3600.0, round(day.DAY_S / 3600), "hour", 3600.0)
     if decisions:
