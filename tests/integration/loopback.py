@@ -4,6 +4,7 @@ integration tests. Plain helpers, no pytest."""
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -32,6 +33,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive ports free on every address, below the kernel's
+    ephemeral range. For endpoints that bind base + rank (a data-parallel engine's KV
+    events): a later free_port() is an ephemeral pick, so it never hands one of them out
+    before the engine binds it."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    for base in random.sample(range(10000, low - count), 200):
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports below {low}")
 
 
 def engine_url(sim: Simulator) -> str:

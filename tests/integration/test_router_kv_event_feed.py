@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import msgpack
 import zmq
-from loopback import CONSUMER, PRODUCER, counter, free_port, router, simulator
+from loopback import CONSUMER, PRODUCER, counter, free_port, free_port_run, router, simulator
 from test_router_pd import WaitUntil, post, scrape
 
 from pdcluster import observability as obs
@@ -155,7 +155,10 @@ async def test_evictions_reach_the_router_where_a_guess_would_not(wait_until: Wa
 async def test_prefill_ranks_replay_what_the_router_missed_and_a_restart_resets_the_index(
     wait_until: WaitUntil,
 ) -> None:
-    port, replay = free_port(), free_port()
+    # Each DP rank binds its endpoints at port + rank: two ports each, kept out of the
+    # ephemeral range the other free ports come from.
+    base = free_port_run(4)
+    port, replay = base, base + 2
     async with (
         aiohttp.ClientSession() as http,
         engines(port, "--kv-transfer-config", PRODUCER, "--data-parallel-size", "2", n=1, replay=replay) as (prefill,),
