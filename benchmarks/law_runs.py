@@ -6,7 +6,7 @@ fixed rate scales, and one policy alone over a day.
     .venv/bin/python benchmarks/law_runs.py day servegen-day 0.1945 5 [--policy pdcluster]
         [--startup 300] [--tolerance 0] [--decisions 8,11] [--by-hour]
     .venv/bin/python benchmarks/law_runs.py hour azure-code 31.202 16 [--policy oracle]
-        [--decisions] [--spans 300]
+        [--startup 300] [--decisions] [--spans 300]
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
@@ -85,14 +85,16 @@ def _alone(setup: plan.Setup, policy: str, label: str) -> fleet.Result:
     return result
 
 
-def one_hour(name: str, scale: float, gpus: int, policy: str, decisions: bool, span_s: float | None) -> None:
+def one_hour(
+    name: str, scale: float, gpus: int, policy: str, startup_s: float, decisions: bool, span_s: float | None
+) -> None:
     trace, plus_prefill = plan_bench.scenario(name)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{name}.jsonl"
         plan_bench.write_jsonl(trace, path)
-        config = plan_bench.plan_config(path, plus_prefill, 0.99, 1, gpus)
+        config = replace(plan_bench.plan_config(path, plus_prefill, 0.99, 1, gpus), startup_s=startup_s)
         setup = plan.setup_maker(config)(scale)
-    result = _alone(setup, policy, f"{name} x{scale} on {gpus} GPUs")
+    result = _alone(setup, policy, f"{name} x{scale} on {gpus} GPUs, {startup_s:g} s start-up")
     if decisions:
         for t, prefill, decode, why in result.decisions:
             print(f"  {t:7.0f} s  {prefill}:{decode}  {why}")
@@ -187,13 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("scale", type=float, help="the rate scale (plan_bench prints a level's)")
     o.add_argument("gpus", type=int)
     o.add_argument("--policy", default="pdcluster")
+    o.add_argument("--startup", type=float, default=60.0, help="engine start-up (s), pod created to Ready")
     o.add_argument("--decisions", action="store_true", help="also print the policy's decisions")
     o.add_argument("--spans", type=float, metavar="S", help="also print each S seconds' figures")
     a = parser.parse_args(argv)
     if a.what == "hours":
         hours(set(a.scenarios.split(",")), a.policies.split(","))
     elif a.what == "hour":
-        one_hour(a.scenario, a.scale, a.gpus, a.policy, a.decisions, a.spans)
+        one_hour(a.scenario, a.scale, a.gpus, a.policy, a.startup, a.decisions, a.spans)
     else:
         window = tuple(float(h) for h in a.decisions.split(",")) if a.decisions else None
         one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup, a.tolerance, window, a.by_hour)
