@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import aiohttp
+import harness
 import pytest
 from harness import OperatorProcess, StreamLoad, converged, is_ready
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,8 +79,11 @@ class EngineLog:
         return not self._gone
 
     async def _follow(self) -> None:
-        while await self._read():
-            await asyncio.sleep(0.05)
+        async def ended() -> bool:
+            return not await self._read()
+
+        # Gone within its grace period; ids() stops the reading earlier.
+        await harness.wait_until(ended, timeout=120, interval=0.05, message=f"{self.pod_ip} stops answering")
 
     async def ids(self) -> list[str]:
         """Every request id this process received, read once more if it still answers."""
