@@ -7,6 +7,8 @@ fixed rate scales, and one policy alone over a day.
         [--startup 300] [--tolerance 0] [--decisions 8,11] [--by-hour]
     .venv/bin/python benchmarks/law_runs.py hour azure-code 31.202 16 [--policy oracle]
         [--startup 300] [--decisions] [--spans 300]
+    .venv/bin/python benchmarks/law_runs.py schedule azure-code-weekday 0.047 5 --attains 0.977
+        [--window 3600] [--startup 300]
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
@@ -17,6 +19,9 @@ rate scale and GPU budget, with its decisions and attainment by span if asked. `
 one policy alone from 1:1 over a day scenario
 (sim/day.py) at a rate factor and GPU budget, with the default policy settings, warm-up
 unscored; plan_bench's day runs add every other policy and the static searches.
+`schedule` sizes the same day in hindsight by the simulator, window by window
+(sim/schedule.py), for the fewest GPU-hours at an attainment: the bound a dynamic policy
+of that attainment is compared with.
 Run it once on each version of the law (e.g. a `git worktree` of the one before, with
 PYTHONPATH pointing at its operator/) and compare the lines.
 """
@@ -37,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plan_bench
 from pdcluster import perf
-from pdcluster.sim import day, fleet, plan, scoring
+from pdcluster.sim import day, fleet, plan, schedule, scoring
 from pdcluster.sim.plan_config import PlanConfig, PolicyKnobs
 from pdcluster.sim.plan_policies import parse_policy
 
@@ -113,13 +118,7 @@ def one_day(
     decisions: tuple[float, float] | None = None,
     by_hour: bool = False,
 ) -> None:
-    profile, slo = perf.load(perf.DEFAULT_PROFILE), scoring.SLO(500.0, 25.0, False)
-    trace = day.day_source(name, perf.traces_dir()).make(factor)
-    config = PlanConfig(
-        gpus=gpus, slo=slo, rate_scale=1.0, start="neutral", warmup_s=day.WARMUP_S, startup_s=startup_s
-    )
-    knobs = PolicyKnobs(tolerance_percent=tolerance)
-    setup = plan.Setup(trace, profile, slo, plan.fleet_config(config, profile), knobs, day.WARMUP_S)
+    setup = day_setup(name, factor, gpus, startup_s, tolerance)
     result = _alone(setup, policy, f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, tolerance {tolerance}%")
     if by_hour:
         _print_spans(setup, result, day.WARMUP_S, 3600.0, round(day.DAY_S / 3600), "hour", 3600.0)
@@ -128,6 +127,37 @@ def one_day(
         for t, prefill, decode, why in result.decisions:
             if start <= t <= end:
                 print(f"  {t / 3600:6.3f} h  {prefill}:{decode}  {why}")
+
+
+def day_setup(name: str, factor: float, gpus: int, startup_s: float, tolerance: int) -> plan.Setup:
+    profile, slo = perf.load(perf.DEFAULT_PROFILE), scoring.SLO(500.0, 25.0, False)
+    trace = day.day_source(name, perf.traces_dir()).make(factor)
+    config = PlanConfig(
+        gpus=gpus, slo=slo, rate_scale=1.0, start="neutral", warmup_s=day.WARMUP_S, startup_s=startup_s
+    )
+    knobs = PolicyKnobs(tolerance_percent=tolerance)
+    return plan.Setup(trace, profile, slo, plan.fleet_config(config, profile), knobs, day.WARMUP_S)
+
+
+def scheduled_day(
+    name: str, factor: float, gpus: int, attains: float, window_s: float, startup_s: float
+) -> None:
+    """The day sized in hindsight window by window (sim/schedule.py), and its run."""
+    setup = day_setup(name, factor, gpus, startup_s, PolicyKnobs.tolerance_percent)
+    started = time.process_time()
+    made = schedule.plan(setup, attains, window_s)
+    planned = time.process_time() - started
+    score, result = schedule.run(setup, made)
+    cpu = time.process_time() - started
+    engines = [sum(s) for s in made.splits]
+    print(
+        f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, oracle-schedule for {attains:.2%} "
+        f"({window_s:g} s windows): planned {made.attainment:.2%}, run {score.attainment:.2%}, "
+        f"{score.gpu_hours:.2f} GPU-h, {len(result.decisions)} decisions  [{planned:.0f} s CPU to plan, {cpu:.0f} in all]"
+    )
+    print("  engines per window: " + " ".join(f"{p}:{d}" for p, d in made.splits))
+    scored = engines[-round(day.DAY_S / window_s) :]
+    print(f"  mean engines over the scored windows: {np.mean(scored):.2f}")
 
 
 def _print_spans(
@@ -184,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         "--decisions", metavar="H0,H1", help="also print the decisions between these hours of the trace"
     )
     d.add_argument("--by-hour", action="store_true", help="also print each scored hour's figures")
+    c = sub.add_parser("schedule", help="a day sized in hindsight, window by window, for an attainment")
+    c.add_argument("scenario", choices=sorted(day.DAY_SCENARIOS))
+    c.add_argument("factor", type=float, help="the rate factor (plan_bench prints a level's)")
+    c.add_argument("gpus", type=int)
+    c.add_argument("--attains", type=float, required=True, help="the scored day's attainment to reach (0-1)")
+    c.add_argument("--window", type=float, default=3600.0, help="seconds per window (the warm-up's divisor)")
+    c.add_argument("--startup", type=float, default=60.0, help="engine start-up (s), pod created to Ready")
     o = sub.add_parser("hour", help="one policy alone on one hour scenario")
     o.add_argument("scenario", help="one of plan_bench's hour scenarios (conv, synthetic, azure, azure-code, ...)")
     o.add_argument("scale", type=float, help="the rate scale (plan_bench prints a level's)")
@@ -195,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     if a.what == "hours":
         hours(set(a.scenarios.split(",")), a.policies.split(","))
+    elif a.what == "schedule":
+        scheduled_day(a.scenario, a.factor, a.gpus, a.attains, a.window, a.startup)
     elif a.what == "hour":
         one_hour(a.scenario, a.scale, a.gpus, a.policy, a.startup, a.decisions, a.spans)
     else:

@@ -268,14 +268,10 @@ def static_best(setup: Setup, jobs: int, exhaustive: bool) -> tuple[Score, Resul
     return named, best_result, [r[0] for r in runs]
 
 
-def smallest_static(
-    setup: Setup, attainment: float, jobs: int, cache: dict[tuple[int, int], Score]
-) -> Score | None:
-    """The smallest static fleet (fewest engines, the best split of them, in hindsight)
-    that attains at least `attainment`; None if the whole budget cannot. Attainment
-    grows with engines, so the size is bisected; each size's split is hill-climbed
-    from the capacity model's proportion, a neighbour stopping early once it cannot
-    attain as much as the split it is compared with. `cache` keeps every simulated split."""
+def best_split_of(setup: Setup, total: int, jobs: int, cache: dict[tuple[int, int], Score]) -> Score:
+    """The best split of `total` engines in hindsight: hill-climbed from the capacity
+    model's proportion, a neighbour stopping early once it cannot attain as much as the
+    split it is compared with. `cache` keeps every simulated split."""
 
     def run(splits: list[tuple[int, int]], needed: int | None) -> None:
         # A split stopped early is known to fall below what it was run against; asked
@@ -289,29 +285,34 @@ def smallest_static(
             cache[sp] = sc
 
     mp, md = model_split(setup)
+    p = min(max(round(total * mp / (mp + md)), 1), total - 1)
+    run([(p, total - p)], None)
+    while True:
+        centre = cache[(p, total - p)]
+        run([(q, total - q) for q in (p - 1, p + 1) if 1 <= q < total], centre.good)
+        around = [q for q in (p - 1, p, p + 1) if 1 <= q < total]
+        q = max(around, key=lambda q: (cache[(q, total - q)].attainment, -abs(q - p)))
+        if q == p:
+            return centre
+        p = q
 
-    def best_of(total: int) -> Score:
-        p = min(max(round(total * mp / (mp + md)), 1), total - 1)
-        run([(p, total - p)], None)
-        while True:
-            centre = cache[(p, total - p)]
-            run([(q, total - q) for q in (p - 1, p + 1) if 1 <= q < total], centre.good)
-            around = [q for q in (p - 1, p, p + 1) if 1 <= q < total]
-            q = max(around, key=lambda q: (cache[(q, total - q)].attainment, -abs(q - p)))
-            if q == p:
-                return centre
-            p = q
 
+def smallest_static(
+    setup: Setup, attainment: float, jobs: int, cache: dict[tuple[int, int], Score]
+) -> Score | None:
+    """The smallest static fleet (fewest engines, the best split of them, in hindsight)
+    that attains at least `attainment`; None if the whole budget cannot. Attainment
+    grows with engines, so the size is bisected (best_split_of each)."""
     low, high = 2, setup.engines
-    if best_of(high).attainment < attainment:
+    if best_split_of(setup, high, jobs, cache).attainment < attainment:
         return None
     while low < high:
         middle = (low + high) // 2
-        if best_of(middle).attainment >= attainment:
+        if best_split_of(setup, middle, jobs, cache).attainment >= attainment:
             high = middle
         else:
             low = middle + 1
-    return best_of(low)
+    return best_split_of(setup, low, jobs, cache)
 
 
 def _settles(known: Score, needed: int | None) -> bool:
