@@ -102,16 +102,28 @@ def choose(windows: list[list[Option]], good_needed: int) -> list[Option]:
     return [window[k] for window, k in zip(windows, most[engines][1], strict=True)]
 
 
-def plan(setup: Setup, attains: float, window_s: float = 3600.0, jobs: int = 1) -> Plan:
-    """The plan for `setup`'s trace: windows before the warm-up's end get the split that
-    serves them best (they are neither scored nor counted); the scored windows the fewest
-    engine-windows that attain `attains` of their requests."""
+def windows(setup: Setup, window_s: float = 3600.0, jobs: int = 1) -> list[list[Option]]:
+    """Every window's options, from the trace's start (what plans for several targets share)."""
     end = setup.trace.arrival_s[-1] if len(setup.trace) else 0.0
     count = max(math.ceil((end + 1e-9) / window_s), 1)
+    return [options(setup, w * window_s, window_s, jobs) for w in range(count)]
+
+
+def plan(
+    setup: Setup,
+    attains: float,
+    window_s: float = 3600.0,
+    jobs: int = 1,
+    every: list[list[Option]] | None = None,
+) -> Plan:
+    """The plan for `setup`'s trace (`every`: its windows' options, computed if not given):
+    windows before the warm-up's end get the split that serves them best (they are neither
+    scored nor counted); the scored windows the fewest engine-windows that attain
+    `attains` of their requests."""
     first_scored = math.ceil(setup.warmup_s / window_s - 1e-9)
     if setup.warmup_s and abs(first_scored * window_s - setup.warmup_s) > 1e-6:
         raise ValueError(f"the warm-up ({setup.warmup_s:g} s) must end on a window's edge ({window_s:g} s)")
-    every = [options(setup, w * window_s, window_s, jobs) for w in range(count)]
+    every = every if every is not None else windows(setup, window_s, jobs)
     warm = [max(o, key=lambda x: (x.good, -x.engines)) for o in every[:first_scored]]
     scored = every[first_scored:]
     requests = sum(o[0].requests for o in scored)
