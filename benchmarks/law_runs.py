@@ -8,7 +8,7 @@ fixed rate scales, and one policy alone over a day.
     .venv/bin/python benchmarks/law_runs.py hour azure-code 31.202 16 [--policy oracle]
         [--startup 300] [--decisions] [--spans 300]
     .venv/bin/python benchmarks/law_runs.py schedule azure-code-weekday 0.047 5 --attains 0.977,0.863
-        [--window 3600] [--startup 300]
+        [--window 3600] [--startup 300]     (or: schedule azure-code 31.202 16 --window 300 ...)
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
@@ -19,9 +19,9 @@ rate scale and GPU budget, with its decisions and attainment by span if asked. `
 one policy alone from 1:1 over a day scenario
 (sim/day.py) at a rate factor and GPU budget, with the default policy settings, warm-up
 unscored; plan_bench's day runs add every other policy and the static searches.
-`schedule` sizes the same day in hindsight by the simulator, window by window
-(sim/schedule.py), for the fewest GPU-hours at an attainment: the bound a dynamic policy
-of that attainment is compared with.
+`schedule` sizes a day (or an hour scenario) in hindsight by the simulator, window by
+window (sim/schedule.py), for the fewest GPU-hours at each attainment asked: the bound a
+dynamic policy of that attainment is compared with.
 Run it once on each version of the law (e.g. a `git worktree` of the one before, with
 PYTHONPATH pointing at its operator/) and compare the lines.
 """
@@ -90,15 +90,19 @@ def _alone(setup: plan.Setup, policy: str, label: str) -> fleet.Result:
     return result
 
 
-def one_hour(
-    name: str, scale: float, gpus: int, policy: str, startup_s: float, decisions: bool, span_s: float | None
-) -> None:
+def hour_setup(name: str, scale: float, gpus: int, startup_s: float) -> plan.Setup:
     trace, plus_prefill = plan_bench.scenario(name)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{name}.jsonl"
         plan_bench.write_jsonl(trace, path)
         config = replace(plan_bench.plan_config(path, plus_prefill, 0.99, 1, gpus), startup_s=startup_s)
-        setup = plan.setup_maker(config)(scale)
+        return plan.setup_maker(config)(scale)
+
+
+def one_hour(
+    name: str, scale: float, gpus: int, policy: str, startup_s: float, decisions: bool, span_s: float | None
+) -> None:
+    setup = hour_setup(name, scale, gpus, startup_s)
     result = _alone(setup, policy, f"{name} x{scale} on {gpus} GPUs, {startup_s:g} s start-up")
     if decisions:
         for t, prefill, decode, why in result.decisions:
@@ -141,12 +145,15 @@ def day_setup(name: str, factor: float, gpus: int, startup_s: float, tolerance: 
     return plan.Setup(trace, profile, slo, plan.fleet_config(config, profile), knobs, day.WARMUP_S)
 
 
-def scheduled_day(
+def scheduled(
     name: str, factor: float, gpus: int, targets: list[float], window_s: float, startup_s: float
 ) -> None:
-    """The day sized in hindsight window by window (sim/schedule.py) for each target, and
-    its run; the windows are simulated once for all targets."""
-    setup = day_setup(name, factor, gpus, startup_s, PolicyKnobs.tolerance_percent)
+    """A day (or an hour scenario) sized in hindsight window by window (sim/schedule.py)
+    for each target, and its run; the windows are simulated once for all targets."""
+    if name in day.DAY_SCENARIOS:
+        setup = day_setup(name, factor, gpus, startup_s, PolicyKnobs.tolerance_percent)
+    else:
+        setup = hour_setup(name, factor, gpus, startup_s)
     started = time.process_time()
     every = schedule.windows(setup, window_s)
     print(
@@ -156,7 +163,7 @@ def scheduled_day(
     for attains in targets:
         made = schedule.plan(setup, attains, window_s, every=every)
         score, result = schedule.run(setup, made)
-        engines = [sum(s) for s in made.splits][-round(day.DAY_S / window_s) :]
+        engines = [sum(s) for s in made.splits][math.ceil(setup.warmup_s / window_s) :]
         print(
             f"  oracle-schedule for {attains:.2%}: planned {made.attainment:.2%}, run {score.attainment:.2%}, "
             f"{score.gpu_hours:.2f} GPU-h, {score.goodput_per_gpu_hour:,.0f} good requests per GPU-hour, "
@@ -225,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         "--decisions", metavar="H0,H1", help="also print the decisions between these hours of the trace"
     )
     d.add_argument("--by-hour", action="store_true", help="also print each scored hour's figures")
-    c = sub.add_parser("schedule", help="a day sized in hindsight, window by window, for an attainment")
-    c.add_argument("scenario", choices=sorted(day.DAY_SCENARIOS))
-    c.add_argument("factor", type=float, help="the rate factor (plan_bench prints a level's)")
+    c = sub.add_parser(
+        "schedule", help="a day or an hour sized in hindsight, window by window, for an attainment"
+    )
+    c.add_argument("scenario", help="a day scenario, or one of plan_bench's hour scenarios")
+    c.add_argument("factor", type=float, help="the rate factor or scale (plan_bench prints a level's)")
     c.add_argument("gpus", type=int)
     c.add_argument(
         "--attains", required=True, help="the scored day's attainments to reach (0-1), comma-separated"
@@ -248,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.what == "hours":
         hours(set(a.scenarios.split(",")), a.policies.split(","))
     elif a.what == "schedule":
-        scheduled_day(
-            a.scenario, a.factor, a.gpus, [float(x) for x in a.attains.split(",")], a.window, a.startup
-        )
+        scheduled(a.scenario, a.factor, a.gpus, [float(x) for x in a.attains.split(",")], a.window, a.startup)
     elif a.what == "hour":
         one_hour(a.scenario, a.scale, a.gpus, a.policy, a.startup, a.decisions, a.spans)
     else:
