@@ -98,14 +98,15 @@ def print_table(report: dict) -> None:
     )
     head = ("policy", "attain", "goodput/s", "GPU-h", "good/GPU-h", "TTFT p90", "ITL p90", "decisions")
     equal = any("static_at_equal_attainment" in s for s in report["policies"].values())
+    width = max(24, *(len(name) + 2 for name in report["policies"]))
     print(
-        f"{head[0]:<24}"
+        f"{head[0]:<{width}}"
         + "".join(f"{h:>11}" for h in head[1:])
         + ("  static at equal attainment" if equal else "")
     )
     for name, s in report["policies"].items():
         line = (
-            f"{name:<24}{s['attainment']:>11.1%}{s['goodput_rps']:>11.2f}{s['gpu_hours']:>11.2f}"
+            f"{name:<{width}}{s['attainment']:>11.1%}{s['goodput_rps']:>11.2f}{s['gpu_hours']:>11.2f}"
             f"{s['goodput_per_gpu_hour']:>11.0f}{s['ttft_p90_ms']:>9.0f}ms{s['itl_p90_ms']:>9.1f}ms{s['decisions']:>11}"
         )
         if "static_at_equal_attainment" in s:
