@@ -63,7 +63,8 @@ attainment; C at least 1.3x dynamo-load's good requests per GPU-hour at no lower
 The capacity models' oracle attains less than the law on bursty days, so each law is also
 held to B against an oracle sized by the simulator in hindsight at its own attainment
 (sim/schedule.py, `--day-schedule-window` seconds per window, 600 by default; 0: none):
-B_sim, within 15% of that plan's GPU-hours. `--plot DIR` draws each day run (sim/day.py plot). Every run prints its wall and CPU time.
+B_sim, within 15% of that plan's GPU-hours. `--plot DIR` draws each day run (sim/day.py
+plot). Every run prints its wall and CPU time.
 
 Also measured: one decision of the control law (CPU time), and how soon the law without
 a profile learns a plant it was given none for (Splitwise's Llama-2-70B on four H100s).

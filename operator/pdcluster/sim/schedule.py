@@ -11,8 +11,9 @@ window is then chosen, exactly (a multiple-choice knapsack by dynamic programmin
 engine-windows), to hold the fewest engine-windows whose good requests reach the target
 over the scored windows. The plan is played as a policy: a window's extra engines start
 one start-up early, engines go when their window ends, and the run is scored as every
-policy is. A window simulated alone starts with an empty queue, so the run can attain
-a little less than the plan says; both are reported.
+policy is. A window simulated alone starts with an empty queue and ends with none
+carried over, so the run can attain a little more or less than the plan says; both are
+reported.
 """
 
 from __future__ import annotations
