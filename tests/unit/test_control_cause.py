@@ -33,6 +33,9 @@ FIGURES = Figures(
     peak_span_s={"prefill": 3600, "decode": 300},
     floor={"prefill": 7, "decode": 4},
     asked={"prefill": 7, "decode": 2},
+    burst_wait_x=42.0,
+    burst_drain_s=12.0,
+    startup_s={"prefill": 60, "decode": 90},
 )
 
 # cause -> (the role it names, what its summary must quote: the driver and its threshold)
@@ -44,6 +47,7 @@ DRIVERS: dict[Cause, tuple[str | None, tuple[str, ...]]] = {
     Cause.scale_up_timed_out: ("decode", ("600 s",)),
     Cause.ttft_over_target: ("prefill", ("1234 ms", "1000 ms")),
     Cause.prefill_short: ("prefill", ("5.2 engines", "needs 6 engines", "4 ready")),
+    Cause.burst_drains: ("prefill", ("1234 ms", "1000 ms", "42x", "12 s", "60 s", "4 ready")),
     Cause.itl_over_target: ("decode", ("31 ms", "25 ms")),
     Cause.kv_cache_full: ("decode", ("93%", "limit 90%")),
     Cause.decode_short: ("decode", ("needs 3 engines", "5 ready")),

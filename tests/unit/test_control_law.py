@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,6 +20,7 @@ from pdcluster.control import (
     RoleObserved,
     decide,
     decide_outcome,
+    needs,
 )
 from pdcluster.control.cause import Cause
 from pdcluster.control.notes import Note
@@ -138,6 +140,48 @@ def test_ttft_miss_with_prefill_queueing_adds_prefill() -> None:
     assert decision.prefill > 4 and decision.decode >= 4
     assert decision.cause == Cause.ttft_over_target
     assert decision.summary.endswith(": TTFT p90 2400 ms over 500 ms")
+
+
+def burst(busy: float, queue: float = 4.0, rate: float = 2.0) -> MetricsSnapshot:
+    """A window whose TTFT missed in a burst: the wait (1.8 s) is far beyond what 2
+    requests/s on 4 engines explain (110x M/M/c's); the engines show themselves `busy`."""
+    m = metrics(rate=rate, ttft=2400, wait=1800)
+    prefill_ms = 200.0
+    shown = replace(m.prefill, steps_per_s=busy * 4 * 1000.0 / prefill_ms, prefill_time_ms=prefill_ms)
+    return replace(m, prefill=shown, prefill_queue=queue)
+
+
+def test_a_burst_the_engines_drain_before_a_start_up_holds_prefill() -> None:
+    outcome = explained(spec(), burst(busy=0.1))
+    decision = outcome.decision
+    assert (decision.action, decision.prefill) == ("hold", 4), decision.reason
+    assert decision.cause == Cause.burst_drains
+    drains = noted(outcome, NoteKind.burst_drains, "prefill")
+    assert drains.figures["wait_x"] >= 10 and drains.figures["startup_s"] == 60
+    assert drains.figures["drain_s"] < 60 and drains.figures["engines"] == 4
+    assert "in a burst" in decision.summary and "within a start-up (60 s)" in decision.summary
+
+
+@pytest.mark.parametrize(
+    ("why", "window"),
+    [
+        ("the engines show a load", burst(busy=0.8)),
+        ("the queue outlasts a start-up", burst(busy=0.1, queue=5000.0)),
+        ("the engines show no busy share", metrics(rate=2.0, ttft=2400, wait=1800)),
+    ],
+)
+def test_a_ttft_miss_that_is_not_a_burst_adds_prefill(why: str, window: MetricsSnapshot) -> None:
+    decision = run(spec(), window)[1]
+    assert decision.prefill > 4, (why, decision.reason)
+    assert decision.cause != Cause.burst_drains
+
+
+def test_a_wait_within_burst_wait_x_of_the_models_is_a_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    window = burst(busy=0.1)
+    assert run(spec(), window)[1].cause == Cause.burst_drains
+    monkeypatch.setattr(needs, "BURST_WAIT_X", 1000.0)  # the window's wait is 110x the model's
+    decision = run(spec(), window)[1]
+    assert decision.prefill > 4 and decision.cause == Cause.ttft_over_target
 
 
 def test_itl_miss_adds_decode() -> None:

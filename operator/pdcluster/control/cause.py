@@ -18,6 +18,7 @@ class Cause(StrEnum):
     no_traffic = "NoTraffic"
     scale_up_timed_out = "ScaleUpTimedOut"
     ttft_over_target = "TTFTOverTarget"  # observed TTFT above the target: more prefill
+    burst_drains = "BurstDrains"  # TTFT missed in a burst the ready engines drain before a start-up: held
     prefill_short = "PrefillShort"  # TTFT still met, the load (and its trend) needs more prefill
     itl_over_target = "ITLOverTarget"
     kv_cache_full = "KVCacheFull"
@@ -73,6 +74,9 @@ class Figures:
     peak_span_s: dict[str, int] = field(default_factory=dict)
     floor: dict[str, int] = field(default_factory=dict)  # per role: engines the recent peak needs
     asked: dict[str, int] = field(default_factory=dict)  # per role: wanted before the GPU budget
+    burst_wait_x: float | None = None  # a burst's wait quantile over what the arrival rate explains
+    burst_drain_s: float | None = None  # the time the ready prefill engines drain its queue in
+    startup_s: dict[str, int] = field(default_factory=dict)  # per role: a new engine's start-up
 
 
 def _ms(value: float | None) -> str:
@@ -122,6 +126,9 @@ def summary(
         Cause.scale_up_timed_out: f"{role} pods not ready within {f.scale_up_timeout_s} s",
         Cause.ttft_over_target: f"{tt} {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms{_raw(f)}",
         Cause.prefill_short: f"{_engines(f, 'prefill')}; {tt} {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms",
+        Cause.burst_drains: f"{tt} {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms in a burst, its wait "
+        f"{f.burst_wait_x or 0:.0f}x what the arrival rate explains; {f.ready.get('prefill', 0)} ready prefill "
+        f"engines drain it in {f.burst_drain_s or 0:.0f} s, within a start-up ({f.startup_s.get('prefill', 0)} s)",
         Cause.itl_over_target: f"ITL {q} {_ms(f.itl_ms)} over {f.itl_target_ms} ms",
         Cause.kv_cache_full: f"{role if role == 'colocated' else 'decode'} {_kv(f)}",
         Cause.decode_short: f"{_engines(f, 'decode')}; ITL {q} {_ms(f.itl_ms)} of {f.itl_target_ms} ms",

@@ -58,6 +58,8 @@ def cause_of(current: Counts, a: Analysis) -> Verdict:
         return Verdict(Cause.scale_up_blocked, a.settled.blocked)
     if largest_stage(a.view.stages) == Stage.kv_handoff and a.ttft_missed:
         return Verdict(Cause.kv_handoff_slow)
+    if a.ttft_missed and needs[Role.prefill].burst is not None:
+        return Verdict(Cause.burst_drains, Role.prefill)
     wanted = [r for r in ROLES if a.wants[r] != current[r]]
     if wanted:
         return Verdict(Cause.stabilizing, wanted[0])
@@ -107,6 +109,7 @@ def figures(ctx: Context, m: MetricsSnapshot | None, current: Counts, a: Analysi
     needs, wants = (a.needs, a.wants) if a else ({}, {})
     view = a.view if a else None
     stages = view.stages if view else None
+    burst = needs[Role.prefill].burst if needs else None
     return Figures(
         quantile=auto.slo.quantile.value,
         ttft_ms=None if m is None or m.request_rate <= 0 else prefill_latency(auto, m),
@@ -139,6 +142,9 @@ def figures(ctx: Context, m: MetricsSnapshot | None, current: Counts, a: Analysi
         peak={r.value: p for r, p in view.peak.items()} if view else {},
         peak_span_s={r.value: n for r, n in view.peak_span.items()} if view else {},
         floor={r.value: n.floor for r, n in needs.items() if n.floor is not None},
+        burst_wait_x=burst.wait_x if burst else None,
+        burst_drain_s=burst.drain_s if burst else None,
+        startup_s={r.value: round(ctx.startup_s(r)) for r in ROLES},
     )
 
 

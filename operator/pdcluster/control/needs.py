@@ -40,7 +40,19 @@ class Need:
     cause_down: Cause = Cause.within_targets  # why fewer, if fewer
     load_engines: float | None = None  # the work, in busy engines, where the model has it
     floor: int | None = None  # the recent peak's engines, where they hold back a scale-down
+    burst: Burst | None = None  # a TTFT miss the ready engines drain before a new one starts
     notes: tuple[Note, ...] = ()
+
+
+@dataclass(frozen=True)
+class Burst:
+    """A TTFT miss that is a burst's wait, not a shortage: the queue drains before a
+    scale-up's engines would start."""
+
+    wait_x: float  # the observed wait quantile over what the arrival rate explains (M/M/c)
+    busy: float  # the share of the time the engines computed (measured)
+    drain_s: float  # the queue's drain time on the ready engines
+    startup_s: float  # a prefill engine's start-up, pod created to Ready
 
 
 @dataclass(frozen=True)
@@ -247,6 +259,20 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
             and up <= view.current[Role.prefill]
             and not _lost_after_prefill(view),
         )
+    cur = view.current[Role.prefill]
+    burst = burst_of(ctx, m, view, model) if need.violated and need.up > cur else None
+    if burst is not None:
+        drains = note(
+            NoteKind.burst_drains,
+            Role.prefill,
+            ttft_ms=ttft,
+            wait_x=burst.wait_x,
+            busy=burst.busy,
+            drain_s=burst.drain_s,
+            startup_s=burst.startup_s,
+            engines=cur,
+        )
+        need = replace(need, up=cur, burst=burst, notes=(*need.notes, drains))
     cause = Cause.ttft_over_target if need.violated else Cause.prefill_short
     need = replace(need, cause_up=size.driver or cause)
     # Under half the TTFT target the measured bound outranks the model's busy cap: on
@@ -273,6 +299,33 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
         # a third of the target only (at half, the Mooncake conversation hour lost 0.3 points).
         need = replace(need, down=cur - 1)
     return need
+
+
+# A wait quantile this many times what M/M/c gives at the window's arrival rate is a
+# batch of arrivals, not a load. Sizing by it scaled with engines (calibrate_prefill) gave
+# 6-9 engines to a prefill load of 0.6 at night on the Azure code weekday (the wait 20-400x
+# the model's); a sustained load's stayed within 0.2-3.4x over the Mooncake conversation
+# hour once its engines were up.
+BURST_WAIT_X = 10.0
+
+
+def burst_of(ctx: Context, m: MetricsSnapshot, view: View, model: models.PrefillModel) -> Burst | None:
+    """The burst behind a TTFT miss, if it is one: the wait is BURST_WAIT_X or more times
+    what the arrival rate explains, the engines show they are busy less than
+    PREFILL_MAX_BUSY at the grown load (measured, so a profile that flatters the engines
+    cannot hide a load), and the ready engines drain the queue within a start-up, so
+    engines asked for now would find it gone."""
+    if model.wait_scale is None or model.wait_scale < BURST_WAIT_X:
+        return None
+    busy, ready = prefill_busy(m), m.prefill.ready
+    if busy is None or not ready:
+        return None
+    grown = prefill_busy_at(m, busy, _growth(ctx, m, view, Role.prefill), view.prefill_step_ms)
+    drain_s = (m.prefill_queue or 0.0) * model.service_s / ready
+    startup_s = ctx.startup_s(Role.prefill)
+    if grown >= models.PREFILL_MAX_BUSY or drain_s >= startup_s:
+        return None
+    return Burst(model.wait_scale, busy, drain_s, startup_s)
 
 
 def prefill_spares_one(ctx: Context, m: MetricsSnapshot, view: View, engines: int) -> bool:

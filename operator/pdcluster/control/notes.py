@@ -18,6 +18,7 @@ class NoteKind(StrEnum):
     beyond_limit = "BeyondLimit"  # the role needs more engines than it may have
     reactive = "Reactive"  # the SLO is missed although the model sees enough engines
     measured_holds = "MeasuredHolds"  # the fit asks for more engines; what they show bounds it
+    burst_drains = "BurstDrains"  # TTFT missed in a burst the ready engines drain before a start-up
     donor_misses = "DonorMisses"  # budget full, the other role misses its own target
     donor_needs = "DonorNeeds"  # budget full, the other role needs all its engines
     free_shared = "FreeShared"  # both roles miss: free GPUs shared between them
@@ -52,6 +53,9 @@ _TEXT: dict[NoteKind, str | dict[str, str]] = {
         "prefill": "the fit asks for {want} prefill engines, but TTFT {ttft_ms:.0f} ms at {busy:.0%} busy "
         "stays within the target at {growth:.2f}x the load: {engines} held",
     },
+    NoteKind.burst_drains: "TTFT {ttft_ms:.0f} ms is a burst's wait ({wait_x:.0f}x what the arrival rate "
+    "explains, engines {busy:.0%} busy), drained in {drain_s:.0f} s before a new engine starts "
+    "({startup_s:.0f} s): {engines} held",
     NoteKind.donor_misses: "GPU budget {budget} full and {role} misses its own target",
     NoteKind.donor_needs: "GPU budget {budget} full and {role} needs its {engines} engines",
     NoteKind.free_shared: "both roles miss their targets: free GPUs shared towards {prefill}:{decode}",
