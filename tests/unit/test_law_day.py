@@ -1,7 +1,7 @@
 """The law over a day (trajectories in the style of LWS's ComputeAllSteps): the seasonal
 forecast starts a scale-up ahead of a ramp seen yesterday, the first day stays reactive,
 the start-up time is an input; and its burst handling: the recent peak's floor, a
-queue's backlog and bigger steps while a queue grows."""
+queue's backlog and bigger steps while a queue grows; a burst the engines drain holds prefill."""
 
 from __future__ import annotations
 
@@ -179,3 +179,33 @@ def test_the_history_keeps_the_recent_span_whole_and_each_five_minutes_most_befo
     # Each bucket holds each role's most, so both roles' maxima of the hour survive.
     assert max(h.prefill for h in older) == 120  # the run 3600 s ago; older ones are gone
     assert max(h.decode for h in older) == 200 - 11
+
+
+def night_with_a_burst(busy_in_burst: float) -> list[tuple[int, str]]:
+    """Five minutes at 2 requests/s on 4:4 with a minute and a half of TTFT misses in the
+    middle (the wait 1.8 s), the engines showing `busy_in_burst`; every 30 s, engines
+    ready as soon as asked. Returns (prefill, cause) per run."""
+    s, state, p, d, steps = spec(), None, 4, 4, []
+    for run in range(10):
+        missed = 3 <= run < 6
+        m = metrics(rate=2.0, ttft=2400 if missed else 150, wait=1800 if missed else 5, engines=(p, d))
+        busy = busy_in_burst if missed else 0.05
+        shown = replace(m.prefill, steps_per_s=busy * p * 1000.0 / 200.0, prefill_time_ms=200.0)
+        seen = Observed(RoleObserved(p, p, p), RoleObserved(d, d, d))
+        at = T0 + timedelta(seconds=30 * run)
+        state, decision = decide(
+            s, replace(m, prefill=shown, prefill_queue=4.0), state, seen, at, profile=PROFILE
+        )
+        p, d = decision.prefill, decision.decode
+        steps.append((p, decision.cause))
+    return steps
+
+
+def test_a_burst_the_engines_drain_never_starts_an_engine_and_a_load_does():
+    # Without the rule (BURST_WAIT_X out of reach) the same night goes 4 -> 6 -> 8 prefill.
+    drained = night_with_a_burst(busy_in_burst=0.1)
+    assert max(p for p, _ in drained) == 4, drained
+    assert [c for _, c in drained[3:6]] == [Cause.burst_drains.value] * 3, drained
+    loaded = night_with_a_burst(busy_in_burst=0.8)
+    assert max(p for p, _ in loaded[3:6]) > 4, loaded
+    assert Cause.burst_drains.value not in [c for _, c in loaded]
