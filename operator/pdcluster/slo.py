@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdcluster.api.v1alpha1 import AutoscalingSpec, SLOStatus
-from pdcluster.control.needs import prefill_latency
-from pdcluster.control.observed import TTFT_BEYOND_PREFILL, seen_itl_ms, ttft_name
+from pdcluster.control.observed import TTFT_BEYOND_PREFILL, prefill_latency, seen_itl_ms, ttft_name
 from pdcluster.control.pool import POOL_WAIT, judged_ttft
 from pdcluster.control.types import MetricsSnapshot
 

@@ -11,7 +11,7 @@ import pytest
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
 from pdcluster.control import NoteKind, Observed, RoleObserved, decide_outcome
-from pdcluster.control.needs import prefill_busy, prefill_busy_at
+from pdcluster.control.bounds import prefill_busy, prefill_busy_at
 from pdcluster.control.types import MetricsSnapshot, assemble
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)

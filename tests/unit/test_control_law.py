@@ -18,9 +18,9 @@ from pdcluster.control import (
     Observed,
     RoleMetrics,
     RoleObserved,
+    bounds,
     decide,
     decide_outcome,
-    needs,
 )
 from pdcluster.control.cause import Cause
 from pdcluster.control.notes import Note
@@ -179,7 +179,7 @@ def test_a_ttft_miss_that_is_not_a_burst_adds_prefill(why: str, window: MetricsS
 def test_a_wait_within_burst_wait_x_of_the_models_is_a_load(monkeypatch: pytest.MonkeyPatch) -> None:
     window = burst(busy=0.1)
     assert run(spec(), window)[1].cause == Cause.burst_drains
-    monkeypatch.setattr(needs, "BURST_WAIT_X", 1000.0)  # the window's wait is 110x the model's
+    monkeypatch.setattr(bounds, "BURST_WAIT_X", 1000.0)  # the window's wait is 110x the model's
     decision = run(spec(), window)[1]
     assert decision.prefill > 4 and decision.cause == Cause.ttft_over_target
 

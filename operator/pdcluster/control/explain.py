@@ -10,9 +10,9 @@ from pdcluster.control import models
 from pdcluster.control.budget import Counts, Fit
 from pdcluster.control.cause import Cause, Figures
 from pdcluster.control.context import ROLES, Context, Role
-from pdcluster.control.needs import Need, View, prefill_latency
+from pdcluster.control.needs import Need, View
 from pdcluster.control.notes import Note, worded
-from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms, ttft_name
+from pdcluster.control.observed import Stage, largest_stage, prefill_latency, seen_itl_ms, ttft_name
 from pdcluster.control.seasonal import horizon_s
 from pdcluster.control.stabilise import Settled
 from pdcluster.control.types import MetricsSnapshot, TTFTBreakdown

@@ -235,7 +235,7 @@ class Knowledge:
     unseen: dict[str, str]  # role -> why it is not known yet
     # Decode seen for the windows it needs, under a batch of DECODE_MIN_BATCH throughout
     # (short outputs): a step is then its fixed part, it stays unfitted, and its feedback
-    # may shed an engine (needs.decode_spares_one).
+    # may shed an engine (bounds.decode_spares_one).
     decode_narrow: bool = False
     # A prefill step's fixed cost (ms) as the prior measured it on the GPU, unscaled (the
     # scale is a per-token figure); None without a prior. Not the fit's: between windows

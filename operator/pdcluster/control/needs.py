@@ -8,18 +8,23 @@ not learned yet follows feedback alone.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from pdcluster import observability as obs
 from pdcluster import perf
-from pdcluster.api.v1alpha1 import AutoscalingSpec
 from pdcluster.control import models
+from pdcluster.control.bounds import (
+    Burst,
+    burst_of,
+    decode_holds,
+    decode_spares_one,
+    prefill_busy,
+    prefill_holds,
+)
 from pdcluster.control.cause import Cause
 from pdcluster.control.context import Context, Role
 from pdcluster.control.notes import Note, NoteKind, note
-from pdcluster.control.observed import Stage, largest_stage, seen_itl_ms, seen_ttft_ms
+from pdcluster.control.observed import Stage, largest_stage, prefill_latency, seen_itl_ms, wait_quantile
 from pdcluster.control.sizing import QUEUEING_SHARE, fewest_decode, fewest_prefill, prefill_bound
 from pdcluster.control.types import MetricsSnapshot, TTFTBreakdown
 
@@ -45,17 +50,6 @@ class Need:
 
 
 @dataclass(frozen=True)
-class Burst:
-    """A TTFT miss that is a burst's wait, not a shortage: the queue drains before a
-    scale-up's engines would start."""
-
-    wait_x: float  # the observed wait quantile over what the arrival rate explains (M/M/c)
-    busy: float  # the share of the time the engines computed (measured)
-    drain_s: float  # the queue's drain time on the ready engines
-    startup_s: float  # a prefill engine's start-up, pod created to Ready
-
-
-@dataclass(frozen=True)
 class View:
     """What the needs are computed from, besides the metrics."""
 
@@ -72,38 +66,6 @@ class View:
     def factor(self, role: Role, forecast: bool = True) -> float:
         """What today's load is multiplied by to size for the time new engines serve."""
         return max(self.growth[role], self.ahead.get(role, 1.0) if forecast else 1.0)
-
-
-def wait_quantile(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
-    """The prefill wait at the SLO quantile (ms).
-
-    vLLM's queue-time histogram starts with a 0-300 ms bucket; a quantile inside it
-    is histogram_quantile's interpolation, not a measurement. There the exact mean
-    says more: the quantile of an exponential tail with that mean.
-    """
-    hist, mean = m.prefill.queue_time_q_ms, m.prefill.queue_time_ms
-    if hist is None:
-        return mean
-    if mean is not None and hist <= 1000.0 * obs.VLLM_REQUEST_LATENCY_BUCKETS[0]:
-        q = auto.slo.quantile.fraction
-        return min(hist, mean * math.log(1.0 / (1.0 - q)))
-    return hist
-
-
-def prefill_latency(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
-    """The TTFT quantile the target applies to, or None when unseen."""
-    ttft = seen_ttft_ms(m, m.prefill)
-    if auto.ttft_includes_prefill or ttft is None:
-        return ttft
-    if m.ttft_beyond_prefill_ms is not None:
-        return m.ttft_beyond_prefill_ms  # measured per request by the router
-    # Engines that do not report their per-request timing: estimated as the prefill wait
-    # plus what follows prefill (KV transfer, the first decode step), the router's TTFT
-    # less the engine's.
-    wait, engine = wait_quantile(auto, m), m.prefill.ttft_ms
-    if wait is None or engine is None:
-        return ttft  # errs towards more engines
-    return wait + max(ttft - engine, 0.0)
 
 
 def ttft_missed(ctx: Context, m: MetricsSnapshot) -> bool:
@@ -259,8 +221,9 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
             and up <= view.current[Role.prefill]
             and not _lost_after_prefill(view),
         )
-    cur = view.current[Role.prefill]
-    burst = burst_of(ctx, m, view, model) if need.violated and need.up > cur else None
+    cur, step_ms = view.current[Role.prefill], view.prefill_step_ms
+    grown = _growth(ctx, m, view, Role.prefill)
+    burst = burst_of(ctx, m, model, grown, step_ms) if need.violated and need.up > cur else None
     if burst is not None:
         drains = note(
             NoteKind.burst_drains,
@@ -301,33 +264,6 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
     return need
 
 
-# A wait quantile this many times what M/M/c gives at the window's arrival rate is a
-# batch of arrivals, not a load. Sizing by it scaled with engines (calibrate_prefill) gave
-# 6-9 engines to a prefill load of 0.6 at night on the Azure code weekday (the wait 20-400x
-# the model's); a sustained load's stayed within 0.2-3.4x over the Mooncake conversation
-# hour once its engines were up.
-BURST_WAIT_X = 10.0
-
-
-def burst_of(ctx: Context, m: MetricsSnapshot, view: View, model: models.PrefillModel) -> Burst | None:
-    """The burst behind a TTFT miss, if it is one: the wait is BURST_WAIT_X or more times
-    what the arrival rate explains, the engines show they are busy less than
-    PREFILL_MAX_BUSY at the grown load (measured, so a profile that flatters the engines
-    cannot hide a load), and the ready engines drain the queue within a start-up, so
-    engines asked for now would find it gone."""
-    if model.wait_scale is None or model.wait_scale < BURST_WAIT_X:
-        return None
-    busy, ready = prefill_busy(m), m.prefill.ready
-    if busy is None or not ready:
-        return None
-    grown = prefill_busy_at(m, busy, _growth(ctx, m, view, Role.prefill), view.prefill_step_ms)
-    drain_s = (m.prefill_queue or 0.0) * model.service_s / ready
-    startup_s = ctx.startup_s(Role.prefill)
-    if grown >= models.PREFILL_MAX_BUSY or drain_s >= startup_s:
-        return None
-    return Burst(model.wait_scale, busy, drain_s, startup_s)
-
-
 def prefill_spares_one(ctx: Context, m: MetricsSnapshot, view: View, engines: int) -> bool:
     """Whether `engines - 1` prefill engines keep the TTFT target at the recent peak's load
     (`prefill_holds` at engines / (engines - 1) times it)."""
@@ -341,51 +277,6 @@ def _growth(ctx: Context, m: MetricsSnapshot, view: View, role: Role, trend: boo
     within a window."""
     factor = view.factor(role) if trend else max(view.ahead.get(role, 1.0), 1.0)
     return factor * (1.0 + ctx.tol) + view.backlog.get(role, 0.0) / max(m.request_rate, 1e-9)
-
-
-# The busiest a measured prefill bound plans an engine: the queue's sojourn grows as
-# 1/(1 - busy), so past this a window's noise in the busy figure decides the answer.
-PREFILL_HOLD_BUSY = 0.9
-
-
-def prefill_busy(m: MetricsSnapshot) -> float | None:
-    """The share of the time a prefill engine computes, from what the engines show: steps
-    per second times the mean prefill time, per engine. It errs high: a prompt that spans
-    several steps counts each of them at its whole prefill time."""
-    steps, prefill_ms, ready = m.prefill.steps_per_s, m.prefill.prefill_time_ms, m.prefill.ready
-    if steps is None or prefill_ms is None or not ready:
-        return None
-    return steps * prefill_ms / 1000.0 / ready
-
-
-def prefill_busy_at(m: MetricsSnapshot, busy: float, growth: float, step_ms: float | None) -> float:
-    """The busy share at `growth` times the load. The prompts' tokens grow with it; a
-    step's fixed cost `step_ms` is counted at today's steps per second, since prompts that
-    arrive while an engine computes join its next step (vLLM schedules what waits, up to
-    its token budget): a busier engine runs fuller steps, not more of them. That is exact
-    for an engine never idle and low for one mostly idle, whose new prompts start steps
-    of their own, so the bound is only used far under the target. Without a known fixed
-    cost the whole busy share grows with the load."""
-    steps, ready = m.prefill.steps_per_s, m.prefill.ready
-    if step_ms is None or not steps or not ready:
-        return busy * growth
-    fixed = min(steps * step_ms / 1000.0 / ready, busy)
-    return fixed + (busy - fixed) * growth
-
-
-def prefill_holds(ctx: Context, m: MetricsSnapshot, growth: float, step_ms: float | None) -> bool:
-    """Whether the prefill engines there are keep the TTFT target at `growth` times the
-    load, from what they show: at `busy` a queue's sojourn is its service time over
-    (1 - busy) (M/M/1), so the whole TTFT quantile grows by at most
-    (1 - busy) / (1 - busy at the grown load) (its fixed part does not grow at all)."""
-    ttft, busy = prefill_latency(ctx.auto, m), prefill_busy(m)
-    if ttft is None or busy is None:
-        return False
-    grown_busy = prefill_busy_at(m, busy, growth, step_ms)
-    if grown_busy >= PREFILL_HOLD_BUSY:
-        return False
-    grown = ttft * (1.0 - busy) / (1.0 - grown_busy)
-    return grown < ctx.auto.slo.ttft_ms * (1.0 - ctx.tol)
 
 
 def _mean_wait(m: MetricsSnapshot) -> float | None:
@@ -508,23 +399,3 @@ def feedback_need(
     cause = Cause.ttft_over_target if role == Role.prefill else decode_cause(full, need.violated)
     down = Cause.prefill_headroom if role == Role.prefill else Cause.decode_headroom
     return replace(need, cause_up=cause, cause_down=down)
-
-
-def decode_spares_one(ctx: Context, m: MetricsSnapshot, engines: int) -> bool:
-    """Whether `engines - 1` decode engines keep the ITL and KV targets (`decode_holds` at
-    engines / (engines - 1) times the load). Decode whose batches stay too small to fit
-    its capacity (short outputs) would otherwise keep an engine it once added for good:
-    feedback alone never sheds one."""
-    return engines >= 2 and decode_holds(ctx, m, engines / (engines - 1))
-
-
-def decode_holds(ctx: Context, m: MetricsSnapshot, growth: float) -> bool:
-    """Whether the decode engines there are keep the ITL and KV targets at `growth` times
-    the sequences each runs now, bounded from what they show. A decode step's time is a
-    fixed part (the weights read once) plus parts that grow with the batch and its KV, so
-    ITL and KV usage grow by at most `growth`."""
-    itl, kv = seen_itl_ms(m, m.decode), m.decode_kv_usage
-    if itl is None:
-        return False
-    keep = 1.0 - ctx.tol
-    return itl * growth < ctx.auto.slo.itl_ms * keep and (kv or 0.0) * growth < models.KV_LIMIT * keep

@@ -1,11 +1,14 @@
 """The metrics read the one way both laws read them: the router's quantiles before the
-engines', the one name of the TTFT the target applies to, and the part of the time to
-first token that took longest."""
+engines', the one name of the TTFT the target applies to and its value (with the
+prefill wait at the SLO quantile), and the part of the time to first token that took
+longest."""
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
+from pdcluster import observability as obs
 from pdcluster.api.v1alpha1 import AutoscalingSpec
 from pdcluster.control.types import MetricsSnapshot, RoleMetrics, TTFTBreakdown
 
@@ -42,3 +45,35 @@ class Stage(Enum):
 def largest_stage(b: TTFTBreakdown | None) -> Stage | None:
     """Where most of the mean TTFT went; None without the router's stage histograms."""
     return None if b is None else Stage(b.largest)
+
+
+def wait_quantile(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
+    """The prefill wait at the SLO quantile (ms).
+
+    vLLM's queue-time histogram starts with a 0-300 ms bucket; a quantile inside it
+    is histogram_quantile's interpolation, not a measurement. There the exact mean
+    says more: the quantile of an exponential tail with that mean.
+    """
+    hist, mean = m.prefill.queue_time_q_ms, m.prefill.queue_time_ms
+    if hist is None:
+        return mean
+    if mean is not None and hist <= 1000.0 * obs.VLLM_REQUEST_LATENCY_BUCKETS[0]:
+        q = auto.slo.quantile.fraction
+        return min(hist, mean * math.log(1.0 / (1.0 - q)))
+    return hist
+
+
+def prefill_latency(auto: AutoscalingSpec, m: MetricsSnapshot) -> float | None:
+    """The TTFT quantile the target applies to, or None when unseen."""
+    ttft = seen_ttft_ms(m, m.prefill)
+    if auto.ttft_includes_prefill or ttft is None:
+        return ttft
+    if m.ttft_beyond_prefill_ms is not None:
+        return m.ttft_beyond_prefill_ms  # measured per request by the router
+    # Engines that do not report their per-request timing: estimated as the prefill wait
+    # plus what follows prefill (KV transfer, the first decode step), the router's TTFT
+    # less the engine's.
+    wait, engine = wait_quantile(auto, m), m.prefill.ttft_ms
+    if wait is None or engine is None:
+        return ttft  # errs towards more engines
+    return wait + max(ttft - engine, 0.0)
