@@ -10,7 +10,7 @@ import pytest
 
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
-from pdcluster.control import NoteKind, Observed, RoleObserved, decide_outcome
+from pdcluster.control import NoteKind, Observed, RoleObserved, decide_outcome, models
 from pdcluster.control.bounds import prefill_busy, prefill_busy_at
 from pdcluster.control.types import MetricsSnapshot, assemble
 
@@ -139,3 +139,31 @@ def test_the_bound_holds_at_the_forecasts_load_not_the_trends() -> None:
     )
     assert outcome.decision.prefill == 1, outcome.decision.reason
     assert _held(outcome) == {"prefill"}
+
+
+@pytest.mark.parametrize(
+    ("busy", "reads_served"),
+    [(0.15, False), (0.9, True), (None, True)],  # None: the engines show no busy share
+)
+def test_a_served_rate_under_the_arrivals_is_the_service_time_only_on_busy_engines(
+    busy: float | None, reads_served: bool
+) -> None:
+    # A night window on the Azure code weekday: two engines served 5.67 of 5.80 requests/s
+    # while a few prompts that came together waited (50 ms on average).
+    profile = perf.load()
+    model = models.calibrate_prefill(
+        profile,
+        rate=5.80,
+        input_tokens=1950.0,
+        hit_ratio=0.0,
+        quantile=0.9,
+        engines=2.0,
+        observed_ttft_ms=290.0,
+        observed_wait_ms=50.0,
+        served_rate=5.67,
+        measured_busy=busy,
+    )
+    engines_over_served = 2.0 / 5.67
+    alone = models.mean_prefill_service_s(profile, 1950.0, 0.0, ())
+    assert alone < engines_over_served / 5
+    assert model.service_s == pytest.approx(engines_over_served if reads_served else alone)

@@ -182,12 +182,12 @@ def test_the_history_keeps_the_recent_span_whole_and_each_five_minutes_most_befo
 
 
 def night_with_a_burst(busy_in_burst: float) -> list[tuple[int, str]]:
-    """Five minutes at 2 requests/s on 4:4 with a minute and a half of TTFT misses in the
-    middle (the wait 1.8 s), the engines showing `busy_in_burst`; every 30 s, engines
-    ready as soon as asked. Returns (prefill, cause) per run."""
+    """Six minutes at 2 requests/s on 4:4 with a minute and a half of TTFT misses after
+    the first window (the wait 1.8 s), the engines showing `busy_in_burst`; every 30 s,
+    engines ready as soon as asked. Returns (prefill, cause) per run."""
     s, state, p, d, steps = spec(), None, 4, 4, []
-    for run in range(10):
-        missed = 3 <= run < 6
+    for run in range(12):
+        missed = 5 <= run < 8
         m = metrics(rate=2.0, ttft=2400 if missed else 150, wait=1800 if missed else 5, engines=(p, d))
         busy = busy_in_burst if missed else 0.05
         shown = replace(m.prefill, steps_per_s=busy * p * 1000.0 / 200.0, prefill_time_ms=200.0)
@@ -205,7 +205,7 @@ def test_a_burst_the_engines_drain_never_starts_an_engine_and_a_load_does():
     # Without the rule (BURST_WAIT_X out of reach) the same night goes 4 -> 6 -> 8 prefill.
     drained = night_with_a_burst(busy_in_burst=0.1)
     assert max(p for p, _ in drained) == 4, drained
-    assert [c for _, c in drained[3:6]] == [Cause.burst_drains.value] * 3, drained
+    assert [c for _, c in drained[5:8]] == [Cause.burst_drains.value] * 3, drained
     loaded = night_with_a_burst(busy_in_burst=0.8)
-    assert max(p for p, _ in loaded[3:6]) > 4, loaded
+    assert max(p for p, _ in loaded[5:8]) > 4, loaded
     assert Cause.burst_drains.value not in [c for _, c in loaded]

@@ -207,6 +207,7 @@ def _run(ctx: Context, start: _Start, m: MetricsSnapshot | None, prior: perf.Pro
             Role.prefill: backlog_rate(ctx, m.prefill_queue, m.prefill.ready),
             Role.decode: backlog_rate(ctx, m.decode.waiting, m.decode.ready),
         },
+        traffic_s=traffic_s,
     )
     a = _analyse(ctx, current, timers, view, m, learn.knowledge(capacity, prior, m))
     verdict, notes = cause_of(current, a), notes_of(start.notes, a)

@@ -8,6 +8,7 @@ not learned yet follows feedback alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -62,6 +63,7 @@ class View:
     peak_span: dict[Role, int] = field(default_factory=dict)  # how far back that peak was looked for (s)
     backlog: dict[Role, float] = field(default_factory=dict)  # requests/s that drain the queue in a window
     prefill_step_ms: float | None = None  # a prefill step's fixed cost, where known (learn.Knowledge)
+    traffic_s: float = math.inf  # how long traffic has been seen: under a window, its rates read low
 
     def factor(self, role: Role, forecast: bool = True) -> float:
         """What today's load is multiplied by to size for the time new engines serve."""
@@ -142,6 +144,20 @@ def sized(ctx: Context, view: View, role: Role, base: Model, fewest, most: int) 
     return Sized(up, down, driver, floor)
 
 
+def steady_prefill(ctx: Context, m: MetricsSnapshot, view: View) -> bool:
+    """Whether the window's rates and busy share stand for the prefill engines there are:
+    traffic seen for a whole window and the same engines ready all of it. Prometheus's
+    rate() divides a younger series by the whole window, and an engine that joined within
+    it computed for part of it: the arrivals and the busy share then read low (a third of
+    the truth, in the first window of the Mooncake conversation hour)."""
+    ready = m.prefill.ready
+    return (
+        view.traffic_s >= m.window_s
+        and ready is not None
+        and abs(ready - ctx.seen(Role.prefill).ready) < 0.05
+    )
+
+
 def _prefill_model(ctx: Context, m: MetricsSnapshot, view: View, ttft: float | None) -> models.PrefillModel:
     wait = _mean_wait(m)
     served = None if m.prefill.tokens_per_s is None else m.prefill.tokens_per_s / (m.mean_input_tokens or 1.0)
@@ -159,6 +175,7 @@ def _prefill_model(ctx: Context, m: MetricsSnapshot, view: View, ttft: float | N
         served_rate=served,
         lengths=m.prefill.prompt_tokens,
         own_prefill=ctx.auto.ttft_includes_prefill,
+        measured_busy=prefill_busy(m) if steady_prefill(ctx, m, view) else None,
     )
     return model
 
@@ -223,7 +240,8 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
         )
     cur, step_ms = view.current[Role.prefill], view.prefill_step_ms
     grown = _growth(ctx, m, view, Role.prefill)
-    burst = burst_of(ctx, m, model, grown, step_ms) if need.violated and need.up > cur else None
+    steady = steady_prefill(ctx, m, view)
+    burst = burst_of(ctx, m, model, grown, step_ms) if steady and need.violated and need.up > cur else None
     if burst is not None:
         drains = note(
             NoteKind.burst_drains,
