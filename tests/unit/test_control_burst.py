@@ -8,7 +8,7 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
-from tests.unit.test_control_law import T0, explained, metrics, noted, run, spec
+from tests.unit.test_control_law import T0, explained, metrics, noted, ready, run, spec
 
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
 from pdcluster.control import NoteKind, bounds
@@ -79,3 +79,13 @@ def test_a_wait_within_burst_wait_x_of_the_models_is_a_load(monkeypatch: pytest.
     monkeypatch.setattr(bounds, "BURST_WAIT_X", 1000.0)  # the window's wait is 110x the model's
     decision = after_a_window(spec(), window).decision
     assert decision.prefill > 4 and decision.cause == Cause.ttft_over_target
+
+
+def test_engines_ready_since_the_window_leave_it_steady() -> None:
+    # Two engines asked for earlier became ready after the window that saw four.
+    s = spec(prefill=6)
+    window = burst(busy=0.1)
+    outcome = explained(s, window, seen_a_window(s, window), ready(6, 4))
+    assert (outcome.decision.prefill, outcome.decision.cause) == (6, Cause.burst_drains), (
+        outcome.decision.reason
+    )

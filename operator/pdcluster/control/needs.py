@@ -145,17 +145,15 @@ def sized(ctx: Context, view: View, role: Role, base: Model, fewest, most: int) 
 
 
 def steady_prefill(ctx: Context, m: MetricsSnapshot, view: View) -> bool:
-    """Whether the window's rates and busy share stand for the prefill engines there are:
-    traffic seen for a whole window and the same engines ready all of it. Prometheus's
-    rate() divides a younger series by the whole window, and an engine that joined within
-    it computed for part of it: the arrivals and the busy share then read low (a third of
-    the truth, in the first window of the Mooncake conversation hour)."""
+    """Whether the window's rates and busy share stand for the prefill engines it saw:
+    traffic seen for a whole window, and the same engines ready all of it (the window's
+    mean ready count a whole number). Prometheus's rate() divides a younger series by the
+    whole window, and an engine that joined within it computed for part of it: the
+    arrivals and the busy share then read low (a third of the truth in the first window
+    of the Mooncake conversation hour). Engines that became ready since do not matter:
+    the window measured the ones before them."""
     ready = m.prefill.ready
-    return (
-        view.traffic_s >= m.window_s
-        and ready is not None
-        and abs(ready - ctx.seen(Role.prefill).ready) < 0.05
-    )
+    return view.traffic_s >= m.window_s and ready is not None and abs(ready - round(ready)) < 0.05
 
 
 def _prefill_model(ctx: Context, m: MetricsSnapshot, view: View, ttft: float | None) -> models.PrefillModel:
