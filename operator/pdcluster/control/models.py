@@ -32,8 +32,9 @@ KV_LIMIT = 0.9  # plan decode KV below this share of capacity (vLLM preempts whe
 # Plan prefill engines at most this busy: with batches of whole prompts and heavy-tailed
 # prompt lengths the wait grows much faster near saturation than a queueing formula says.
 PREFILL_MAX_BUSY = 0.75
-# A window's served rate stands for the engines' service time only where they computed
-# nearly all of it: the measured busy share (which errs high) at least this.
+# A window's served rate stands for the engines' service time only on engines measured
+# busy at least this share of it: mostly idle engines that served fewer than arrived did
+# so because a few prompts came together, not because they were full.
 PREFILL_SATURATED_BUSY = 0.5
 
 
@@ -167,7 +168,7 @@ def calibrate_prefill(
     were never idle and the bound is the service time, the one estimate a backlog does
     not hide; unless the engines' `measured_busy` share shows them idle, when a few
     prompts that arrived together queued (on the Azure code weekday's nights a window's
-    served rate 2-10% under its arrivals read 0.35-0.84 s a request on engines 7-17% busy).
+    served rate 2-26% under its arrivals read 0.29-0.84 s a request on engines 7-18% busy).
 
     The observed TTFT quantile splits into the observed wait quantile, which engines
     change, and the rest, which they do not. The measured wait is kept (heavy-tailed
