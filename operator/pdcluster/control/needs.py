@@ -156,7 +156,9 @@ def steady_prefill(ctx: Context, m: MetricsSnapshot, view: View) -> bool:
     return view.traffic_s >= m.window_s and ready is not None and abs(ready - round(ready)) < 0.05
 
 
-def _prefill_model(ctx: Context, m: MetricsSnapshot, view: View, ttft: float | None) -> models.PrefillModel:
+def _prefill_model(
+    ctx: Context, m: MetricsSnapshot, view: View, ttft: float | None, steady: bool
+) -> models.PrefillModel:
     wait = _mean_wait(m)
     served = None if m.prefill.tokens_per_s is None else m.prefill.tokens_per_s / (m.mean_input_tokens or 1.0)
     ready = m.prefill.ready
@@ -173,7 +175,7 @@ def _prefill_model(ctx: Context, m: MetricsSnapshot, view: View, ttft: float | N
         served_rate=served,
         lengths=m.prefill.prompt_tokens,
         own_prefill=ctx.auto.ttft_includes_prefill,
-        measured_busy=prefill_busy(m) if steady_prefill(ctx, m, view) else None,
+        measured_busy=prefill_busy(m) if steady else None,
     )
     return model
 
@@ -193,7 +195,8 @@ def prefill_part(ctx: Context, m: MetricsSnapshot, view: View) -> float | None:
 def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
     target, tol = float(ctx.auto.slo.ttft_ms), ctx.tol
     ttft = prefill_part(ctx, m, view)
-    base = _prefill_model(ctx, m, view, ttft)
+    steady = steady_prefill(ctx, m, view)
+    base = _prefill_model(ctx, m, view, ttft, steady)
     model = _grown(ctx, view, base, Role.prefill)
     bound_up, bound_down = (
         prefill_bound(model.fixed_ms, target, tol),
@@ -238,7 +241,6 @@ def prefill_need(ctx: Context, m: MetricsSnapshot, view: View) -> Need:
         )
     cur, step_ms = view.current[Role.prefill], view.prefill_step_ms
     grown = _growth(ctx, m, view, Role.prefill)
-    steady = steady_prefill(ctx, m, view)
     burst = burst_of(ctx, m, model, grown, step_ms) if steady and need.violated and need.up > cur else None
     if burst is not None:
         drains = note(
