@@ -4,11 +4,11 @@ fixed rate scales, and one policy alone over a day.
     .venv/bin/python benchmarks/law_runs.py hours [--scenarios mix,burst]
         [--policies pdcluster,pdcluster-prior]
     .venv/bin/python benchmarks/law_runs.py day servegen-day 0.1945 5 [--policy pdcluster]
-        [--startup 300] [--tolerance 0] [--decisions 8,11] [--by-hour]
+        [--startup 300] [--tolerance 0] [--decisions 8,11] [--by-hour] [--seeds 0,1,2]
     .venv/bin/python benchmarks/law_runs.py hour azure-code 31.202 16 [--policy oracle]
         [--startup 300] [--decisions] [--spans 300]
     .venv/bin/python benchmarks/law_runs.py schedule azure-code-weekday 0.047 5 --attains 0.977,0.863
-        [--window 3600] [--startup 300]     (or: schedule azure-code 31.202 16 --window 300 ...)
+        [--window 3600] [--startup 300] [--seed 1]     (or: schedule azure-code 31.202 16 --window 300 ...)
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
@@ -78,7 +78,7 @@ def hours(scenarios: set[str], policies: list[str]) -> None:
             print(f"{name} {level} {scale}x: " + " | ".join(cells) + f"  [{cpu:.0f} s CPU]", flush=True)
 
 
-def _alone(setup: plan.Setup, policy: str, label: str) -> fleet.Result:
+def _alone(setup: plan.Setup, policy: str, label: str) -> tuple[scoring.Score, fleet.Result]:
     """Simulate one policy from 1:1 and print its line: attainment, GPU-hours, decisions."""
     started = time.process_time()
     score, result = plan._simulate(setup, (1, 1), parse_policy(policy))
@@ -87,7 +87,7 @@ def _alone(setup: plan.Setup, policy: str, label: str) -> fleet.Result:
         f"{label}, {policy}: {score.attainment:.2%}, {score.gpu_hours:.2f} GPU-h, "
         f"{len(result.decisions)} decisions, {result.flips} flips  [{cpu:.0f} s CPU]"
     )
-    return result
+    return score, result
 
 
 def hour_setup(name: str, scale: float, gpus: int, startup_s: float) -> plan.Setup:
@@ -103,7 +103,7 @@ def one_hour(
     name: str, scale: float, gpus: int, policy: str, startup_s: float, decisions: bool, span_s: float | None
 ) -> None:
     setup = hour_setup(name, scale, gpus, startup_s)
-    result = _alone(setup, policy, f"{name} x{scale} on {gpus} GPUs, {startup_s:g} s start-up")
+    _, result = _alone(setup, policy, f"{name} x{scale} on {gpus} GPUs, {startup_s:g} s start-up")
     if decisions:
         for t, prefill, decode, why in result.decisions:
             print(f"  {t:7.0f} s  {prefill}:{decode}  {why}")
@@ -121,23 +121,42 @@ def one_day(
     tolerance: int,
     decisions: tuple[float, float] | None = None,
     by_hour: bool = False,
+    seeds: tuple[int, ...] = (0,),
 ) -> None:
-    setup = day_setup(name, factor, gpus, startup_s, tolerance)
-    result = _alone(
-        setup, policy, f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, tolerance {tolerance}%"
-    )
-    if by_hour:
-        _print_spans(setup, result, day.WARMUP_S, 3600.0, round(day.DAY_S / 3600), "hour", 3600.0)
-    if decisions:
-        start, end = (h * 3600.0 for h in decisions)
-        for t, prefill, decode, why in result.decisions:
-            if start <= t <= end:
-                print(f"  {t / 3600:6.3f} h  {prefill}:{decode}  {why}")
+    """The policy's run on each of the day's arrival draws (`seeds`); with several, also
+    their mean and range: a change of the law is judged against that spread, since a day's
+    figures move by a few per cent with its arrivals' jitter alone."""
+    scores = []
+    for seed in seeds:
+        setup = day_setup(name, factor, gpus, startup_s, tolerance, seed)
+        drawn = f", seed {seed}" if len(seeds) > 1 else ""
+        score, result = _alone(
+            setup,
+            policy,
+            f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, tolerance {tolerance}%{drawn}",
+        )
+        scores.append(score)
+        if by_hour:
+            _print_spans(setup, result, day.WARMUP_S, 3600.0, round(day.DAY_S / 3600), "hour", 3600.0)
+        if decisions:
+            start, end = (h * 3600.0 for h in decisions)
+            for t, prefill, decode, why in result.decisions:
+                if start <= t <= end:
+                    print(f"  {t / 3600:6.3f} h  {prefill}:{decode}  {why}")
+    if len(scores) > 1:
+        attained = [s.attainment for s in scores]
+        hours_ = [s.gpu_hours for s in scores]
+        print(
+            f"  {len(scores)} draws: attainment {np.mean(attained):.2%} ({min(attained):.2%}-{max(attained):.2%}), "
+            f"{np.mean(hours_):.2f} GPU-h ({min(hours_):.2f}-{max(hours_):.2f})"
+        )
 
 
-def day_setup(name: str, factor: float, gpus: int, startup_s: float, tolerance: int) -> plan.Setup:
+def day_setup(
+    name: str, factor: float, gpus: int, startup_s: float, tolerance: int, seed: int = 0
+) -> plan.Setup:
     profile, slo = perf.load(perf.DEFAULT_PROFILE), scoring.SLO(500.0, 25.0, False)
-    trace = day.day_source(name, perf.traces_dir()).make(factor)
+    trace = day.day_source(name, perf.traces_dir(), seed).make(factor)
     config = PlanConfig(
         gpus=gpus, slo=slo, rate_scale=1.0, start="neutral", warmup_s=day.WARMUP_S, startup_s=startup_s
     )
@@ -146,12 +165,12 @@ def day_setup(name: str, factor: float, gpus: int, startup_s: float, tolerance: 
 
 
 def scheduled(
-    name: str, factor: float, gpus: int, targets: list[float], window_s: float, startup_s: float
+    name: str, factor: float, gpus: int, targets: list[float], window_s: float, startup_s: float, seed: int
 ) -> None:
     """A day (or an hour scenario) sized in hindsight window by window (sim/schedule.py)
     for each target, and its run; the windows are simulated once for all targets."""
     if name in day.DAY_SCENARIOS:
-        setup = day_setup(name, factor, gpus, startup_s, PolicyKnobs.tolerance_percent)
+        setup = day_setup(name, factor, gpus, startup_s, PolicyKnobs.tolerance_percent, seed)
     else:
         setup = hour_setup(name, factor, gpus, startup_s)
     started = time.process_time()
@@ -232,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         "--decisions", metavar="H0,H1", help="also print the decisions between these hours of the trace"
     )
     d.add_argument("--by-hour", action="store_true", help="also print each scored hour's figures")
+    d.add_argument(
+        "--seeds", default="0", help="the arrival draws to run, comma-separated; several print their spread"
+    )
     c = sub.add_parser(
         "schedule", help="a day or an hour sized in hindsight, window by window, for an attainment"
     )
@@ -243,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     c.add_argument("--window", type=float, default=3600.0, help="seconds per window (the warm-up's divisor)")
     c.add_argument("--startup", type=float, default=60.0, help="engine start-up (s), pod created to Ready")
+    c.add_argument("--seed", type=int, default=0, help="a day's arrival draw (day's --seeds)")
     o = sub.add_parser("hour", help="one policy alone on one hour scenario")
     o.add_argument(
         "scenario", help="one of plan_bench's hour scenarios (conv, synthetic, azure, azure-code, ...)"
@@ -257,12 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.what == "hours":
         hours(set(a.scenarios.split(",")), a.policies.split(","))
     elif a.what == "schedule":
-        scheduled(a.scenario, a.factor, a.gpus, [float(x) for x in a.attains.split(",")], a.window, a.startup)
+        targets = [float(x) for x in a.attains.split(",")]
+        scheduled(a.scenario, a.factor, a.gpus, targets, a.window, a.startup, a.seed)
     elif a.what == "hour":
         one_hour(a.scenario, a.scale, a.gpus, a.policy, a.startup, a.decisions, a.spans)
     else:
         window = tuple(float(h) for h in a.decisions.split(",")) if a.decisions else None
-        one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup, a.tolerance, window, a.by_hour)
+        seeds = tuple(int(x) for x in a.seeds.split(","))
+        one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup, a.tolerance, window, a.by_hour, seeds)
     return 0
 
 
