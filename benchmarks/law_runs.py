@@ -145,10 +145,10 @@ def one_day(
                     print(f"  {t / 3600:6.3f} h  {prefill}:{decode}  {why}")
     if len(scores) > 1:
         attained = [s.attainment for s in scores]
-        hours_ = [s.gpu_hours for s in scores]
+        gpu_hours = [s.gpu_hours for s in scores]
         print(
             f"  {len(scores)} draws: attainment {np.mean(attained):.2%} ({min(attained):.2%}-{max(attained):.2%}), "
-            f"{np.mean(hours_):.2f} GPU-h ({min(hours_):.2f}-{max(hours_):.2f})"
+            f"{np.mean(gpu_hours):.2f} GPU-h ({min(gpu_hours):.2f}-{max(gpu_hours):.2f})"
         )
 
 
