@@ -4,7 +4,7 @@ fixed rate scales, and one policy alone over a day.
     .venv/bin/python benchmarks/law_runs.py hours [--scenarios mix,burst]
         [--policies pdcluster,pdcluster-prior]
     .venv/bin/python benchmarks/law_runs.py day servegen-day 0.1945 5 [--policy pdcluster]
-        [--startup 300] [--tolerance 0] [--decisions 8,11] [--by-hour] [--seeds 0,1,2]
+        [--startup 300] [--tolerance 0] [--decisions 8,11] [--by-hour] [--seeds 0,1,2] [--prior-day]
     .venv/bin/python benchmarks/law_runs.py hour azure-code 31.202 16 [--policy oracle]
         [--startup 300] [--decisions] [--spans 300]
     .venv/bin/python benchmarks/law_runs.py schedule azure-code-weekday 0.047 5 --attains 0.977,0.863
@@ -18,7 +18,9 @@ its arrivals' jitter (the burst, docs/benchmarks.md) a cell can differ from plan
 rate scale and GPU budget, with its decisions and attainment by span if asked. `day` runs
 one policy alone from 1:1 over a day scenario
 (sim/day.py) at a rate factor and GPU budget, with the default policy settings, warm-up
-unscored; plan_bench's day runs add every other policy and the static searches.
+unscored; with `--prior-day` the warm-up is also the whole day before (sim/day.py), so
+the seasonal forecast has a yesterday; plan_bench's day runs add every other policy and
+the static searches.
 `schedule` sizes a day (or an hour scenario) in hindsight by the simulator, window by
 window (sim/schedule.py), for the fewest GPU-hours at each attainment asked: the bound a
 dynamic policy of that attainment is compared with.
@@ -122,27 +124,31 @@ def one_day(
     decisions: tuple[float, float] | None = None,
     by_hour: bool = False,
     seeds: tuple[int, ...] = (0,),
+    prior_day: bool = False,
 ) -> None:
     """The policy's run on each of the day's arrival draws (`seeds`); with several, also
     their mean and range: a change of the law is judged against that spread, since a day's
     figures move by a few per cent with its arrivals' jitter alone."""
     scores = []
     for seed in seeds:
-        setup = day_setup(name, factor, gpus, startup_s, tolerance, seed)
+        setup = day_setup(name, factor, gpus, startup_s, tolerance, seed, prior_day)
         drawn = f", seed {seed}" if len(seeds) > 1 else ""
+        before = ", after the day before" if prior_day else ""
         score, result = _alone(
             setup,
             policy,
-            f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, tolerance {tolerance}%{drawn}",
+            f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, tolerance {tolerance}%{drawn}{before}",
         )
         scores.append(score)
         if by_hour:
-            _print_spans(setup, result, day.WARMUP_S, 3600.0, round(day.DAY_S / 3600), "hour", 3600.0)
+            _print_spans(setup, result, setup.warmup_s, 3600.0, round(day.DAY_S / 3600), "hour", 3600.0)
         if decisions:
-            start, end = (h * 3600.0 for h in decisions)
+            # Hours of the trace as without the day before.
+            shift = setup.warmup_s - day.WARMUP_S
+            start, end = (h * 3600.0 + shift for h in decisions)
             for t, prefill, decode, why in result.decisions:
                 if start <= t <= end:
-                    print(f"  {t / 3600:6.3f} h  {prefill}:{decode}  {why}")
+                    print(f"  {(t - shift) / 3600:6.3f} h  {prefill}:{decode}  {why}")
     if len(scores) > 1:
         attained = [s.attainment for s in scores]
         gpu_hours = [s.gpu_hours for s in scores]
@@ -153,15 +159,26 @@ def one_day(
 
 
 def day_setup(
-    name: str, factor: float, gpus: int, startup_s: float, tolerance: int, seed: int = 0
+    name: str,
+    factor: float,
+    gpus: int,
+    startup_s: float,
+    tolerance: int,
+    seed: int = 0,
+    prior_day: bool = False,
 ) -> plan.Setup:
     profile, slo = perf.load(perf.DEFAULT_PROFILE), scoring.SLO(500.0, 25.0, False)
-    trace = day.day_source(name, perf.traces_dir(), seed).make(factor)
+    source = day.day_source(name, perf.traces_dir(), seed, prior_day)
     config = PlanConfig(
-        gpus=gpus, slo=slo, rate_scale=1.0, start="neutral", warmup_s=day.WARMUP_S, startup_s=startup_s
+        gpus=gpus, slo=slo, rate_scale=1.0, start="neutral", warmup_s=source.warmup_s, startup_s=startup_s
     )
     knobs = PolicyKnobs(tolerance_percent=tolerance)
-    return plan.Setup(trace, profile, slo, plan.fleet_config(config, profile), knobs, day.WARMUP_S)
+    fleet_config = plan.fleet_config(config, profile)
+    # Requests still unfinished this long after the trace's start are given up on.
+    fleet_config = replace(
+        fleet_config, max_time_s=max(fleet_config.max_time_s, source.warmup_s + 2 * day.DAY_S)
+    )
+    return plan.Setup(source.make(factor), profile, slo, fleet_config, knobs, source.warmup_s)
 
 
 def scheduled(
@@ -254,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument(
         "--seeds", default="0", help="the arrival draws to run, comma-separated; several print their spread"
     )
+    d.add_argument(
+        "--prior-day", action="store_true", help="warm up on the day before too: the forecast's yesterday"
+    )
     c = sub.add_parser(
         "schedule", help="a day or an hour sized in hindsight, window by window, for an attainment"
     )
@@ -287,7 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         window = tuple(float(h) for h in a.decisions.split(",")) if a.decisions else None
         seeds = tuple(int(x) for x in a.seeds.split(","))
-        one_day(a.scenario, a.factor, a.gpus, a.policy, a.startup, a.tolerance, window, a.by_hour, seeds)
+        one_day(
+            a.scenario,
+            a.factor,
+            a.gpus,
+            a.policy,
+            a.startup,
+            a.tolerance,
+            window,
+            a.by_hour,
+            seeds,
+            a.prior_day,
+        )
     return 0
 
 

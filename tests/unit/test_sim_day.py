@@ -7,6 +7,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pdcluster import perf
@@ -149,6 +150,53 @@ def test_the_servegen_day_is_m_large_from_day_thirteen(traces: Path) -> None:
     trace = source.make(factor)
     check_day(trace, source.peak_rps, factor)
     assert math.isclose(day.SERVEGEN_DAY_START_S / 86400, 12)  # 00:00 of day 13
+
+
+def test_a_prior_day_leaves_the_scored_day_as_it_was(traces: Path) -> None:
+    factor = 0.003
+    alone = day.azure_code_weekday(traces, seed=3)
+    after = day.azure_code_weekday(traces, seed=3, prior_day=True)
+    assert (alone.warmup_s, after.warmup_s) == (day.WARMUP_S, day.WARMUP_S + day.DAY_S)
+    today, both = alone.make(factor), after.make(factor)
+    prior = sum(1 for t in both.arrival_s if t < day.DAY_S)
+    assert prior > 0.5 * len(today)  # the day before is a weekday-sized day of its own
+    assert [t - day.DAY_S for t in both.arrival_s[prior:]] == pytest.approx(today.arrival_s)
+    assert both.input_tokens[prior:] == today.input_tokens and both.blocks[prior:] == today.blocks
+
+
+def test_the_day_before_is_not_todays_bursts_a_day_early(traces: Path) -> None:
+    """The Azure day plays one base hour round and round: in phase, yesterday's minute-by-
+    minute arrivals would be today's, and a forecast would remember bursts that real traffic
+    does not repeat. The day before plays the base from half its span on."""
+    factor = 0.01
+    both = day.azure_code_weekday(traces, prior_day=True).make(factor)
+
+    def per_minute(start_s: float) -> list[int]:
+        counts = [0] * 60
+        for t in both.arrival_s:
+            if start_s <= t < start_s + 3600.0:
+                counts[int((t - start_s) // 60)] += 1
+        return counts
+
+    # the same hour of the day (11:00, before the ramp), yesterday and today
+    yesterday = per_minute(day.WARMUP_S + 11 * 3600.0)
+    today = per_minute(day.DAY_S + day.WARMUP_S + 11 * 3600.0)
+    assert np.corrcoef(yesterday, today)[0, 1] < 0.5
+    # while a base hour half a span on is that hour's arrivals shifted
+    base = day.load_trace(traces / "AzureLLMInferenceTrace_code_2023.csv")
+    turned = day.rotated(base, base.span_s / 2.0)
+    assert len(turned) == len(base) and turned.arrival_s == sorted(turned.arrival_s)
+    assert turned.arrival_s[0] >= base.arrival_s[0] and turned.arrival_s[-1] <= base.arrival_s[-1]
+
+
+def test_a_day_after_a_prior_one_shares_no_prefix_and_no_time() -> None:
+    today = Trace("d", [0.0, 5.0], [10, 20], [5, 6], [(1, 2), (1, 3)])
+    both = day.after_prior(Trace("p", [0.0, 100.0], [30, 40], [7, 8], [(1, 2), ()]), today)
+    assert both.arrival_s == [0.0, 100.0, day.DAY_S, day.DAY_S + 5.0]
+    assert both.input_tokens == [30, 40, 10, 20]
+    assert both.blocks[2:] == today.blocks and not {1, 2} & set(both.blocks[0])  # other users
+    with pytest.raises(ValueError, match="must end within"):
+        day.after_prior(Trace("p", [0.0, day.DAY_S], [10, 10], [5, 5], [(), ()]), today)
 
 
 def test_engines_over_time_are_time_weighted_means() -> None:

@@ -11,7 +11,10 @@ Two sources (../shared/traces/README.md, "Long-horizon load"; sim/longload.py):
   the Azure 2023 code trace's requests (their lengths and within-minute burstiness).
 
 Every scenario starts `WARMUP_S` before its day: the policies run through it from the
-neutral split, and no policy is scored on it (sim/scoring.py `from_s`).
+neutral split, and no policy is scored on it (sim/scoring.py `from_s`). With `prior_day`
+the warm-up is a whole day longer: the day before, drawn on its own, so the seasonal
+forecast (control/forecast.py) has a yesterday. The scored day and the two hours before
+it are the same requests either way.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ SERVEGEN_DAY_START_S = 1_036_800.0
 AZURE_WEEKDAY_START_H = 96  # Tuesday 2024-05-14 00:00 UTC; hour 0 is Friday 2024-05-10
 SIZING_SAMPLE = 20_000  # lengths drawn to size the peak hour
 DAY_SCENARIOS = ("servegen-day", "azure-code-weekday")
+# The day before is a draw of its own: another seed, and the Azure base trace played from
+# half its span on, so yesterday's bursts do not fall on today's minutes (the base trace
+# is one hour played round and round: in phase, the forecast would remember bursts that
+# real traffic does not repeat at the same minute of the next day).
+PRIOR_SEED = 1_000
+PRIOR_TAG = 1 << 80  # the day before's prefix blocks are other users' (no cache hits across)
 BRACKET_TRIES = 12  # a level by simulation looks 1.5^12 (130x) either side of the models' factor
 
 
@@ -50,9 +59,39 @@ class DaySource:
     peak_outputs: list[int]
     make: Callable[[float], Trace]
     make_peak: Callable[[float], Trace]  # the peak hour alone, to set a level by simulation
+    warmup_s: float = WARMUP_S  # unscored time before the day
 
 
-def servegen_day(root: Path, seed: int = 0) -> DaySource:
+def after_prior(prior: Trace, day: Trace) -> Trace:
+    """`day` (which starts WARMUP_S before the scored day) after `prior` (the DAY_S before
+    it): one trace, the scored day from DAY_S + WARMUP_S on."""
+    if prior.arrival_s and prior.arrival_s[-1] >= DAY_S:
+        raise ValueError(f"{prior.name}: the day before must end within {DAY_S:g} s")
+    return Trace(
+        day.name,
+        [*prior.arrival_s, *(t + DAY_S for t in day.arrival_s)],
+        [*prior.input_tokens, *day.input_tokens],
+        [*prior.output_tokens, *day.output_tokens],
+        [*(tuple(b + PRIOR_TAG for b in blocks) for blocks in prior.blocks), *day.blocks],
+        day.block_tokens,
+    )
+
+
+def rotated(trace: Trace, by_s: float) -> Trace:
+    """The trace played from `by_s` after its start, round to its start again."""
+    start, span = trace.arrival_s[0], trace.span_s
+    order = sorted(range(len(trace)), key=lambda i: (trace.arrival_s[i] - start - by_s) % span)
+    return Trace(
+        trace.name,
+        [start + (trace.arrival_s[i] - start - by_s) % span for i in order],
+        [trace.input_tokens[i] for i in order],
+        [trace.output_tokens[i] for i in order],
+        [trace.blocks[i] for i in order],
+        trace.block_tokens,
+    )
+
+
+def servegen_day(root: Path, seed: int = 0, prior_day: bool = False) -> DaySource:
     folder = root / "servegen"
     clients = longload.read_servegen_clients(folder / "servegen_client_rate_traces.tar.xz", "m-large")
     lengths = longload.servegen_lengths(folder / "servegen_length_hist_6h.csv", "m-large")
@@ -66,7 +105,7 @@ def servegen_day(root: Path, seed: int = 0) -> DaySource:
     rng = np.random.default_rng(seed)
 
     def make(factor: float) -> Trace:
-        return longload.servegen_trace(
+        day = longload.servegen_trace(
             clients,
             lengths,
             start_s=start - WARMUP_S,
@@ -75,6 +114,18 @@ def servegen_day(root: Path, seed: int = 0) -> DaySource:
             seed=seed,
             name="servegen-day",
         )
+        if not prior_day:
+            return day
+        prior = longload.servegen_trace(
+            clients,
+            lengths,
+            start_s=start - WARMUP_S - DAY_S,
+            duration_s=DAY_S,
+            rate_factor=factor,
+            seed=seed + PRIOR_SEED,
+            name="servegen-day, the day before",
+        )
+        return after_prior(prior, day)
 
     def make_peak(factor: float) -> Trace:
         return longload.servegen_trace(
@@ -94,17 +145,31 @@ def servegen_day(root: Path, seed: int = 0) -> DaySource:
         window.output.sample(rng, SIZING_SAMPLE).tolist(),
         make,
         make_peak,
+        _warmup(prior_day),
     )
 
 
-def azure_code_weekday(root: Path, seed: int = 0) -> DaySource:
+def _warmup(prior_day: bool) -> float:
+    return WARMUP_S + DAY_S if prior_day else WARMUP_S
+
+
+def azure_code_weekday(root: Path, seed: int = 0, prior_day: bool = False) -> DaySource:
     base = load_trace(root / "AzureLLMInferenceTrace_code_2023.csv")
     week = longload.azure2024_curve(root / "azure2024" / "azure2024_code_hourly_digitized.csv")
-    curve = week.cut(AZURE_WEEKDAY_START_H * 3600.0 - WARMUP_S, WARMUP_S + DAY_S)
+    starts = AZURE_WEEKDAY_START_H * 3600.0 - WARMUP_S
+    curve = week.cut(starts, WARMUP_S + DAY_S)
     day = curve.cut(WARMUP_S, DAY_S)
+    before = week.cut(starts - DAY_S, DAY_S) if prior_day else None
+    shifted = rotated(base, base.span_s / 2.0) if prior_day else None
 
     def make(factor: float) -> Trace:
-        return longload.curve_over_trace(base, curve.scaled(factor), seed=seed, name="azure-code-weekday")
+        today = longload.curve_over_trace(base, curve.scaled(factor), seed=seed, name="azure-code-weekday")
+        if before is None or shifted is None:
+            return today
+        prior = longload.curve_over_trace(
+            shifted, before.scaled(factor), seed=seed + PRIOR_SEED, name="azure-code-weekday, the day before"
+        )
+        return after_prior(prior, today)
 
     peak_at = max(day.windows(), key=lambda w: w[2])[0]
     peak_hour = day.cut(peak_at, 3600.0)
@@ -115,15 +180,22 @@ def azure_code_weekday(root: Path, seed: int = 0) -> DaySource:
         )
 
     return DaySource(
-        "azure-code-weekday", day.peak_rps, base.input_tokens, base.output_tokens, make, make_peak
+        "azure-code-weekday",
+        day.peak_rps,
+        base.input_tokens,
+        base.output_tokens,
+        make,
+        make_peak,
+        _warmup(prior_day),
     )
 
 
-def day_source(name: str, root: Path, seed: int = 0) -> DaySource:
+def day_source(name: str, root: Path, seed: int = 0, prior_day: bool = False) -> DaySource:
+    """A day scenario; `prior_day` adds the day before to its warm-up (module docstring)."""
     if name == "servegen-day":
-        return servegen_day(root, seed)
+        return servegen_day(root, seed, prior_day)
     if name == "azure-code-weekday":
-        return azure_code_weekday(root, seed)
+        return azure_code_weekday(root, seed, prior_day)
     raise ValueError(f"unknown day scenario {name!r} (one of {', '.join(DAY_SCENARIOS)})")
 
 
