@@ -316,6 +316,33 @@ def test_a_scale_up_that_never_gets_ready_times_out_and_falls_back() -> None:
     assert state.prefill > 4
 
 
+def test_pods_that_are_starting_get_two_start_ups_before_the_timeout() -> None:
+    """Scheduled pods that download the model for 900 s are not given up on at the spec's
+    600 s (that deletes them just before they serve), only after two start-ups."""
+    s = spec()  # scaleUpTimeoutSeconds 600
+    hot = metrics(rate=14.0, ttft=2400, wait=1800)
+    state, _ = run(s, hot)
+    wanted = state.prefill
+    assert wanted > 4
+
+    def starting(role_startup_s: float) -> Observed:
+        return Observed(
+            RoleObserved(wanted, wanted, 4, startup_s=role_startup_s),
+            RoleObserved(4, 4, 4, startup_s=role_startup_s),
+        )
+
+    for seconds in (300, 900, 1500, 1770):
+        state, decision = run(s, hot, state, starting(900.0), T0 + timedelta(seconds=seconds))
+        assert state.prefill >= wanted and decision.cause != Cause.scale_up_timed_out, decision.reason
+    timed_out = explained(s, hot, state, starting(900.0), T0 + timedelta(seconds=1800))
+    assert (timed_out.decision.cause, timed_out.decision.prefill) == (Cause.scale_up_timed_out, 4)
+    assert "not ready after 1800 s" in timed_out.decision.reason, timed_out.decision.reason
+    # A 60 s start-up leaves the spec's 600 s as it was.
+    state, _ = run(s, hot)
+    state, decision = run(s, hot, state, starting(60.0), T0 + timedelta(seconds=600))
+    assert decision.cause == Cause.scale_up_timed_out, decision.reason
+
+
 def test_repeated_scale_ups_do_not_restart_the_timeout() -> None:
     s = spec(scaleUpTimeoutSeconds=300, cooldownSeconds=0)
     state, _ = run(s, metrics(rate=10.0, ttft=2400, wait=1800))

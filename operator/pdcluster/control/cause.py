@@ -61,7 +61,7 @@ class Figures:
     ready: dict[str, int] = field(default_factory=dict)  # engines ready per role
     prefill_load: float | None = None  # the prefill work, in busy engines
     stabilization_s: dict[str, int] = field(default_factory=dict)  # per role: the window waited out
-    scale_up_timeout_s: int | None = None
+    scale_up_timeout_s: dict[str, int] = field(default_factory=dict)  # per role: how long pods may take
     cooldown_s: int | None = None
     ttft_name: str = "TTFT"  # what ttft_ms is (control.observed.ttft_name): the TTFT the target applies to
     raw_ttft_ms: float | None = None  # the router's whole TTFT at the quantile, quoted beside it
@@ -123,7 +123,7 @@ def summary(
         Cause.suspended: "cluster suspended",
         Cause.metrics_unavailable: "no metrics",
         Cause.no_traffic: "no traffic",
-        Cause.scale_up_timed_out: f"{role} pods not ready within {f.scale_up_timeout_s} s",
+        Cause.scale_up_timed_out: f"{role} pods not ready within {f.scale_up_timeout_s.get(role or '', 0)} s",
         Cause.ttft_over_target: f"{tt} {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms{_raw(f)}",
         Cause.prefill_short: f"{_engines(f, 'prefill')}; {tt} {q} {_ms(f.ttft_ms)} of {f.ttft_target_ms} ms",
         Cause.burst_drains: f"{tt} {q} {_ms(f.ttft_ms)} over {f.ttft_target_ms} ms in a burst, its wait "

@@ -24,6 +24,13 @@ ROLES = (Role.prefill, Role.decode)  # the roles of the prefill:decode law
 # An engine's start-up (pod created to Ready) until one is measured: the fleet
 # simulator's default, a model already on the node (docs/benchmarks.md).
 DEFAULT_STARTUP_S = 60.0
+# A scale-up whose pods are all scheduled gets at least this many of its role's measured
+# start-ups before the law gives up on it. `scaleUpTimeoutSeconds` is for pods that
+# cannot start (no free GPUs); where every pod downloads the model, a start-up can
+# outlast it, and giving up deletes pods about to serve: at a 900 s start-up and the
+# default 600 s, the law never got a second prefill engine ready on the Azure code day
+# (docs/benchmarks.md).
+STARTUPS_BEFORE_TIMEOUT = 2.0
 
 
 def other(role: Role) -> Role:
@@ -90,6 +97,15 @@ class Context:
         """How long a new engine of the role takes to serve: measured, else the default."""
         measured = self.seen(role).startup_s
         return measured if measured is not None and measured > 0 else DEFAULT_STARTUP_S
+
+    def scale_up_timeout_s(self, role: Role) -> int:
+        """How long a scale-up's pods may take to become ready: `scaleUpTimeoutSeconds`
+        while any cannot be scheduled, else at least STARTUPS_BEFORE_TIMEOUT of the
+        role's start-ups."""
+        timeout = self.auto.scale_up_timeout_seconds
+        if self.seen(role).unschedulable:
+            return timeout
+        return max(timeout, round(STARTUPS_BEFORE_TIMEOUT * self.startup_s(role)))
 
     def since(self, moment: datetime) -> float:
         return (self.now - moment).total_seconds()

@@ -132,7 +132,7 @@ def figures(ctx: Context, m: MetricsSnapshot | None, current: Counts, a: Analysi
             else auto.scale_down_stabilization_seconds
             for r, w in wants.items()
         },
-        scale_up_timeout_s=auto.scale_up_timeout_seconds,
+        scale_up_timeout_s={r.value: ctx.scale_up_timeout_s(r) for r in ROLES},
         cooldown_s=auto.cooldown_seconds,
         ahead={r.value: g for r, g in view.ahead.items()} if view else {},
         horizon_s={r.value: round(horizon_s(ctx, r)) for r in ROLES},

@@ -312,7 +312,7 @@ def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, end: _End) -
         needed={} if want is None else {ROLE.value: want},
         ready={ROLE.value: ctx.seen(ROLE).ready},
         stabilization_s={ROLE.value: wait},
-        scale_up_timeout_s=auto.scale_up_timeout_seconds,
+        scale_up_timeout_s={ROLE.value: ctx.scale_up_timeout_s(ROLE)},
         cooldown_s=auto.cooldown_seconds,
         ahead={} if burst is None else {ROLE.value: burst.ahead},
         horizon_s={ROLE.value: round(horizon_s(ctx, ROLE))},

@@ -33,7 +33,7 @@ def time_out(ctx: Context, timers: Timers, role: Role, current: int) -> tuple[Ti
         return timers.set(Timer.pending, role, None), None
     timers = timers.start(Timer.pending, role, ctx.stamp)
     waited = ctx.since(timers.pending[role])
-    timeout = ctx.auto.scale_up_timeout_seconds
+    timeout = ctx.scale_up_timeout_s(role)
     if waited < timeout:
         return timers, None
     low, _ = ctx.bounds(role)

@@ -118,7 +118,10 @@ class AutoscalingSpec(Model):
     max_step: int = Field(2, ge=1, description="Most replicas one role moves per decision.")
     tolerance_percent: int = Field(10, ge=0, le=100, description="Hysteresis band around the SLO targets.")
     scale_up_timeout_seconds: int = Field(
-        600, ge=30, description="Give up on a scale-up whose pods never become ready (e.g. no free GPUs)."
+        600,
+        ge=30,
+        description="Give up on a scale-up whose pods never become ready (e.g. no free GPUs). Pods that are all "
+        "scheduled get at least twice the role's measured start-up.",
     )
     prometheus_url: str | None = Field(
         None, description="Prometheus base URL; defaults to the operator's setting."
