@@ -18,8 +18,9 @@ Autoscaler's is, on the same signals and guards as the prefill:decode law:
 Scale-ups wait out `scaleUpStabilizationSeconds`, scale-downs
 `scaleDownStabilizationSeconds`; no change within `cooldownSeconds` of the last one;
 at most `maxStep` engines per change; within the GPU budget and the role's bounds; a
-scale-up whose pods are not ready within `scaleUpTimeoutSeconds` falls back to the ready
-count and blocks scale-ups as long. Everything remembered is in AutoscalingState.
+scale-up whose pods are not ready within `scaleUpTimeoutSeconds` (while all are
+scheduled, at least twice the measured start-up) falls back to the ready count and blocks
+scale-ups as long. Everything remembered is in AutoscalingState.
 """
 
 from __future__ import annotations
