@@ -28,7 +28,7 @@ DEFAULT_STARTUP_S = 60.0
 # start-ups before the law gives up on it. `scaleUpTimeoutSeconds` is for pods that
 # cannot start (no free GPUs); where every pod downloads the model, a start-up can
 # outlast it, and giving up deletes pods about to serve: at a 900 s start-up and the
-# default 600 s, the law never got a second prefill engine ready on the Azure code day
+# default 600 s, the law kept giving up on a second prefill engine on the Azure code day
 # (docs/benchmarks.md).
 STARTUPS_BEFORE_TIMEOUT = 2.0
 
