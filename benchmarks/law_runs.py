@@ -9,6 +9,7 @@ fixed rate scales, and one policy alone over a day.
         [--startup 300] [--decisions] [--spans 300]
     .venv/bin/python benchmarks/law_runs.py schedule azure-code-weekday 0.047 5 --attains 0.977,0.863
         [--window 3600] [--startup 300] [--seed 1]     (or: schedule azure-code 31.202 16 --window 300 ...)
+    .venv/bin/python benchmarks/law_runs.py level azure-code-weekday 24 --from 0.39 [--jobs 2]
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
@@ -23,7 +24,8 @@ the seasonal forecast has a yesterday; plan_bench's day runs add every other pol
 the static searches.
 `schedule` sizes a day (or an hour scenario) in hindsight by the simulator, window by
 window (sim/schedule.py), for the fewest GPU-hours at each attainment asked: the bound a
-dynamic policy of that attainment is compared with.
+dynamic policy of that attainment is compared with. `level` finds a day's load level by
+simulation, as plan_bench does, from a starting factor (e.g. a smaller level's, scaled).
 Run it once on each version of the law (e.g. a `git worktree` of the one before, with
 PYTHONPATH pointing at its operator/) and compare the lines.
 """
@@ -208,6 +210,20 @@ def scheduled(
         print("    engines per window: " + " ".join(f"{p}:{d}" for p, d in made.splits))
 
 
+def level(name: str, engines: int, start: float | None, jobs: int) -> None:
+    """plan_bench's day level (`--day-level simulated`) from a given starting factor."""
+    profile, slo = perf.load(perf.DEFAULT_PROFILE), scoring.SLO(500.0, 25.0, False)
+    started = time.process_time()
+    found = day.level_by_simulation(
+        day.day_source(name, perf.traces_dir()), profile, slo, engines, jobs=jobs, start=start
+    )
+    print(
+        f"{name} at {engines} engines: rate factor {found.factor:.4f}, the peak hour {found.attainment:.2%} "
+        f"as {found.split[0]}:{found.split[1]}, {found.simulated} peak hours simulated "
+        f"[{time.process_time() - started:.0f} s CPU in this process]"
+    )
+
+
 def _print_spans(
     setup: plan.Setup,
     result: fleet.Result,
@@ -286,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--window", type=float, default=3600.0, help="seconds per window (the warm-up's divisor)")
     c.add_argument("--startup", type=float, default=60.0, help="engine start-up (s), pod created to Ready")
     c.add_argument("--seed", type=int, default=0, help="a day's arrival draw (day's --seeds)")
+    v = sub.add_parser("level", help="a day's load level for a number of engines at the peak, by simulation")
+    v.add_argument("scenario", choices=sorted(day.DAY_SCENARIOS))
+    v.add_argument("engines", type=int)
+    v.add_argument(
+        "--from", dest="start", type=float, help="the rate factor to bracket from (default: the models')"
+    )
+    v.add_argument("--jobs", type=int, default=1)
     o = sub.add_parser("hour", help="one policy alone on one hour scenario")
     o.add_argument(
         "scenario", help="one of plan_bench's hour scenarios (conv, synthetic, azure, azure-code, ...)"
@@ -302,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     elif a.what == "schedule":
         targets = [float(x) for x in a.attains.split(",")]
         scheduled(a.scenario, a.factor, a.gpus, targets, a.window, a.startup, a.seed)
+    elif a.what == "level":
+        level(a.scenario, a.engines, a.start, a.jobs)
     elif a.what == "hour":
         one_hour(a.scenario, a.scale, a.gpus, a.policy, a.startup, a.decisions, a.spans)
     else:

@@ -72,6 +72,12 @@ def test_a_level_set_by_simulation_is_the_largest_load_the_engines_serve() -> No
         assert level.attainment >= 0.95 and sum(level.split) == 3
         assert attained(source, level.factor) == level.attainment
         assert attained(source, level.factor * 1.1 * 1.1) < 0.95
+    # From another start (a known level scaled), the bracket lands on the same level.
+    started = day.level_by_simulation(
+        bursts, PROFILE, SLO, 3, attains=0.95, precision=1.1, start=levels[1].factor * 4
+    )
+    assert started.attainment >= 0.95 and attained(bursts, started.factor * 1.1 * 1.1) < 0.95
+    assert levels[1].factor / 1.1 < started.factor < levels[1].factor * 1.1
 
 
 def test_no_level_when_no_load_is_light_enough() -> None:

@@ -243,11 +243,14 @@ def level_by_simulation(
     attains: float = 0.99,
     jobs: int = 1,
     precision: float = 1.03,
+    start: float | None = None,
 ) -> SimulatedLevel:
     """The largest rate factor (to within `precision`) at which the best static split of
     `engines` engines attains `attains` of the peak hour's requests, each hour simulated
     from an empty fleet. The capacity models size for mean rates; bursts within the
-    minute need more, so a level the models set can overload every fleet it compares."""
+    minute need more, so a level the models set can overload every fleet it compares.
+    The bracket starts at `start`, or else at the models' factor (on bursty traffic up
+    to ten times the level: a known level scaled is a closer start)."""
     fleet = fleet_config(PlanConfig(gpus=engines * profile.gpus, slo=slo), profile)
     simulated = 0
 
@@ -258,7 +261,7 @@ def level_by_simulation(
         top = static_best(setup, jobs, exhaustive=False)[0]
         return top.attainment, top.split
 
-    factor = factor_for_peak(source, profile, slo, engines)
+    factor = start or factor_for_peak(source, profile, slo, engines)
     found = best(factor)
     low: tuple[float, tuple[float, tuple[int, int]]] | None = (factor, found) if found[0] >= attains else None
     high = None if low else factor
