@@ -255,7 +255,13 @@ def day_run(name: str, peak: int, a: argparse.Namespace) -> dict:
     source = day.day_source(name, perf.traces_dir())
     if a.day_level == "simulated":
         level = day.level_by_simulation(
-            source, profile, DAY_SLO, peak, attains=a.day_peak_attains, jobs=a.jobs
+            source,
+            profile,
+            DAY_SLO,
+            peak,
+            attains=a.day_peak_attains,
+            jobs=a.jobs,
+            start=a.day_level_from.get(peak),
         )
         factor, split = level.factor, level.split
         print(
@@ -436,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--day-peak-attains", type=float, default=0.99, help="day scenarios: see --day-level")
     parser.add_argument(
+        "--day-level-from",
+        default="",
+        help="day scenarios: a rate factor per --day-peaks entry to start the simulated level's search from "
+        "(e.g. `law_runs.py level`'s); on bursty traffic the models' start is up to ten times too high",
+    )
+    parser.add_argument(
         "--day-schedule-window",
         type=float,
         default=600.0,
@@ -447,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", help="day scenarios: write a PNG per run into this folder")
     parser.add_argument("--no-law-figures", action="store_true", help="skip the decision cost and learning")
     a = parser.parse_args(argv)
+    peaks = [int(x) for x in a.day_peaks.split(",")]
+    starts = [float(x) for x in a.day_level_from.split(",")] if a.day_level_from else []
+    if starts and len(starts) != len(peaks):
+        parser.error(f"--day-level-from has {len(starts)} factors for {len(peaks)} --day-peaks")
+    a.day_level_from = dict(zip(peaks, starts, strict=False))
     if a.plot:  # made now: a day's run takes many minutes to reach its plot
         Path(a.plot).mkdir(parents=True, exist_ok=True)
     out: dict = {"runs": []}
@@ -457,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.scenarios.split(","):
             if name in day.DAY_SCENARIOS:
-                for peak in map(int, a.day_peaks.split(",")):
+                for peak in peaks:
                     out["runs"].append(timed(lambda name=name, peak=peak: day_run(name, peak, a)))
                     print_run(out["runs"][-1])
                 continue
