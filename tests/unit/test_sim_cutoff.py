@@ -118,3 +118,54 @@ def test_gpu_seconds_before_integrates_the_timeline() -> None:
     assert scoring.gpu_seconds_before(result, 5.0) == 10.0
     assert scoring.gpu_seconds_before(result, 20.0) == 20 + 30
     assert scoring.gpu_seconds_before(result, 40.0) == result.gpu_seconds
+
+
+@pytest.mark.parametrize("answer", range(2, 32))
+def test_the_bracket_from_any_size_holds_the_smallest_that_attains(answer: int) -> None:
+    # sizes 2-30; answer 31: none attains
+    for near in range(2, 31):
+        probed: list[int] = []
+
+        def attains(total: int, probed: list[int] = probed) -> bool:
+            probed.append(total)
+            return total >= answer
+
+        low, high = plan._bracket(attains, 2, 30, near)
+        assert low <= min(answer, 30) <= high
+        assert high - low <= 2 * abs(answer - near)  # the bracket narrows with the guess
+        if abs(answer - near) <= 1:  # a close guess costs at most three sizes
+            assert len(probed) <= 3
+
+
+@pytest.mark.parametrize("near", [2, 6, 10])
+def test_the_search_from_a_size_finds_what_the_bisection_finds(near: int) -> None:
+    setup = a_setup(a_trace(4, rate=40.0), gpus=10)
+    cache: dict = {}
+    targets = (0.5, 0.8, 0.95, 0.999, 1.01)
+    plain = [plan.smallest_static(setup, a, 1, cache) for a in targets]
+    assert [plan.smallest_static(setup, a, 1, cache, near) for a in targets] == plain
+    sizes = [sum(sc.split) for sc in plain[:-1]]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1] and plain[-1] is None  # 1.01: none can
+
+
+def test_each_dynamic_policy_is_matched_with_the_smallest_static_fleet() -> None:
+    from pdcluster.sim.plan_config import PlanConfig
+
+    trace = a_trace(4, requests=2500, rate=12.0)
+    config = PlanConfig(
+        gpus=10,
+        slo=scoring.SLO(300.0, 25.0, False),
+        rate_scale=1.0,
+        policies=(PolicyChoice(PolicyKind.PDCLUSTER), PolicyChoice(PolicyKind.DYNAMO_LOAD)),
+        equal_attainment=True,
+        startup_s=5.0,
+    )
+    evaluation = plan.evaluate(config, base=trace)
+    for sc in evaluation.scores:
+        match = plan.smallest_static(evaluation.setup, sc.attainment, 1, {})  # bisected from no guess
+        found = evaluation.report["policies"][sc.policy]["static_at_equal_attainment"]
+        assert match is not None and found["split"] == f"{match.split[0]}:{match.split[1]}"
+        assert (
+            found["attainment"] == pytest.approx(match.attainment, abs=1e-4)
+            and match.attainment >= sc.attainment
+        )

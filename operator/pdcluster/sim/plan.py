@@ -298,21 +298,50 @@ def best_split_of(setup: Setup, total: int, jobs: int, cache: dict[tuple[int, in
 
 
 def smallest_static(
-    setup: Setup, attainment: float, jobs: int, cache: dict[tuple[int, int], Score]
+    setup: Setup,
+    attainment: float,
+    jobs: int,
+    cache: dict[tuple[int, int], Score],
+    near: int | None = None,
 ) -> Score | None:
     """The smallest static fleet (fewest engines, the best split of them, in hindsight)
-    that attains at least `attainment`; None if the whole budget cannot. Attainment
-    grows with engines, so the size is bisected (best_split_of each)."""
-    low, high = 2, setup.engines
-    if best_split_of(setup, high, jobs, cache).attainment < attainment:
-        return None
+    that attains at least `attainment`; None if the whole budget cannot. Attainment grows
+    with engines, so the size is bisected (best_split_of each), within a bracket found
+    from `near` (a size thought close) if given: each size is a hill climb of whole runs."""
+
+    def attains(total: int) -> bool:
+        return best_split_of(setup, total, jobs, cache).attainment >= attainment
+
+    low, high = 2, setup.engines  # the answer, if any, is in [low, high]
+    if near is not None:
+        low, high = _bracket(attains, low, high, min(max(near, low), high))
     while low < high:
         middle = (low + high) // 2
-        if best_split_of(setup, middle, jobs, cache).attainment >= attainment:
+        if attains(middle):
             high = middle
         else:
             low = middle + 1
-    return best_split_of(setup, low, jobs, cache)
+    found = best_split_of(setup, low, jobs, cache)
+    return found if found.attainment >= attainment else None
+
+
+def _bracket(attains: Callable[[int], bool], low: int, high: int, near: int) -> tuple[int, int]:
+    """A narrower [low, high] holding the smallest size that attains (or `high`, where
+    none below it does), probed from `near` in steps that double."""
+    step = 1
+    if attains(near):
+        high = near
+        while high - step >= low:
+            if not attains(high - step):
+                return high - step + 1, high
+            high, step = high - step, step * 2
+        return low, high
+    low = min(near + 1, high)  # near == high: the final check says whether it attains
+    while low + step - 1 < high:
+        if attains(low + step - 1):
+            return low, low + step - 1
+        low, step = low + step, step * 2
+    return low, high
 
 
 def _settles(known: Score, needed: int | None) -> bool:
@@ -411,7 +440,7 @@ def evaluate(config: PlanConfig, say: Say = quiet, base: Trace | None = None) ->
     scores, results, best, start = run_policies(setup, config)
     report = plan_report.build_report(setup, config, scale, searched, scores, results, best, start)
     if config.equal_attainment:
-        add_static_at_equal_attainment(report, setup, config, scores)
+        add_static_at_equal_attainment(report, setup, config, scores, results)
     return Evaluation(report, results, setup, scores)
 
 
@@ -448,14 +477,24 @@ def start_split(start: Start, setup: Setup, best: Score | None) -> tuple[int, in
 
 
 def add_static_at_equal_attainment(
-    report: dict, setup: Setup, config: PlanConfig, scores: list[Score]
+    report: dict, setup: Setup, config: PlanConfig, scores: list[Score], results: dict[str, Result]
 ) -> None:
     """For each dynamic policy, the smallest static fleet that attains as much."""
     dynamic = {c.name for c in config.policies if c.dynamic}  # a score carries its policy's name
     cache: dict[tuple[int, int], Score] = {}
+    near = None
     for sc in scores:
         if sc.policy in dynamic:
-            match = smallest_static(setup, sc.attainment, config.jobs, cache)
+            # The search starts at the last answer, or at the most engines the policy held:
+            # a static fleet that serves as well is seldom far from either.
+            near = near or peak_engines(results[sc.policy])
+            match = smallest_static(setup, sc.attainment, config.jobs, cache, near)
+            near = near if match is None else sum(match.split)
             report["policies"][sc.policy]["static_at_equal_attainment"] = (
                 None if match is None else {"split": f"{match.split[0]}:{match.split[1]}", **match.as_dict()}
             )
+
+
+def peak_engines(result: Result) -> int:
+    """The most engines a run had ready at once."""
+    return max((p + d for _, p, d, *_ in result.timeline), default=2)
