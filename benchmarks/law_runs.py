@@ -10,6 +10,7 @@ fixed rate scales, and one policy alone over a day.
     .venv/bin/python benchmarks/law_runs.py schedule azure-code-weekday 0.047 5 --attains 0.977,0.863
         [--window 3600] [--startup 300] [--seed 1]     (or: schedule azure-code 31.202 16 --window 300 ...)
     .venv/bin/python benchmarks/law_runs.py level azure-code-weekday 24 --from 0.39 [--jobs 2]
+    .venv/bin/python benchmarks/law_runs.py fleets azure-code-weekday 0.4678 30 --engines 12 --attains 0.95
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
@@ -26,6 +27,9 @@ the static searches.
 window (sim/schedule.py), for the fewest GPU-hours at each attainment asked: the bound a
 dynamic policy of that attainment is compared with. `level` finds a day's load level by
 simulation, as plan_bench does, from a starting factor (e.g. a smaller level's, scaled).
+`fleets` runs every split of so many static engines over a day, each stopped once it
+cannot attain the figure asked: where none does, the smallest static fleet of that
+attainment is larger, a bound at a fraction of plan_bench's search.
 Run it once on each version of the law (e.g. a `git worktree` of the one before, with
 PYTHONPATH pointing at its operator/) and compare the lines.
 """
@@ -48,7 +52,7 @@ import plan_bench
 from pdcluster import perf
 from pdcluster.sim import day, fleet, plan, schedule, scoring
 from pdcluster.sim.plan_config import PlanConfig, PolicyKnobs
-from pdcluster.sim.plan_policies import parse_policy
+from pdcluster.sim.plan_policies import PolicyChoice, parse_policy
 
 # (scenario, level, rate scale): docs/benchmarks.md's hour table.
 HOUR_RUNS = (
@@ -210,6 +214,29 @@ def scheduled(
         print("    engines per window: " + " ".join(f"{p}:{d}" for p, d in made.splits))
 
 
+def fleets(name: str, factor: float, gpus: int, engines: int, attains: float, jobs: int) -> None:
+    """Whether any split of `engines` static engines attains `attains` over a day: every
+    split run, each stopped once it cannot (sim/cutoff.py, a bound: a stopped split is
+    known to fall short). No split attaining it bounds the smallest static fleet of that
+    attainment from below, at a fraction of the searches' cost."""
+    setup = day_setup(name, factor, gpus, 60.0, PolicyKnobs.tolerance_percent)
+    needed = math.ceil(attains * setup.deadlines.scored - 1e-9)
+    started = time.process_time()
+    splits = [(p, engines - p) for p in range(1, engines)]
+    runs = plan.run_many(setup, [PolicyChoice.static(p, d) for p, d in splits], jobs, needed=needed)
+    print(f"{name} x{factor}, {engines} static engines, to attain {attains:.2%} ({needed:,} good requests):")
+    for (p, d), (sc, result) in zip(splits, runs, strict=True):
+        if sc.cut:
+            print(f"  {p}:{d}: stopped at hour {result.cut_s / 3600:.1f}, at most {sc.attainment:.2%}")
+        else:
+            print(f"  {p}:{d}: {sc.attainment:.2%}, {sc.gpu_hours:.2f} GPU-h")
+    attained = [f"{p}:{d}" for (p, d), (sc, _) in zip(splits, runs, strict=True) if sc.attainment >= attains]
+    print(
+        f"  {'attained by ' + ', '.join(attained) if attained else 'no split attains it'} "
+        f"[{time.process_time() - started:.0f} s CPU in this process]"
+    )
+
+
 def level(name: str, engines: int, start: float | None, jobs: int) -> None:
     """plan_bench's day level (`--day-level simulated`) from a given starting factor."""
     profile, slo = perf.load(perf.DEFAULT_PROFILE), scoring.SLO(500.0, 25.0, False)
@@ -309,6 +336,15 @@ def main(argv: list[str] | None = None) -> int:
         "--from", dest="start", type=float, help="the rate factor to bracket from (default: the models')"
     )
     v.add_argument("--jobs", type=int, default=1)
+    f = sub.add_parser(
+        "fleets", help="whether any split of so many static engines attains a figure over a day"
+    )
+    f.add_argument("scenario", choices=sorted(day.DAY_SCENARIOS))
+    f.add_argument("factor", type=float, help="the rate factor (plan_bench prints a level's)")
+    f.add_argument("gpus", type=int)
+    f.add_argument("--engines", type=int, required=True)
+    f.add_argument("--attains", type=float, required=True, help="the scored day's attainment (0-1)")
+    f.add_argument("--jobs", type=int, default=1)
     o = sub.add_parser("hour", help="one policy alone on one hour scenario")
     o.add_argument(
         "scenario", help="one of plan_bench's hour scenarios (conv, synthetic, azure, azure-code, ...)"
@@ -327,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         scheduled(a.scenario, a.factor, a.gpus, targets, a.window, a.startup, a.seed)
     elif a.what == "level":
         level(a.scenario, a.engines, a.start, a.jobs)
+    elif a.what == "fleets":
+        fleets(a.scenario, a.factor, a.gpus, a.engines, a.attains, a.jobs)
     elif a.what == "hour":
         one_hour(a.scenario, a.scale, a.gpus, a.policy, a.startup, a.decisions, a.spans)
     else:

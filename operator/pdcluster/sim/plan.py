@@ -269,9 +269,9 @@ def static_best(setup: Setup, jobs: int, exhaustive: bool) -> tuple[Score, Resul
 
 
 def best_split_of(setup: Setup, total: int, jobs: int, cache: dict[tuple[int, int], Score]) -> Score:
-    """The best split of `total` engines in hindsight: hill-climbed from the capacity
-    model's proportion, a neighbour stopping early once it cannot attain as much as the
-    split it is compared with. `cache` keeps every simulated split."""
+    """The best split of `total` engines in hindsight: hill-climbed from the best share
+    found so far (_prefill_share), a neighbour stopping early once it cannot attain as much
+    as the split it is compared with. `cache` keeps every simulated split."""
 
     def run(splits: list[tuple[int, int]], needed: int | None) -> None:
         # A split stopped early is known to fall below what it was run against; asked
@@ -284,8 +284,7 @@ def best_split_of(setup: Setup, total: int, jobs: int, cache: dict[tuple[int, in
         ):
             cache[sp] = sc
 
-    mp, md = model_split(setup)
-    p = min(max(round(total * mp / (mp + md)), 1), total - 1)
+    p = min(max(round(total * _prefill_share(setup, total, cache)), 1), total - 1)
     run([(p, total - p)], None)
     while True:
         centre = cache[(p, total - p)]
@@ -297,12 +296,19 @@ def best_split_of(setup: Setup, total: int, jobs: int, cache: dict[tuple[int, in
         p = q
 
 
+def _prefill_share(setup: Setup, total: int, cache: dict[tuple[int, int], Score]) -> float:
+    """Where a climb starts: the best whole run's prefill share at the nearest size run, else the
+    model's. A day's bursts can put that a dozen engines away (1:1 where 22:2 is best)."""
+    whole = {sp: sc for sp, sc in cache.items() if not sc.cut}
+    if not whole:
+        mp, md = model_split(setup)
+        return mp / (mp + md)
+    size = min({sum(sp) for sp in whole}, key=lambda n: (abs(n - total), -n))
+    return max((sp for sp in whole if sum(sp) == size), key=lambda sp: whole[sp].attainment)[0] / size
+
+
 def smallest_static(
-    setup: Setup,
-    attainment: float,
-    jobs: int,
-    cache: dict[tuple[int, int], Score],
-    near: int | None = None,
+    setup: Setup, attainment: float, jobs: int, cache: dict[tuple[int, int], Score], near: int | None = None
 ) -> Score | None:
     """The smallest static fleet (fewest engines, the best split of them, in hindsight)
     that attains at least `attainment`; None if the whole budget cannot. Attainment grows
@@ -326,8 +332,7 @@ def smallest_static(
 
 
 def _bracket(attains: Callable[[int], bool], low: int, high: int, near: int) -> tuple[int, int]:
-    """A narrower [low, high] holding the smallest size that attains (or `high`, where
-    none below it does), probed from `near` in steps that double."""
+    """A narrower [low, high] with the smallest size that attains, probed from `near` in doubling steps."""
     step = 1
     if attains(near):
         high = near
@@ -345,8 +350,7 @@ def _bracket(attains: Callable[[int], bool], low: int, high: int, near: int) -> 
 
 
 def _settles(known: Score, needed: int | None) -> bool:
-    """Whether a run already made answers a run against `needed` good requests: a whole
-    run always; one stopped early when even its bound falls short of `needed`."""
+    """Whether a run made answers one against `needed` good requests: whole, or its bound short of it."""
     if not known.cut:
         return True
     return needed is not None and round(known.attainment * known.requests) < needed
@@ -479,22 +483,18 @@ def start_split(start: Start, setup: Setup, best: Score | None) -> tuple[int, in
 def add_static_at_equal_attainment(
     report: dict, setup: Setup, config: PlanConfig, scores: list[Score], results: dict[str, Result]
 ) -> None:
-    """For each dynamic policy, the smallest static fleet that attains as much."""
+    """For each dynamic policy, the smallest static fleet that attains as much; the static
+    runs already made (a fixed split, static-best) are not made again."""
     dynamic = {c.name for c in config.policies if c.dynamic}  # a score carries its policy's name
-    cache: dict[tuple[int, int], Score] = {}
+    cache = {sc.split: sc for sc in scores if sc.split is not None and sc.policy not in dynamic}
     near = None
     for sc in scores:
         if sc.policy in dynamic:
             # The search starts at the last answer, or at the most engines the policy held:
             # a static fleet that serves as well is seldom far from either.
-            near = near or peak_engines(results[sc.policy])
+            near = near or max((p + d for _, p, d, *_ in results[sc.policy].timeline), default=2)
             match = smallest_static(setup, sc.attainment, config.jobs, cache, near)
             near = near if match is None else sum(match.split)
             report["policies"][sc.policy]["static_at_equal_attainment"] = (
                 None if match is None else {"split": f"{match.split[0]}:{match.split[1]}", **match.as_dict()}
             )
-
-
-def peak_engines(result: Result) -> int:
-    """The most engines a run had ready at once."""
-    return max((p + d for _, p, d, *_ in result.timeline), default=2)
