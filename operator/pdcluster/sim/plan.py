@@ -298,7 +298,7 @@ def best_split_of(setup: Setup, total: int, jobs: int, cache: dict[tuple[int, in
 
 def _prefill_share(setup: Setup, total: int, cache: dict[tuple[int, int], Score]) -> float:
     """Where a climb starts: the best whole run's prefill share at the nearest size run, else the
-    model's. A day's bursts can put that a dozen engines away (1:1 where 22:2 is best)."""
+    model's, which a day's bursts can put far from the best split (each step a whole-day run)."""
     whole = {sp: sc for sp, sc in cache.items() if not sc.cut}
     if not whole:
         mp, md = model_split(setup)
