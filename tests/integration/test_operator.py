@@ -46,6 +46,14 @@ async def children(kube: Kube, namespace: str, name: str) -> dict[tuple[str, str
     }
 
 
+def operator_owned(obj: dict[str, Any]) -> tuple[Any, ...]:
+    """What changes when the operator writes an object: its spec's generation, its labels and
+    annotations, and the operator's own managed-fields entry (time and fields)."""
+    meta = obj["metadata"]
+    ours = [m for m in meta.get("managedFields", []) if m.get("manager") == C.FIELD_MANAGER]
+    return meta["generation"], meta.get("labels"), meta.get("annotations"), ours
+
+
 async def ready(pdc: Any, name: str) -> bool:
     obj = await pdc.get(name)
     if not obj or not await pdc.is_true(name, "Ready"):
@@ -162,12 +170,12 @@ async def test_create_update_drift_delete(
 
     await wait_until(repaired, timeout=30, message="drift repaired")
     await wait_until(lambda: ready(pdc, "demo"), timeout=120, message="settled after drift")
-    # ... and then it rests again (no write storm between two managers).
-    settled = (await kube.get("apps/v1", "StatefulSet", sts, namespace))["metadata"]["resourceVersion"]
+    # ... and then it rests again (no write storm between two managers). The StatefulSet
+    # controller still writes status while the extra pods terminate, so the test judges
+    # the writes the operator owns: the spec's generation and its field manager's entry.
+    settled = operator_owned(await kube.get("apps/v1", "StatefulSet", sts, namespace))
     await reconciles_pass(operator, wait_until, 2, "after the repair")
-    assert (await kube.get("apps/v1", "StatefulSet", sts, namespace))["metadata"][
-        "resourceVersion"
-    ] == settled
+    assert operator_owned(await kube.get("apps/v1", "StatefulSet", sts, namespace)) == settled
 
     # Update: a new tensor-parallel size rolls the prefill pool onto pods asking for 2 GPUs.
     before = {
