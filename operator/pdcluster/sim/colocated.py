@@ -39,9 +39,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from bisect import bisect_right
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from datetime import timedelta
+
+import numpy as np
 
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
@@ -124,7 +127,16 @@ class ColocatedFleet:
         self.state: AutoscalingState | None = None
         self.serving_log = [(0.0, config.engines)]  # (since, engines serving)
         self.computed_tokens = 0  # prompt tokens computed so far (vllm:prompt_tokens)
-        self.computed_log: list[tuple[float, int]] = []  # (time, computed_tokens) at each control
+        self.computed_at: list[float] = []  # each control's time
+        self.computed_then: list[int] = []  # and computed_tokens then
+        # What a window of the metrics reads, logged in time order as it happens, so a
+        # control run bisects its window instead of scanning every request of the day.
+        self.firsts_at: list[float] = []  # first tokens' times
+        self.firsts_ms: list[float] = []  # their TTFTs
+        self.finishes_at: list[float] = []  # finishes of requests of two or more tokens
+        self.finishes_itl_ms: list[float] = []  # their mean ITLs
+        self.input_sum = np.concatenate(([0], np.cumsum(trace.input_tokens, dtype=np.int64)))
+        self.output_sum = np.concatenate(([0], np.cumsum(trace.output_tokens, dtype=np.int64)))
         self.router = make_policy(config.router, trace.block_tokens)
         self.kv_index = self.router.index if isinstance(self.router, PreciseCache) else None
         self.reused_tokens = 0
@@ -132,6 +144,7 @@ class ColocatedFleet:
         self.ttft = [math.nan] * n
         self.first_token = [math.nan] * n
         self.finish = [math.nan] * n
+        self.unfinished = n  # requests with no finish yet, arrived or still to come
         self.events: list[tuple[float, int, int, int]] = []
         self.unrouted: deque[int] = deque()
         self.seq = 0
@@ -162,7 +175,7 @@ class ColocatedFleet:
                 self.serving_log.append((t, len(self.serving)))
                 self.dispatch_waiting()
             # The law runs on while any request is unfinished (arrived or still to come).
-            elif kind == CONTROL and any(math.isnan(f) for f in self.finish):
+            elif kind == CONTROL and self.unfinished:
                 self.control()
                 self.push(t + auto.autoscaling.interval_seconds, CONTROL, 0)  # type: ignore[union-attr]
         tr = self.trace
@@ -197,7 +210,8 @@ class ColocatedFleet:
         none = RoleObserved(0, 0, 0)
         now = EPOCH + timedelta(seconds=self.now)
         snapshot = self.snapshot(auto.window_seconds, auto.slo.quantile.fraction)
-        self.computed_log.append((self.now, self.computed_tokens))
+        self.computed_at.append(self.now)
+        self.computed_then.append(self.computed_tokens)
         self.state, decision = decide(spec, snapshot, self.state, Observed(none, none, observed), now)
         target = decision.colocated or len(active)
         if decision.action == "scale":
@@ -227,15 +241,13 @@ class ColocatedFleet:
         (exact here, not interpolated in histogram buckets), the arrival rate and mean
         lengths, the pool's KV usage (each engine's reservation) and ready engines."""
         tr, start = self.trace, self.now - window_s
-        arrived = [i for i in range(len(tr)) if start < tr.arrival_s[i] <= self.now]
+        # Arrivals are sorted and every logged time is at most now: each window is a slice.
+        lo, hi = bisect_right(tr.arrival_s, start), bisect_right(tr.arrival_s, self.now)
+        arrived = hi - lo
         if not arrived:
             return MetricsSnapshot(window_s, 0.0)
-        firsts = [self.ttft[i] * 1000.0 for i in range(len(tr)) if start < self.first_token[i] <= self.now]
-        done = [
-            (self.finish[i] - self.first_token[i]) * 1000.0 / (tr.output_tokens[i] - 1)
-            for i in range(len(tr))
-            if start < self.finish[i] <= self.now and tr.output_tokens[i] > 1
-        ]
+        firsts = self.firsts_ms[bisect_right(self.firsts_at, start) :]
+        done = self.finishes_itl_ms[bisect_right(self.finishes_at, start) :]
         # A request still waiting for its first token is at least that late.
         waiting = [
             (self.now - tr.arrival_s[i]) * 1000.0
@@ -244,15 +256,17 @@ class ColocatedFleet:
         ]
         ttfts = firsts + waiting
         kv = [e.reserved / self.profile.max_kv_tokens for e in self.serving]
-        before = max((c for t, c in self.computed_log if t <= start), default=0.0)
+        # The count only grows: the last control at or before the window's start.
+        last = bisect_right(self.computed_at, start)
+        before = self.computed_then[last - 1] if last else 0.0
         computed = self.computed_tokens - before
         return MetricsSnapshot(
             window_s=window_s,
-            request_rate=len(arrived) / window_s,
+            request_rate=arrived / window_s,
             ttft_ms=perf.percentile(ttfts, 100 * quantile) if ttfts else None,
             itl_ms=perf.percentile(done, 100 * quantile) if done else None,
-            mean_input_tokens=sum(tr.input_tokens[i] for i in arrived) / len(arrived),
-            mean_output_tokens=sum(tr.output_tokens[i] for i in arrived) / len(arrived),
+            mean_input_tokens=int(self.input_sum[hi] - self.input_sum[lo]) / arrived,
+            mean_output_tokens=int(self.output_sum[hi] - self.output_sum[lo]) / arrived,
             colocated=RoleMetrics(
                 kv_usage=sum(kv) / len(kv) if kv else None,
                 ready=self.mean_serving(start),
@@ -355,6 +369,10 @@ class ColocatedFleet:
         while engine.decoding and engine.decoding[0][0] <= step:
             _, request = heapq.heappop(engine.decoding)
             self.finish[request] = self.now
+            self.unfinished -= 1
+            self.finishes_at.append(self.now)
+            out = tr.output_tokens[request]
+            self.finishes_itl_ms.append((self.now - self.first_token[request]) * 1000.0 / (out - 1))
             held = tr.input_tokens[request] + tr.output_tokens[request]
             engine.kv -= held
             engine.reserved -= held
@@ -370,9 +388,12 @@ class ColocatedFleet:
             _remember(engine, tr.blocks[request], self.kv_index)
             self.first_token[request] = self.now
             self.ttft[request] = self.now - tr.arrival_s[request]
+            self.firsts_at.append(self.now)
+            self.firsts_ms.append(self.ttft[request] * 1000.0)
             out = tr.output_tokens[request]
             if out <= 1:
                 self.finish[request] = self.now
+                self.unfinished -= 1
                 engine.reserved -= tr.input_tokens[request] + out
                 engine.inflight_requests -= 1
             else:
