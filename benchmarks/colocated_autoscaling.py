@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
@@ -89,22 +90,27 @@ def one_day(name: str, factor: float, max_engines: int) -> None:
     def scored(result: Result) -> scoring.Score:
         return scoring.score(result, trace, targets, ITL_S * 1000.0, day.WARMUP_S)
 
-    def row(label: str, s: scoring.Score) -> None:
+    def row(label: str, s: scoring.Score, cpu_s: float) -> None:
         print(
-            f"| {label} | {s.attainment:.2%} | {s.gpu_hours:.2f} | {s.good / s.gpu_hours:,.0f} |", flush=True
+            f"| {label} | {s.attainment:.2%} | {s.gpu_hours:.2f} | {s.good / s.gpu_hours:,.0f} | {cpu_s:.1f} |",
+            flush=True,
         )
 
     print(f"{name} x{factor}: {len(trace)} requests, colocated, up to {max_engines} engines")
-    print("\n| fleet | attainment | GPU-hours | good requests per GPU-hour |\n|---|---:|---:|---:|")
+    print(
+        "\n| fleet | attainment | GPU-hours | good requests per GPU-hour | CPU s |\n|---|---:|---:|---:|---:|"
+    )
     config = ColocatedConfig(engines=1, autoscaling=law(max_engines, 2, 60, fast=False), startup_s=60.0)
+    started = time.process_time()
     law_score = scored(simulate_colocated(trace, profile, config))
-    row("pool law from 1 engine, defaults", law_score)
+    row("pool law from 1 engine, defaults", law_score, time.process_time() - started)
     statics: dict[int, scoring.Score] = {}
 
     def static(k: int) -> scoring.Score:
         if k not in statics:
+            started = time.process_time()
             statics[k] = scored(simulate_colocated(trace, profile, ColocatedConfig(engines=k)))
-            row(f"static {k}", statics[k])
+            row(f"static {k}", statics[k], time.process_time() - started)
         return statics[k]
 
     low, high = 1, max_engines

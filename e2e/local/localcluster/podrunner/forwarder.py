@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
+import struct
 from collections.abc import Callable
 
 Address = tuple[str, int]
@@ -14,7 +16,13 @@ ServicePort = tuple[str, str, int]  # namespace, name, port
 CONNECT_TIMEOUT = 3.0
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reset: Callable[[], None]
+) -> None:
+    """Copies one direction; its end (EOF) is passed on as a half-close. A reset on either
+    side resets both, as through kube-proxy's NAT: a client whose request was on the wire
+    sees its connection fail and can retry, where a swallowed reset left it waiting for an
+    answer that could not come."""
     try:
         while data := await reader.read(65536):
             writer.write(data)
@@ -22,7 +30,16 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         if writer.can_write_eof():
             writer.write_eof()
     except (ConnectionError, OSError):
-        pass
+        reset()
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Closes with a RST (linger 0), not a FIN: what the peer of a NAT'd reset sees."""
+    sock = writer.get_extra_info("socket")
+    with contextlib.suppress(OSError):
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 class ServiceProxy:
@@ -69,8 +86,13 @@ class ServiceProxy:
             client_w.transport.abort()
             return
         up_r, up_w = upstream
+
+        def reset() -> None:
+            for w in (up_w, client_w):
+                _reset(w)
+
         try:
-            await asyncio.gather(_pipe(client_r, up_w), _pipe(up_r, client_w))
+            await asyncio.gather(_pipe(client_r, up_w, reset), _pipe(up_r, client_w, reset))
         finally:
             for w in (up_w, client_w):
                 w.close()
