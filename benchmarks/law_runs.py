@@ -11,6 +11,7 @@ fixed rate scales, and one policy alone over a day.
         [--window 3600] [--startup 300] [--seed 1]     (or: schedule azure-code 31.202 16 --window 300 ...)
     .venv/bin/python benchmarks/law_runs.py level azure-code-weekday 24 --from 0.39 [--jobs 2]
     .venv/bin/python benchmarks/law_runs.py fleets azure-code-weekday 0.4678 30 --engines 12 --attains 0.95
+        [--jobs 2] [--prefill 7-11]
 
 `hours` runs plan_bench's hour scenarios at the rate scales of docs/benchmarks.md's hour
 table (the scales plan_bench's level search found: fixed here, so that a change of the law
@@ -215,23 +216,35 @@ def scheduled(
         print("    engines per window: " + " ".join(f"{p}:{d}" for p, d in made.splits))
 
 
-def fleets(name: str, factor: float, gpus: int, engines: int, attains: float, jobs: int) -> None:
+def fleets(
+    name: str, factor: float, gpus: int, engines: int, attains: float, jobs: int, prefill: range | None = None
+) -> None:
     """Whether any split of `engines` static engines attains `attains` over a day: every
     split run, each stopped once it cannot (sim/cutoff.py, a bound: a stopped split is
     known to fall short). No split attaining it bounds the smallest static fleet of that
-    attainment from below, at a fraction of the searches' cost."""
+    attainment from below, at a fraction of the searches' cost. The splits run `jobs` at
+    a time, each line printed as it ends and its run dropped: a day of ServeGen at 24
+    engines is 24 M requests, and fifteen runs kept at once did not fit in 24 GB."""
     setup = day_setup(name, factor, gpus, 60.0, PolicyKnobs.tolerance_percent)
     needed = math.ceil(attains * setup.deadlines.scored - 1e-9)
     started = cpu_s()
-    splits = [(p, engines - p) for p in range(1, engines)]
-    runs = plan.run_many(setup, [PolicyChoice.static(p, d) for p, d in splits], jobs, needed=needed)
+    splits = [(p, engines - p) for p in range(1, engines) if prefill is None or p in prefill]
     print(f"{name} x{factor}, {engines} static engines, to attain {attains:.2%} ({needed:,} good requests):")
-    for (p, d), (sc, result) in zip(splits, runs, strict=True):
-        if sc.cut:
-            print(f"  {p}:{d}: stopped at hour {result.cut_s / 3600:.1f}, at most {sc.attainment:.2%}")
-        else:
-            print(f"  {p}:{d}: {sc.attainment:.2%}, {sc.gpu_hours:.2f} GPU-h")
-    attained = [f"{p}:{d}" for (p, d), (sc, _) in zip(splits, runs, strict=True) if sc.attainment >= attains]
+    attained = []
+    for at in range(0, len(splits), max(jobs, 1)):
+        batch = splits[at : at + max(jobs, 1)]
+        runs = plan.run_many(setup, [PolicyChoice.static(p, d) for p, d in batch], jobs, needed=needed)
+        for (p, d), (sc, result) in zip(batch, runs, strict=True):
+            if sc.cut:
+                print(
+                    f"  {p}:{d}: stopped at hour {result.cut_s / 3600:.1f}, at most {sc.attainment:.2%}",
+                    flush=True,
+                )
+            else:
+                print(f"  {p}:{d}: {sc.attainment:.2%}, {sc.gpu_hours:.2f} GPU-h", flush=True)
+            if sc.attainment >= attains:
+                attained.append(f"{p}:{d}")
+        del runs
     print(
         f"  {'attained by ' + ', '.join(attained) if attained else 'no split attains it'} "
         f"[{cpu_s() - started:.0f} s CPU, workers included]"
@@ -352,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--engines", type=int, required=True)
     f.add_argument("--attains", type=float, required=True, help="the scored day's attainment (0-1)")
     f.add_argument("--jobs", type=int, default=1)
+    f.add_argument("--prefill", metavar="P-Q", help="only the splits of P to Q prefill engines")
     o = sub.add_parser("hour", help="one policy alone on one hour scenario")
     o.add_argument(
         "scenario", help="one of plan_bench's hour scenarios (conv, synthetic, azure, azure-code, ...)"
@@ -371,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     elif a.what == "level":
         level(a.scenario, a.engines, a.start, a.jobs)
     elif a.what == "fleets":
-        fleets(a.scenario, a.factor, a.gpus, a.engines, a.attains, a.jobs)
+        low, _, high = (a.prefill or "").partition("-")
+        only = range(int(low), int(high or low) + 1) if a.prefill else None
+        fleets(a.scenario, a.factor, a.gpus, a.engines, a.attains, a.jobs, only)
     elif a.what == "hour":
         one_hour(a.scenario, a.scale, a.gpus, a.policy, a.startup, a.decisions, a.spans)
     else:
