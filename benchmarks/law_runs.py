@@ -236,9 +236,10 @@ def fleets(
         runs = plan.run_many(setup, [PolicyChoice.static(p, d) for p, d in batch], jobs, needed=needed)
         for (p, d), (sc, result) in zip(batch, runs, strict=True):
             if sc.cut:
+                # Rounded down: a bound just under the target must not print as the target.
+                bound = math.floor(sc.attainment * 1e4) / 1e4
                 print(
-                    f"  {p}:{d}: stopped at hour {result.cut_s / 3600:.1f}, at most {sc.attainment:.2%}",
-                    flush=True,
+                    f"  {p}:{d}: stopped at hour {result.cut_s / 3600:.1f}, at most {bound:.2%}", flush=True
                 )
             else:
                 print(f"  {p}:{d}: {sc.attainment:.2%}, {sc.gpu_hours:.2f} GPU-h", flush=True)
