@@ -2,13 +2,13 @@
 fixed rate scales, and one policy alone over a day.
 
     .venv/bin/python benchmarks/law_runs.py hours [--scenarios mix,burst]
-        [--policies pdcluster,pdcluster-prior]
+        [--policies pdcluster,pdcluster-prior] [--tolerance 5]
     .venv/bin/python benchmarks/law_runs.py day servegen-day 0.1945 5 [--policy pdcluster]
         [--startup 300] [--tolerance 0] [--decisions 8,11] [--by-hour] [--seeds 0,1,2] [--prior-day]
     .venv/bin/python benchmarks/law_runs.py hour azure-code 31.202 16 [--policy oracle]
         [--startup 300] [--decisions] [--spans 300]
     .venv/bin/python benchmarks/law_runs.py schedule azure-code-weekday 0.047 5 --attains 0.977,0.863
-        [--window 3600] [--startup 300] [--seed 1]     (or: schedule azure-code 31.202 16 --window 300 ...)
+        [--window 3600] [--startup 300] [--seed 1] [--jobs 2]     (or: schedule azure-code 31.202 16 --window 300 ...)
     .venv/bin/python benchmarks/law_runs.py level azure-code-weekday 24 --from 0.39 [--jobs 2]
     .venv/bin/python benchmarks/law_runs.py fleets azure-code-weekday 0.4678 30 --engines 12 --attains 0.95
         [--jobs 2] [--prefill 7-11]
@@ -65,7 +65,7 @@ HOUR_RUNS = (
 HOUR_GPUS = 8
 
 
-def hours(scenarios: set[str], policies: list[str]) -> None:
+def hours(scenarios: set[str], policies: list[str], tolerance: int = PolicyKnobs.tolerance_percent) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, level, scale in HOUR_RUNS:
             if name not in scenarios:
@@ -73,8 +73,10 @@ def hours(scenarios: set[str], policies: list[str]) -> None:
             trace, plus_prefill = plan_bench.scenario(name)
             path = Path(tmp) / f"{name}.jsonl"
             plan_bench.write_jsonl(trace, path)
+            config = plan_bench.plan_config(path, plus_prefill, level, 1, HOUR_GPUS)
             config = replace(
-                plan_bench.plan_config(path, plus_prefill, level, 1, HOUR_GPUS),
+                config,
+                knobs=replace(config.knobs, tolerance_percent=tolerance),
                 rate_scale=scale,
                 equal_attainment=False,
                 policies=tuple(parse_policy(p) for p in policies),
@@ -190,19 +192,27 @@ def day_setup(
 
 
 def scheduled(
-    name: str, factor: float, gpus: int, targets: list[float], window_s: float, startup_s: float, seed: int
+    name: str,
+    factor: float,
+    gpus: int,
+    targets: list[float],
+    window_s: float,
+    startup_s: float,
+    seed: int,
+    jobs: int = 1,
 ) -> None:
     """A day (or an hour scenario) sized in hindsight window by window (sim/schedule.py)
-    for each target, and its run; the windows are simulated once for all targets."""
+    for each target, and its run; the windows are simulated once for all targets, the
+    splits a climb compares `jobs` at a time."""
     if name in day.DAY_SCENARIOS:
         setup = day_setup(name, factor, gpus, startup_s, PolicyKnobs.tolerance_percent, seed)
     else:
         setup = hour_setup(name, factor, gpus, startup_s)
-    started = time.process_time()
-    every = schedule.windows(setup, window_s)
+    started = cpu_s()
+    every = schedule.windows(setup, window_s, jobs)
     print(
         f"{name} x{factor} on {gpus} GPUs, {startup_s:g} s start-up, {window_s:g} s windows "
-        f"simulated in {time.process_time() - started:.0f} s CPU"
+        f"simulated in {cpu_s() - started:.0f} s CPU, workers included"
     )
     for attains in targets:
         made = schedule.plan(setup, attains, window_s, every=every)
@@ -319,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     h = sub.add_parser("hours", help="the hour table at fixed rate scales")
     h.add_argument("--scenarios", default=",".join(dict.fromkeys(r[0] for r in HOUR_RUNS)))
     h.add_argument("--policies", default="pdcluster,pdcluster-prior")
+    h.add_argument(
+        "--tolerance", type=int, default=PolicyKnobs.tolerance_percent, help="autoscaling.tolerancePercent"
+    )
     d = sub.add_parser("day", help="one policy alone over a day scenario")
     d.add_argument("scenario", choices=sorted(day.DAY_SCENARIOS))
     d.add_argument("factor", type=float, help="the rate factor (plan_bench prints a level's)")
@@ -350,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--window", type=float, default=3600.0, help="seconds per window (the warm-up's divisor)")
     c.add_argument("--startup", type=float, default=60.0, help="engine start-up (s), pod created to Ready")
     c.add_argument("--seed", type=int, default=0, help="a day's arrival draw (day's --seeds)")
+    c.add_argument("--jobs", type=int, default=1)
     v = sub.add_parser("level", help="a day's load level for a number of engines at the peak, by simulation")
     v.add_argument("scenario", choices=sorted(day.DAY_SCENARIOS))
     v.add_argument("engines", type=int)
@@ -379,10 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--spans", type=float, metavar="S", help="also print each S seconds' figures")
     a = parser.parse_args(argv)
     if a.what == "hours":
-        hours(set(a.scenarios.split(",")), a.policies.split(","))
+        hours(set(a.scenarios.split(",")), a.policies.split(","), a.tolerance)
     elif a.what == "schedule":
         targets = [float(x) for x in a.attains.split(",")]
-        scheduled(a.scenario, a.factor, a.gpus, targets, a.window, a.startup, a.seed)
+        scheduled(a.scenario, a.factor, a.gpus, targets, a.window, a.startup, a.seed, a.jobs)
     elif a.what == "level":
         level(a.scenario, a.engines, a.start, a.jobs)
     elif a.what == "fleets":
