@@ -167,3 +167,29 @@ def test_a_served_rate_under_the_arrivals_is_the_service_time_only_on_busy_engin
     alone = models.mean_prefill_service_s(profile, 1950.0, 0.0, ())
     assert alone < engines_over_served / 5
     assert model.service_s == pytest.approx(engines_over_served if reads_served else alone)
+
+
+def test_a_scale_down_judges_a_wait_no_lower_than_mm1s() -> None:
+    """Engines mostly idle wait far less than M/M/1 says (the router finds an idle one),
+    which says little about fewer of them: the scale-down's model never scales the
+    measured wait below M/M/1's, while the scale-up's keeps what was measured."""
+    mm1 = models.PrefillModel(rate=6.0, service_s=0.36, fixed_ms=200.0, quantile=0.9, wait_scale=1.0)
+    idle = replace(mm1, wait_scale=0.15)
+    assert idle.for_scale_down() == mm1
+    assert idle.for_scale_down().ttft_ms(5) > idle.ttft_ms(5)
+    slow = replace(mm1, wait_scale=4.8)
+    assert slow.for_scale_down() is slow
+    unmeasured = replace(mm1, wait_scale=None)
+    assert unmeasured.for_scale_down() is unmeasured
+
+
+def test_mostly_idle_engines_do_not_talk_the_law_into_a_deep_scale_down() -> None:
+    """Eight prefill engines at 14 requests/s of 10,000-token prompts wait 0.5 ms on
+    average, far under M/M/1's: scaled by that, the model would keep five; judged at
+    M/M/1's wait at least, the scale-down stops at seven."""
+    from tests.unit.test_control_law import PROFILE, T0, metrics, ready, spec
+
+    s = spec(8, 2, gpuBudget=16, scaleDownStabilizationSeconds=0, cooldownSeconds=0, maxStep=4)
+    m = metrics(rate=14.0, engines=(8, 2), ttft=250.0, wait=0.5, isl=10000.0, itl=10.0, kv=0.1)
+    outcome = decide_outcome(s, m, None, ready(8, 2), T0, profile=PROFILE)
+    assert outcome.decision.prefill == 7, outcome.decision.reason

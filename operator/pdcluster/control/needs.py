@@ -121,17 +121,19 @@ class Sized:
 
 def sized(ctx: Context, view: View, role: Role, base: Model, fewest, most: int) -> Sized:
     """The role's need up (with the trend, the forecast and the queue) and down (at the
-    recent peak's load), and which addition, if one, made it larger. `fewest(model,
-    margin)` sizes a model (None: not within `most`); `base` is calibrated at today's load."""
+    recent peak's load, a prefill wait no lower than M/M/1's), and which addition, if
+    one, made it larger. `fewest(model, margin)` sizes a model (None: not within
+    `most`); `base` is calibrated at today's load."""
 
     def engines(model: Model, margin: float, otherwise: int) -> int:
         return fewest(model, margin) or otherwise
 
     model = _grown(ctx, view, base, role)
     up = engines(model, ctx.tol, most)
-    peak = replace(model, rate=model.rate * view.peak.get(role, 1.0))
+    kept = model.for_scale_down() if isinstance(model, models.PrefillModel) else model
+    peak = replace(kept, rate=kept.rate * view.peak.get(role, 1.0))
     down = max(engines(peak, -ctx.tol, most), up)
-    floor = down if down > max(engines(model, -ctx.tol, up), up) else None
+    floor = down if down > max(engines(kept, -ctx.tol, up), up) else None
     driver = None
     if view.backlog.get(role, 0.0) > 0 and up > engines(
         _grown(ctx, view, base, role, queue=False), ctx.tol, most
