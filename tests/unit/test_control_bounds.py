@@ -7,6 +7,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
+from tests.unit.test_control_law import PROFILE, T0, metrics, ready, spec
 
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
@@ -187,8 +188,6 @@ def test_mostly_idle_engines_do_not_talk_the_law_into_a_deep_scale_down() -> Non
     """Eight prefill engines at 14 requests/s of 10,000-token prompts wait 0.5 ms on
     average, far under M/M/1's: scaled by that, the model would keep five; judged at
     M/M/1's wait at least, the scale-down stops at seven."""
-    from tests.unit.test_control_law import PROFILE, T0, metrics, ready, spec
-
     s = spec(8, 2, gpuBudget=16, scaleDownStabilizationSeconds=0, cooldownSeconds=0, maxStep=4)
     m = metrics(rate=14.0, engines=(8, 2), ttft=250.0, wait=0.5, isl=10000.0, itl=10.0, kv=0.1)
     outcome = decide_outcome(s, m, None, ready(8, 2), T0, profile=PROFILE)
