@@ -8,14 +8,18 @@ Per role it computes two engine counts from a calibrated capacity model (models.
 `need_up`, the fewest engines that keep the SLO quantile under target x (1 + tol), and
 `need_down`, the fewest that keep it under target x (1 - tol). Below `need_up` it scales
 up (fast); above `need_down` it scales down (slowly, and only with headroom observed);
-in between it holds. The band between the two is the hysteresis that keeps a steady
-load from flapping; both counts are computed for the load plus the tolerance, room for
-it to grow while new engines start. A reactive rule adds one engine when the SLO is
-violated and the model did not see why. At the GPU budget a role that misses its
-target takes engines from the other role only while that one meets its own, never
-below its model floor, and only once that role's scale-down has been wanted for the
-whole metrics window (a voluntary scale-down waits out the longer stabilization window);
-when both miss, engines move only if that clearly lowers the worse of the two shortfalls.
+in between it holds. The band between the two is the hysteresis that keeps a steady load
+from flapping; both counts are computed for the load plus the tolerance, room for it to
+grow while new engines start. While neither role's demand is bursty the models size with
+half the tolerance (decode the whole of it while its load rises, the measured latencies
+always), and then a scale-up the models ask for on a flat load whose latency keeps its
+target is held as possible noise until the next run wants it too. A reactive rule adds
+one engine when the SLO is violated and the model did not see why. At the GPU budget a
+role that misses its target takes engines from the other role only while that one meets
+its own, never below its model floor, and only once that role's scale-down has been
+wanted for the whole metrics window (a voluntary scale-down waits out the longer
+stabilization window); when both miss, engines move only if that clearly lowers the
+worse of the two shortfalls.
 
 Guards against the known failure modes of P/D autoscalers: metrics missing or no
 traffic -> hold; a scale-up whose pods never become ready -> time out, fall back to
@@ -47,6 +51,7 @@ from pdcluster.control.needs import (
     Need,
     View,
     backlog_rate,
+    calm_noise,
     decode_need,
     feedback_need,
     prefill_need,
@@ -68,6 +73,7 @@ from pdcluster.control.trend import (
     peaks,
     recent_runs,
     record,
+    sizing_margin,
 )
 from pdcluster.control.types import MetricsSnapshot, Observed, breakdown
 from pdcluster.timestamps import time_ms
@@ -208,6 +214,7 @@ def _run(ctx: Context, start: _Start, m: MetricsSnapshot | None, prior: perf.Pro
             Role.decode: backlog_rate(ctx, m.decode.waiting, m.decode.ready),
         },
         traffic_s=traffic_s,
+        margin=sizing_margin(ctx, history),
     )
     a = _analyse(ctx, current, timers, view, m, learn.knowledge(capacity, prior, m))
     verdict, notes = cause_of(current, a), notes_of(start.notes, a)
@@ -261,7 +268,9 @@ def _analyse(
     # Bigger steps only into free GPUs: at a full budget they would come from the other role.
     free = ctx.auto.gpu_budget is None or gpu_total(ctx, current) < ctx.auto.gpu_budget
     surge = frozenset(r for r in ROLES if free and view.backlog[r] > 0 and queue_growing(m, r))
-    settled = stabilise(ctx, timers, current, fit.wants, fit.donor, surge)
+    # A scale-up that may be noise waits for the next run to want it too.
+    twice = {r: ctx.auto.interval_seconds // 2 for r in ROLES if calm_noise(ctx, view, r, needs[r])}
+    settled = stabilise(ctx, timers, current, fit.wants, fit.donor, surge, twice)
     return Analysis(m, view, needs, fit.wants, fit, settled, ttft_missed(ctx, m), wants)
 
 

@@ -64,6 +64,15 @@ class View:
     backlog: dict[Role, float] = field(default_factory=dict)  # requests/s that drain the queue in a window
     prefill_step_ms: float | None = None  # a prefill step's fixed cost, where known (learn.Knowledge)
     traffic_s: float = math.inf  # how long traffic has been seen: under a window, its rates read low
+    margin: float | None = None  # the models' share beyond the load and short of the target (else tol)
+
+    def sizing_margin(self, ctx: Context, role: Role) -> float:
+        """The calm load's margin, else the tolerance; for decode also the tolerance while
+        its load rises: a decode short on a ramp slows every stream it holds, and no
+        queue drains it."""
+        if self.margin is None or (role == Role.decode and self.factor(role) > 1.0):
+            return ctx.tol
+        return self.margin
 
     def factor(self, role: Role, forecast: bool = True) -> float:
         """What today's load is multiplied by to size for the time new engines serve."""
@@ -89,7 +98,18 @@ def _grown(
     start-up ahead by the forecast, plus the tolerance (room for noise, since latency
     rises steeply near capacity), plus the rate that drains the queue within a window."""
     backlog = view.backlog.get(role, 0.0) if queue else 0.0
-    return replace(model, rate=model.rate * view.factor(role, forecast) * (1.0 + ctx.tol) + backlog)
+    grown = view.factor(role, forecast) * (1.0 + view.sizing_margin(ctx, role))
+    return replace(model, rate=model.rate * grown + backlog)
+
+
+def calm_noise(ctx: Context, view: View, role: Role, need: Need) -> bool:
+    """Whether a scale-up is one the models ask for, at their calm load's half
+    tolerance, on a load that is not rising and whose measured quantile keeps its
+    target within the whole tolerance: it may be noise in their calibration (one noisy
+    window asked for an engine that the next gave back), so it must be wanted twice."""
+    if view.sizing_margin(ctx, role) >= ctx.tol or need.up <= view.current[role] or need.violated:
+        return False
+    return view.factor(role) <= 1.0 and view.backlog.get(role, 0.0) <= 0
 
 
 def backlog_rate(ctx: Context, queue: float | None, ready: float | None) -> float:
@@ -128,19 +148,20 @@ def sized(ctx: Context, view: View, role: Role, base: Model, fewest, most: int) 
     def engines(model: Model, margin: float, otherwise: int) -> int:
         return fewest(model, margin) or otherwise
 
+    margin = view.sizing_margin(ctx, role)
     model = _grown(ctx, view, base, role)
-    up = engines(model, ctx.tol, most)
+    up = engines(model, margin, most)
     kept = model.for_scale_down() if isinstance(model, models.PrefillModel) else model
     peak = replace(kept, rate=kept.rate * view.peak.get(role, 1.0))
-    down = max(engines(peak, -ctx.tol, most), up)
-    floor = down if down > max(engines(kept, -ctx.tol, up), up) else None
+    down = max(engines(peak, -margin, most), up)
+    floor = down if down > max(engines(kept, -margin, up), up) else None
     driver = None
     if view.backlog.get(role, 0.0) > 0 and up > engines(
-        _grown(ctx, view, base, role, queue=False), ctx.tol, most
+        _grown(ctx, view, base, role, queue=False), margin, most
     ):
         driver = Cause.queue_backlog
     elif view.factor(role) > view.factor(role, forecast=False) and up > engines(
-        _grown(ctx, view, base, role, forecast=False), ctx.tol, most
+        _grown(ctx, view, base, role, forecast=False), margin, most
     ):
         driver = Cause.forecast_ramp
     return Sized(up, down, driver, floor)

@@ -4,6 +4,7 @@ per role are shared by both laws (law.py, pool.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -68,11 +69,19 @@ class Step:
 
 
 def step(
-    ctx: Context, timers: Timers, role: Role, current: int, want: int, down_wait_s: int, surge: bool = False
+    ctx: Context,
+    timers: Timers,
+    role: Role,
+    current: int,
+    want: int,
+    down_wait_s: int,
+    surge: bool = False,
+    up_wait_s: int = 0,
 ) -> Step:
     """Move towards `want` by at most max_step once the wish has lasted its window (a
     scale-down, `down_wait_s`); while the role's queue grows (`surge`), a scale-up takes
-    SURGE_STEPS of them: each step short of the need lets the queue grow one interval more."""
+    SURGE_STEPS of them: each step short of the need lets the queue grow one interval more.
+    A scale-up waits for `scaleUpStabilizationSeconds`, or `up_wait_s` if longer."""
     auto = ctx.auto
     if want > current:
         timers = timers.set(Timer.down_since, role, None)
@@ -81,7 +90,7 @@ def step(
             return Step(current, timers, blocked, blocked=True)
         timers = timers.start(Timer.up_since, role, ctx.stamp)
         wanted = ctx.since(timers.up_since[role])
-        if wanted < auto.scale_up_stabilization_seconds:
+        if wanted < max(auto.scale_up_stabilization_seconds, up_wait_s):
             return Step(current, timers, note(NoteKind.up_waiting, role, wanted=wanted))
         most = auto.max_step * (SURGE_STEPS if surge else 1)
         return Step(current + min(want - current, most), timers, wanted_s=wanted)
@@ -122,6 +131,7 @@ def stabilise(
     wants: Counts,
     donor: Role | None,
     surge: frozenset[Role] = frozenset(),
+    up_waits: Mapping[Role, int] | None = None,
 ) -> Settled:
     auto = ctx.auto
     target, notes, blocked, taking_waits = dict(current), [], None, False
@@ -129,7 +139,8 @@ def stabilise(
         # Giving engines to the other role moves capacity rather than removing it:
         # headroom seen over a whole window is enough.
         down_wait = auto.window_seconds if role == donor else auto.scale_down_stabilization_seconds
-        s = step(ctx, timers, role, current[role], wants[role], down_wait, role in surge)
+        up_wait = (up_waits or {}).get(role, 0)
+        s = step(ctx, timers, role, current[role], wants[role], down_wait, role in surge, up_wait)
         timers, target[role] = s.timers, s.target
         notes += [s.note] if s.note else []
         blocked = blocked or (role if s.blocked else None)

@@ -160,3 +160,13 @@ def peaks(ctx: Context, history: History, spans: dict[Role, int]) -> dict[Role, 
         most = max(s.of(role) for s in history if s.time >= since)
         out[role] = most / now.of(role) if now.of(role) > 0 else 1.0
     return out
+
+
+def sizing_margin(ctx: Context, history: History) -> float:
+    """The share the capacity models size with beyond the load and short of the target:
+    the tolerance, or half of it once the recent span's runs show neither role's demand
+    bursty (a calm load needs less room; the measured latencies keep the whole tolerance
+    against their own noise)."""
+    runs = recent_runs(ctx, history)
+    calm = len(runs) >= 3 and not any(bursty([s.of(role) for s in runs]) for role in ROLES)
+    return ctx.tol / 2 if calm else ctx.tol

@@ -116,7 +116,13 @@ class AutoscalingSpec(Model):
     )
     cooldown_seconds: int = Field(60, ge=0, description="No new change this soon after the last one.")
     max_step: int = Field(2, ge=1, description="Most replicas one role moves per decision.")
-    tolerance_percent: int = Field(10, ge=0, le=100, description="Hysteresis band around the SLO targets.")
+    tolerance_percent: int = Field(
+        10,
+        ge=0,
+        le=100,
+        description="Hysteresis band around the SLO targets. The capacity models size with half of it "
+        "while neither role's demand is bursty (decode: nor rising).",
+    )
     scale_up_timeout_seconds: int = Field(
         600,
         ge=30,
