@@ -89,7 +89,7 @@ def test_a_calm_scale_up_waits_for_the_next_run_to_want_it_too() -> None:
     m = metrics(rate=38.0, engines=(3, 4), ttft=300.0, wait=30.0)
     first = decide_outcome(s, m, _state(m, (3, 4), CALM), ready(3, 4), T0, profile=PROFILE)
     assert first.decision.prefill == 3, first.decision.reason
-    assert "scale-up wanted for 0 s" in first.decision.reason
+    assert "prefill scale-up wanted for 0/15 s" in first.decision.reason
     later = T0 + timedelta(seconds=30)
     second = decide_outcome(s, m, first.state, ready(3, 4), later, profile=PROFILE)
     assert second.decision.prefill == 4, second.decision.reason

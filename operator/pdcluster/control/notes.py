@@ -64,7 +64,7 @@ _TEXT: dict[NoteKind, str | dict[str, str]] = {
     NoteKind.rebalancing: "both roles miss their targets (model needs {need_prefill}:{need_decode}): "
     "rebalancing towards {prefill}:{decode}",
     NoteKind.blocked: "{who}scale-up blocked until {until} (earlier timeout)",
-    NoteKind.up_waiting: "{who}scale-up wanted for {wanted:.0f} s",
+    NoteKind.up_waiting: "{who}scale-up wanted for {wanted:.0f}/{needed} s",
     NoteKind.taking_waits: "{role} short for {wanted:.0f}/{window} s before taking from {donor}",
     NoteKind.down_waiting: "{who}scale-down to {want} wanted for {waited:.0f}/{needed} s",
     NoteKind.cooling_down: "cooling down after the change at {since}",

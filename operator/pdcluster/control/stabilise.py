@@ -90,8 +90,9 @@ def step(
             return Step(current, timers, blocked, blocked=True)
         timers = timers.start(Timer.up_since, role, ctx.stamp)
         wanted = ctx.since(timers.up_since[role])
-        if wanted < max(auto.scale_up_stabilization_seconds, up_wait_s):
-            return Step(current, timers, note(NoteKind.up_waiting, role, wanted=wanted))
+        needed = max(auto.scale_up_stabilization_seconds, up_wait_s)
+        if wanted < needed:
+            return Step(current, timers, note(NoteKind.up_waiting, role, wanted=wanted, needed=needed))
         most = auto.max_step * (SURGE_STEPS if surge else 1)
         return Step(current + min(want - current, most), timers, wanted_s=wanted)
     if want < current:
