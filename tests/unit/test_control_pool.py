@@ -20,6 +20,7 @@ from pdcluster.control import (
 from pdcluster.control.cause import Cause
 from pdcluster.control.notes import Note
 from pdcluster.control.outcome import Outcome
+from pdcluster.control.pool import engines_for
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 CAPACITY = 2.0  # requests/s one engine of the model serves
@@ -190,6 +191,22 @@ def test_while_engines_start_the_window_counts_only_the_ready_ones() -> None:
     worse = MetricsSnapshot(60, 4.0, ttft_ms=1500.0, itl_ms=12.0, colocated=RoleMetrics(kv_usage=0.3))
     state, decision = decide(s, worse, state, pool(4, ready=2), T0 + timedelta(seconds=30))
     assert (state.colocated, decision.cause) == (6, Cause.ttft_over_target)
+
+
+def test_itl_is_predicted_to_grow_faster_than_the_load_per_engine_ttft_and_kv_in_proportion() -> None:
+    """4 engines at 40% of the ITL target: in proportion 2 engines would be at 80%, but
+    ITL grows as the load per engine ^ 1.5, so 2 would be at 113%: the pool keeps 3.
+    TTFT or the KV cache at the same share scale in proportion: 2 engines."""
+    s = spec(replicas=4, scaleDownStabilizationSeconds=0, cooldownSeconds=0)
+    low_itl = MetricsSnapshot(60, 4.0, ttft_ms=100.0, itl_ms=10.0, colocated=RoleMetrics(kv_usage=0.0))
+    state, decision = decide(s, low_itl, None, pool(4), T0)
+    assert (state.colocated, decision.cause) == (3, Cause.pool_headroom)
+    assert engines_for({"itl": 0.4}, 4, 0.9) == 3
+    assert engines_for({"ttft": 0.4}, 4, 0.9) == engines_for({"kv": 0.4}, 4, 0.9) == 2
+    # Up: 2 engines at 1.5x the ITL target need 2 x 1.5 ^ (1 / 1.5) = 2.6, so 3; KV at
+    # 1.5x its limit needs 3 as well, in proportion.
+    assert engines_for({"itl": 1.5}, 2, 1.0) == 3 and engines_for({"kv": 1.5}, 2, 1.0) == 3
+    assert engines_for({"itl": 2.0, "kv": 1.2}, 4, 1.0) == 7  # 4 x 2 ^ (2/3) = 6.3
 
 
 def test_a_saturated_pool_is_sized_by_its_throughput_not_by_its_queue() -> None:

@@ -7,12 +7,15 @@ Autoscaler's is, on the same signals and guards as the prefill:decode law:
 - pressure: the largest of TTFT / its target, ITL / its target and KV usage / the KV
   limit (the observed quantiles; without the prompt's own prefill, TTFT is the engines'
   queue time at the quantile when `ttftIncludesPrefill` is off);
-- above target x (1 + tol), or KV above its limit: ceil(engines x pressure), at least
-  one more (more engines lower each one's share of the load in proportion); while a
-  scale-up's engines are still starting, the window saw only the ready ones: ceil(ready
-  x pressure), and nothing more if that is already asked for;
+- each signal's share is predicted at another count n as share x (engines / n) ^ GROWTH:
+  TTFT and the KV cache in proportion to each engine's load, ITL faster (a decode step
+  waits for the prefill chunks batched with it, and those grow with the load per engine);
+- above target x (1 + tol), or KV above its limit: the fewest engines that bring every
+  signal under its target, at least one more; while a scale-up's engines are still
+  starting, the window saw only the ready ones: sized from the ready count, and nothing
+  more if that is already asked for;
 - below target x (1 - tol) on every signal: the fewest engines whose predicted
-  pressure, engines x pressure / n, stays under 1 - tol (never the last one);
+  signals stay under 1 - tol (never the last one);
 - otherwise hold: the band between the two is the hysteresis.
 
 Scale-ups wait out `scaleUpStabilizationSeconds`, scale-downs
@@ -47,6 +50,14 @@ POOL_WAIT = "prefill wait"  # the colocated engines' queue time: what precedes a
 
 ROLE = Role.colocated
 Signals = dict[str, float | None]  # ttft, itl, kv: each as a share of its target (None when unseen)
+# How each signal grows with the load per engine: share ~ (load / engines) ^ GROWTH. KV
+# usage is the sequences' context, in proportion; TTFT holds the prompt's own prefill,
+# which no engine count shortens (a queue that grows is sized by the throughput). ITL
+# grows faster: on the Azure code weekday at peak 4 the law went from 3 engines to 2 at
+# an ITL p90 of 10 ms (4.3 requests/s) and saw 38 ms, 3.8x for 1.5x the load per
+# engine; sized in proportion it went back and forth between 2 and 5 engines all
+# afternoon (docs/benchmarks.md, "Colocated pool": 1.25, 1.5 and 2 measured).
+GROWTH = {"ttft": 1.0, "itl": 1.5, "kv": 1.0}
 
 
 def pool_outcome(
@@ -221,26 +232,34 @@ def _want(
     # saturated its throughput says how many, else the pressure does.
     backlog = _backlog(m)
     saturated = backlog is not None and backlog > 1.0 + ctx.tol
-    factor = backlog if saturated else pressure
     if saturated:
         notes.append(note(NoteKind.saturated, backlog=backlog))
     # What the window measured: the engines that served in it (its mean), not those
     # still starting.
-    measured = m.colocated.ready or ready
+    measured = max(m.colocated.ready or ready, 1)
+    sized = math.ceil(measured * backlog) if saturated and backlog else engines_for(seen, measured, 1.0)
     if violated and in_flight:
         # More only if the engines measured would not be enough either.
-        want = max(current, math.ceil(max(measured, 1) * factor))
+        want = max(current, sized)
         starting = want == current
         notes += [note(NoteKind.starting, target=current, ready=ready)] if starting else []
     elif violated:
-        want = max(current + 1, math.ceil(max(measured, 1) * factor))
+        want = max(current + 1, sized)
     elif headroom and current > 1 and not in_flight:
-        want = max(math.ceil(current * pressure / (1.0 - ctx.tol)), 1)
+        want = max(engines_for(seen, current, 1.0 - ctx.tol), 1)
     else:
         want = current
     if want > high and violated:
         notes.append(note(NoteKind.beyond_limit, ROLE, limit=high))
     return min(max(want, low), high), tuple(notes), starting
+
+
+def engines_for(seen: dict[str, float], engines: float, limit: float) -> int:
+    """The fewest engines at which every signal seen on `engines`, grown by GROWTH, stays
+    under `limit` (a share of its target)."""
+    return max(
+        (math.ceil(engines * (share / limit) ** (1.0 / GROWTH[k])) for k, share in seen.items()), default=1
+    )
 
 
 def _cause(
