@@ -35,7 +35,7 @@ import time
 
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import PDClusterSpec
-from pdcluster.sim import day, scoring
+from pdcluster.sim import day, schedule, scoring
 from pdcluster.sim.colocated import ColocatedConfig, simulate_colocated
 from pdcluster.sim.fleet import Result
 from pdcluster.sim.trace import Trace, load_trace
@@ -78,7 +78,30 @@ def law(max_engines: int, max_step: int, cooldown_s: int, fast: bool = True) -> 
     )
 
 
-def one_day(name: str, factor: float, max_engines: int) -> None:
+def planned(trace: Trace, profile: perf.Profile, max_engines: int, window_s: float, attains: float) -> None:
+    """B's bound: the day sized in hindsight window by window (sim/schedule.py), each
+    window's requests alone on static pools of 1 to max_engines engines, the fewest
+    engine-windows whose good requests reach `attains` of the scored day."""
+    started = time.process_time()
+    count = math.ceil(trace.arrival_s[-1] / window_s + 1e-9)
+    every = [
+        schedule.colocated_options(
+            trace, profile, w * window_s, window_s, max_engines, TTFT_S, ITL_S * 1000.0
+        )
+        for w in range(count)
+    ]
+    made = schedule.plan_of(every, day.WARMUP_S, window_s, attains)
+    scored = made.splits[math.ceil(day.WARMUP_S / window_s) :]
+    hours = sum(p for p, _ in scored) * window_s / 3600.0
+    print(
+        f"| plan in hindsight, {window_s:g} s windows, for {attains:.2%} | {made.attainment:.2%} | {hours:.2f} | "
+        f"{made.good / hours:,.0f} | {time.process_time() - started:.1f} |",
+        flush=True,
+    )
+    print("    engines per window: " + " ".join(str(p) for p, _ in made.splits))
+
+
+def one_day(name: str, factor: float, max_engines: int, plan_window_s: float | None = None) -> None:
     """The pool law over a day scenario, and the smallest static colocated fleet (of up to
     max_engines) that attains as much, bisected (attainment grows with engines; a day of a
     large fleet makes every size a long run); scored after the warm-up (sim/scoring.py,
@@ -104,6 +127,8 @@ def one_day(name: str, factor: float, max_engines: int) -> None:
     started = time.process_time()
     law_score = scored(simulate_colocated(trace, profile, config))
     row("pool law from 1 engine, defaults", law_score, time.process_time() - started)
+    if plan_window_s:
+        planned(trace, profile, max_engines, plan_window_s, law_score.attainment)
     statics: dict[int, scoring.Score] = {}
 
     def static(k: int) -> scoring.Score:
@@ -141,11 +166,16 @@ def main() -> None:
     parser.add_argument("--max-engines", type=int, default=12)
     parser.add_argument("--day", choices=day.DAY_SCENARIOS, help="a day scenario instead of the burst")
     parser.add_argument("--factor", type=float, help="--day: the rate factor (plan_bench prints a level's)")
+    parser.add_argument(
+        "--plan-window",
+        type=float,
+        help="--day: also the plan in hindsight with windows of this many seconds (B), at the law's attainment",
+    )
     args = parser.parse_args()
     if args.day:
         if args.factor is None:
             parser.error("--day needs --factor")
-        one_day(args.day, args.factor, args.max_engines)
+        one_day(args.day, args.factor, args.max_engines, args.plan_window)
         return
     trace = workload(args.replicate)
     profile = perf.load("h200-llama3.1-8b")

@@ -111,3 +111,23 @@ def test_the_warm_up_is_served_well_and_not_counted() -> None:
     assert made.splits[0] == max(warm, key=lambda o: (o.good, -o.engines)).split
     with pytest.raises(ValueError, match="window's edge"):
         schedule.plan(a_setup(two_windows(), warmup_s=1800.0), 0.9)
+
+
+def test_a_colocated_pool_is_planned_the_same_way_one_engine_up() -> None:
+    """The colocated pool's options start at one engine (a pool needs no pair) and stop
+    growing once a size serves every request; the plan is the same knapsack."""
+    trace, profile = two_windows(), perf.load(perf.DEFAULT_PROFILE)
+    every = [
+        schedule.colocated_options(trace, profile, w * WINDOW_S, WINDOW_S, 8, 0.3, 25.0) for w in range(2)
+    ]
+    for window in every:
+        assert [o.split for o in window] == [(k, 0) for k in range(1, len(window) + 1)]
+        assert all(o.requests == window[0].requests for o in window)
+        assert window[-1].good == window[-1].requests or len(window) == 8
+        assert all(o.good < o.requests for o in window[:-1])  # it stopped at the first that served all
+    made = schedule.plan_of(every, 0.0, WINDOW_S, 0.95)
+    quiet, busy = (p for p, _ in made.splits)
+    assert quiet < busy and made.attainment >= 0.95 and made.requests == len(trace)
+    assert schedule.colocated_options(trace, profile, 5 * WINDOW_S, WINDOW_S, 8, 0.3, 25.0) == [
+        schedule.Option((1, 0), 0, 0)
+    ]

@@ -22,6 +22,8 @@ import math
 from bisect import bisect_left
 from dataclasses import dataclass, replace
 
+from pdcluster.perf import Profile
+from pdcluster.sim.colocated import ColocatedConfig, simulate_colocated
 from pdcluster.sim.fleet import Fleet, Result, simulate
 from pdcluster.sim.plan import Setup, best_split_of
 from pdcluster.sim.scoring import Score, score
@@ -84,6 +86,24 @@ def options(setup: Setup, start_s: float, length_s: float, jobs: int = 1) -> lis
     return found
 
 
+def colocated_options(
+    trace: Trace, profile: Profile, start_s: float, length_s: float, most: int, ttft_s: float, itl_ms: float
+) -> list[Option]:
+    """A colocated pool's options for one window: static fleets of 1 to `most` engines
+    (split (k, 0)), the sizes stopping once one serves every request within the SLO."""
+    part = window_of(trace, start_s, length_s)
+    if not len(part):
+        return [Option((1, 0), 0, 0)]
+    found: list[Option] = []
+    for engines in range(1, most + 1):
+        result = simulate_colocated(part, profile, ColocatedConfig(engines=engines))
+        judged = score(result, part, [ttft_s] * len(part), itl_ms)
+        found.append(Option((engines, 0), judged.good, judged.requests))
+        if judged.good == judged.requests:
+            break
+    return found
+
+
 def choose(windows: list[list[Option]], good_needed: int) -> list[Option]:
     """One option per window, holding the fewest engine-windows whose good requests add
     up to `good_needed` (exact: the most good requests for each total of engines, by
@@ -121,10 +141,17 @@ def plan(
     windows before the warm-up's end get the split that serves them best (they are neither
     scored nor counted); the scored windows the fewest engine-windows that attain
     `attains` of their requests."""
-    first_scored = math.ceil(setup.warmup_s / window_s - 1e-9)
-    if setup.warmup_s and abs(first_scored * window_s - setup.warmup_s) > 1e-6:
-        raise ValueError(f"the warm-up ({setup.warmup_s:g} s) must end on a window's edge ({window_s:g} s)")
     every = every if every is not None else windows(setup, window_s, jobs)
+    return plan_of(every, setup.warmup_s, window_s, attains)
+
+
+def plan_of(every: list[list[Option]], warmup_s: float, window_s: float, attains: float) -> Plan:
+    """The plan from every window's options (those of a prefill:decode fleet or of a
+    colocated pool): the windows before the warm-up's end get the option that serves them
+    best, the scored windows the fewest engine-windows that attain `attains`."""
+    first_scored = math.ceil(warmup_s / window_s - 1e-9)
+    if warmup_s and abs(first_scored * window_s - warmup_s) > 1e-6:
+        raise ValueError(f"the warm-up ({warmup_s:g} s) must end on a window's edge ({window_s:g} s)")
     warm = [max(o, key=lambda x: (x.good, -x.engines)) for o in every[:first_scored]]
     scored = every[first_scored:]
     requests = sum(o[0].requests for o in scored)
