@@ -52,11 +52,11 @@ ROLE = Role.colocated
 Signals = dict[str, float | None]  # ttft, itl, kv: each as a share of its target (None when unseen)
 # How each signal grows with the load per engine: share ~ (load / engines) ^ GROWTH. KV
 # usage is the sequences' context, in proportion; TTFT holds the prompt's own prefill,
-# which no engine count shortens (a queue that grows is sized by the throughput). ITL
-# grows faster: on the Azure code weekday at peak 4 the law went from 3 engines to 2 at
-# an ITL p90 of 10 ms (4.3 requests/s) and saw 38 ms, 3.8x for 1.5x the load per
-# engine; sized in proportion it went back and forth between 2 and 5 engines all
-# afternoon (docs/benchmarks.md, "Colocated pool": 1.25, 1.5 and 2 measured).
+# which no engine count shortens (a queue that grows is sized by the throughput). ITL's
+# tail grows faster: on the Azure code weekday at peak 4 the law went from 3 engines to
+# 2 at an ITL p90 of 12 ms and saw 44 ms at the same load per engine; sized in
+# proportion it went back and forth between 2 and 5 engines all afternoon
+# (docs/benchmarks.md, "Colocated pool": 1.25, 1.5 and 2 measured).
 GROWTH = {"ttft": 1.0, "itl": 1.5, "kv": 1.0}
 
 
