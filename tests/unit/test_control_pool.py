@@ -26,7 +26,7 @@ T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 CAPACITY = 2.0  # requests/s one engine of the model serves
 
 
-def spec(replicas: int = 2, **autoscaling: Any) -> PDClusterSpec:
+def spec(replicas: int = 2, most: int = 10, **autoscaling: Any) -> PDClusterSpec:
     auto = {
         "enabled": True,
         "slo": {"ttftMs": 500, "itlMs": 25},
@@ -40,7 +40,7 @@ def spec(replicas: int = 2, **autoscaling: Any) -> PDClusterSpec:
         {
             "model": {"name": "m"},
             "mode": "colocated",
-            "colocated": {"replicas": replicas, "minReplicas": 1, "maxReplicas": 10},
+            "colocated": {"replicas": replicas, "minReplicas": 1, "maxReplicas": most},
             "autoscaling": auto,
         }
     )
@@ -228,3 +228,47 @@ def test_a_saturated_pool_is_sized_by_its_throughput_not_by_its_queue() -> None:
     blind = MetricsSnapshot(60, 10.0, ttft_ms=20000.0, itl_ms=20.0, colocated=RoleMetrics(kv_usage=0.5))
     state, _ = decide(s, blind, None, pool(2), T0)
     assert state.colocated == 10
+
+
+def window(itl_ms: float, ttft_ms: float = 100.0, seen: float | None = None) -> MetricsSnapshot:
+    """A window at 4 req/s; `seen`: the engines serving in it, on average."""
+    return MetricsSnapshot(
+        60, 4.0, ttft_ms=ttft_ms, itl_ms=itl_ms, colocated=RoleMetrics(kv_usage=0.1, ready=seen)
+    )
+
+
+def test_itl_alone_asks_for_one_step_more_ttft_in_proportion() -> None:
+    """ITL's tail at twice its target asks for one more engine (a tolerance band more of a
+    larger pool); TTFT at twice its target for twice the engines."""
+    for engines, itl_wants in ((4, 5), (20, 22)):
+        s = spec(replicas=engines, most=40, maxStep=20)
+        state, decision = decide(s, window(50.0, seen=engines), None, pool(engines), T0)
+        assert (state.colocated, decision.cause) == (itl_wants, Cause.itl_over_target)
+    s = spec(replicas=4, maxStep=20)
+    state, decision = decide(s, window(12.0, ttft_ms=1000.0, seen=4), None, pool(4), T0)
+    assert (state.colocated, decision.cause) == (8, Cause.ttft_over_target)
+
+
+def test_a_window_that_has_not_seen_the_engines_now_serving_holds() -> None:
+    """4 engines serve, the window saw 2.5 on average: ITL over its target waits for a
+    window at the new count, and so does a scale-down."""
+    s = spec(replicas=4, scaleDownStabilizationSeconds=0, cooldownSeconds=0)
+    outcome = decide_outcome(s, window(50.0, seen=2.5), None, pool(4), T0)
+    assert (outcome.state.colocated, outcome.decision.cause) == (4, Cause.stabilizing)
+    assert noted(outcome, NoteKind.unmeasured).figures == {"measured": 2.5, "engines": 4}
+    state, decision = decide(s, window(5.0, ttft_ms=50.0, seen=2.5), None, pool(4), T0)
+    assert (state.colocated, decision.cause) == (4, Cause.within_targets)
+    # Seen by a whole window, the same ITL adds one engine.
+    state, _ = decide(s, window(50.0, seen=4.0), None, pool(4), T0)
+    assert state.colocated == 5
+
+
+def test_a_scale_down_is_sized_from_the_engines_the_window_saw() -> None:
+    """Just down from 5 to 3, the window saw 4 engines on average at 40% of the ITL target:
+    4 engines' load on 3 keeps ITL under 90%, on 2 it would not (as on 3 engines' load)."""
+    s = spec(replicas=3, scaleDownStabilizationSeconds=0, cooldownSeconds=0)
+    state, decision = decide(s, window(10.0, ttft_ms=50.0, seen=4.0), None, pool(3), T0)
+    assert (state.colocated, decision.cause) == (3, Cause.within_targets)
+    assert engines_for({"itl": 0.4}, 3, 0.9) == 2
+    state, decision = decide(s, window(10.0, ttft_ms=50.0, seen=3.0), None, pool(3), T0)
+    assert (state.colocated, decision.cause) == (2, Cause.pool_headroom)

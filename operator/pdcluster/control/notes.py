@@ -31,6 +31,7 @@ class NoteKind(StrEnum):
     cooling_down = "CoolingDown"
     starting = "Starting"  # colocated: the scale-up asked for is still starting
     saturated = "Saturated"  # colocated: sized by throughput, not by the queue
+    unmeasured = "Unmeasured"  # colocated: the window has not yet seen every engine serving
 
 
 _TEXT: dict[NoteKind, str | dict[str, str]] = {
@@ -69,6 +70,7 @@ _TEXT: dict[NoteKind, str | dict[str, str]] = {
     NoteKind.down_waiting: "{who}scale-down to {want} wanted for {waited:.0f}/{needed} s",
     NoteKind.cooling_down: "cooling down after the change at {since}",
     NoteKind.starting: "scale-up to {target} under way ({ready} ready)",
+    NoteKind.unmeasured: "the window saw {measured:.1f} of the {engines} engines serving",
     NoteKind.saturated: "saturated: {backlog:.2f}x the prompt tokens it computes arrive",
 }
 

@@ -11,11 +11,15 @@ Autoscaler's is, on the same signals and guards as the prefill:decode law:
   TTFT and the KV cache in proportion to each engine's load, ITL faster (a decode step
   waits for the prefill chunks batched with it, and those grow with the load per engine);
 - above target x (1 + tol), or KV above its limit: the fewest engines that bring every
-  signal under its target, at least one more; while a scale-up's engines are still
-  starting, the window saw only the ready ones: sized from the ready count, and nothing
-  more if that is already asked for;
-- below target x (1 - tol) on every signal: the fewest engines whose predicted
-  signals stay under 1 - tol (never the last one);
+  signal under its target, at least one more; ITL's tail, which a burst of long prompts
+  lifts on any count, asks for at most one more, or a tolerance band more of a larger
+  pool, unless the pool is saturated (then its throughput sizes every signal);
+- while a scale-up's engines are still starting, or the window has not yet seen the
+  engines now serving, it judged fewer: sized from the engines it saw, and nothing
+  more if that is already asked for (ITL's tail waits for a window at the new count);
+- below target x (1 - tol) on every signal, on a window that saw the engines now
+  serving: the fewest engines whose predicted signals stay under 1 - tol, sized from
+  the engines the window saw (never the last one);
 - otherwise hold: the band between the two is the hysteresis.
 
 Scale-ups wait out `scaleUpStabilizationSeconds`, scale-downs
@@ -155,10 +159,11 @@ def _burst(
 ) -> Burst:
     """As the prefill:decode law does (needs.py): a queue of more than one request per
     engine is drained within a window, and a ramp the forecast sees is met a start-up
-    ahead. Not the recent peak's floor: on the colocated benchmark it held 11 engines
-    after the burst for no attainment, and kept for an hour while the load is bursty
-    (trend.peak_spans), sized by the pressure at that peak, it held the whole budget
-    through the Azure code weekday (docs/benchmarks.md, "Colocated pool")."""
+    ahead (sized by the pressure, so by at most an unconfirmed step). Not the recent
+    peak's floor: on the colocated benchmark it held 11 engines after the burst for no
+    attainment, and kept for an hour while the load is bursty (trend.peak_spans), sized
+    by the pressure at that peak, it held the whole budget through the Azure code
+    weekday (docs/benchmarks.md, "Colocated pool")."""
     low, high = _bounds(ctx)
     measured = m.colocated.ready or ctx.seen(ROLE).ready or 1
     pressure = max((v for v in signals.values() if v is not None), default=0.0)
@@ -171,8 +176,9 @@ def _burst(
         queued = math.ceil(measured * (m.request_rate + drain) * isl / served)
         if queued > wanted:
             wanted, driver = queued, Cause.queue_backlog
-    if ahead_by > 1.0 and pressure > 0 and math.ceil(measured * pressure * ahead_by) > wanted:
-        wanted, driver = math.ceil(measured * pressure * ahead_by), Cause.forecast_ramp
+    ramp = min(math.ceil(measured * pressure * ahead_by), max(want, unconfirmed_step(ctx, current)))
+    if ahead_by > 1.0 and pressure > 0 and ramp > wanted:
+        wanted, driver = ramp, Cause.forecast_ramp
     wanted = min(max(wanted, low), high)
     return Burst(wanted, driver, surge, ahead_by, waiting)
 
@@ -226,7 +232,11 @@ def _want(
     headroom = bool(seen) and pressure < 1.0 - ctx.tol
     low, high = _bounds(ctx)
     ready = ctx.seen(ROLE).ready
+    # What the window measured: the engines that served in it (its mean), not those
+    # still starting. Until a window has seen the engines now serving, it judges fewer.
+    measured = max(m.colocated.ready or ready, 1)
     in_flight = not ctx.recommend and current > ready
+    unsettled = in_flight or measured < current - 0.5
     notes, starting = [], False
     # A queue inflates TTFT well past what more engines need to fix: when the pool is
     # saturated its throughput says how many, else the pressure does.
@@ -234,24 +244,44 @@ def _want(
     saturated = backlog is not None and backlog > 1.0 + ctx.tol
     if saturated:
         notes.append(note(NoteKind.saturated, backlog=backlog))
-    # What the window measured: the engines that served in it (its mean), not those
-    # still starting.
-    measured = max(m.colocated.ready or ready, 1)
-    sized = math.ceil(measured * backlog) if saturated and backlog else engines_for(seen, measured, 1.0)
-    if violated and in_flight:
-        # More only if the engines measured would not be enough either.
-        want = max(current, sized)
+    if saturated and backlog:
+        sized = itl_sized = math.ceil(measured * backlog)
+    else:
+        sized = engines_for({k: v for k, v in seen.items() if k != "itl"}, measured, 1.0)
+        itl_sized = engines_for({k: v for k, v in seen.items() if k == "itl"}, measured, 1.0)
+    if violated and unsettled:
+        # More only if the engines measured would not be enough either. ITL's tail
+        # waits for a window at the new count (see `unconfirmed_step`).
+        want = max(current, sized, itl_sized if saturated else 0)
         starting = want == current
-        notes += [note(NoteKind.starting, target=current, ready=ready)] if starting else []
+        if starting:
+            waits = (
+                note(NoteKind.starting, target=current, ready=ready)
+                if in_flight
+                else note(NoteKind.unmeasured, measured=measured, engines=current)
+            )
+            notes.append(waits)
     elif violated:
-        want = max(current + 1, sized)
-    elif headroom and current > 1 and not in_flight:
-        want = max(engines_for(seen, current, 1.0 - ctx.tol), 1)
+        want = max(current + 1, sized, min(itl_sized, unconfirmed_step(ctx, current)))
+    elif headroom and current > 1 and not unsettled:
+        # Sized from the engines the window saw: after a scale-down it still holds
+        # the larger count's load per engine.
+        want = min(max(engines_for(seen, measured, 1.0 - ctx.tol), 1), current)
     else:
         want = current
     if want > high and violated:
         notes.append(note(NoteKind.beyond_limit, ROLE, limit=high))
     return min(max(want, low), high), tuple(notes), starting
+
+
+def unconfirmed_step(ctx: Context, current: int) -> int:
+    """The most engines a scale-up that neither the throughput nor a growing queue
+    confirms goes to: one more, or a tolerance band more of a larger pool. ITL's tail
+    is such a signal: one burst of long prompts lifts it on any count. Sized by its p90,
+    the pool law went between 2 and 5 engines within minutes all afternoon on the Azure
+    code weekday at peak 4, where the hourly plan in hindsight holds 3 or 4
+    (docs/benchmarks.md, "Colocated pool")."""
+    return max(current + 1, math.ceil(current * (1.0 + ctx.tol)))
 
 
 def engines_for(seen: dict[str, float], engines: float, limit: float) -> int:

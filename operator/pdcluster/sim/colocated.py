@@ -239,7 +239,8 @@ class ColocatedFleet:
     def snapshot(self, window_s: int, quantile: float) -> MetricsSnapshot:
         """What Prometheus would show of the window: the router's TTFT and ITL quantiles
         (exact here, not interpolated in histogram buckets), the arrival rate and mean
-        lengths, the pool's KV usage (each engine's reservation) and ready engines."""
+        lengths, the pool's KV usage (each engine's reservation), ready engines and the
+        requests in the engines' queues (vLLM's num_requests_waiting, summed)."""
         tr, start = self.trace, self.now - window_s
         # Arrivals are sorted and every logged time is at most now: each window is a slice.
         lo, hi = bisect_right(tr.arrival_s, start), bisect_right(tr.arrival_s, self.now)
@@ -270,6 +271,7 @@ class ColocatedFleet:
             colocated=RoleMetrics(
                 kv_usage=sum(kv) / len(kv) if kv else None,
                 ready=self.mean_serving(start),
+                waiting=sum(len(e.waiting) for e in self.engines if not e.gone),
                 tokens_per_s=computed / window_s,
             ),
         )
