@@ -4,6 +4,7 @@ against a small model of a colocated fleet (latency rising with each engine's lo
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -247,6 +248,12 @@ def test_itl_alone_asks_for_one_step_more_ttft_in_proportion() -> None:
     s = spec(replicas=4, maxStep=20)
     state, decision = decide(s, window(12.0, ttft_ms=1000.0, seen=4), None, pool(4), T0)
     assert (state.colocated, decision.cause) == (8, Cause.ttft_over_target)
+    # A queue that grows (10 waiting on 4 engines, 5% more prompt tokens arrive than they
+    # compute) confirms ITL's tail: 4 x 2 ^ (1 / 1.5) = 6.3, so 7.
+    pool_seen = RoleMetrics(kv_usage=0.1, ready=4, waiting=10, tokens_per_s=4000.0 / 1.05)
+    queued = replace(window(50.0), mean_input_tokens=1000.0, colocated=pool_seen)
+    state, decision = decide(s, queued, None, pool(4), T0)
+    assert (state.colocated, decision.cause) == (7, Cause.itl_over_target)
 
 
 def test_a_window_that_has_not_seen_the_engines_now_serving_holds() -> None:

@@ -13,7 +13,8 @@ Autoscaler's is, on the same signals and guards as the prefill:decode law:
 - above target x (1 + tol), or KV above its limit: the fewest engines that bring every
   signal under its target, at least one more; ITL's tail, which a burst of long prompts
   lifts on any count, asks for at most one more, or a tolerance band more of a larger
-  pool, unless the pool is saturated (then its throughput sizes every signal);
+  pool, unless a queue that grows confirms it, or the pool is saturated (then its
+  throughput sizes every signal);
 - while a scale-up's engines are still starting, or the window has not yet seen the
   engines now serving, it judged fewer: sized from the engines it saw, and nothing
   more if that is already asked for (ITL's tail waits for a window at the new count);
@@ -249,10 +250,15 @@ def _want(
     else:
         sized = engines_for({k: v for k, v in seen.items() if k != "itl"}, measured, 1.0)
         itl_sized = engines_for({k: v for k, v in seen.items() if k == "itl"}, measured, 1.0)
+    # ITL's tail alone is no measure of how many engines the load needs (see
+    # `unconfirmed_step`); a queue that grows confirms it.
+    growing = backlog is not None and backlog > 1.0 and backlog_rate(ctx, m.colocated.waiting, measured) > 0
+    if not (saturated or growing):
+        itl_sized = min(itl_sized, unconfirmed_step(ctx, current))
     if violated and unsettled:
-        # More only if the engines measured would not be enough either. ITL's tail
-        # waits for a window at the new count (see `unconfirmed_step`).
-        want = max(current, sized, itl_sized if saturated else 0)
+        # More only if the engines measured would not be enough either; unconfirmed,
+        # ITL's tail waits for a window at the new count.
+        want = max(current, sized, itl_sized if saturated or growing else 0)
         starting = want == current
         if starting:
             waits = (
@@ -262,7 +268,7 @@ def _want(
             )
             notes.append(waits)
     elif violated:
-        want = max(current + 1, sized, min(itl_sized, unconfirmed_step(ctx, current)))
+        want = max(current + 1, sized, itl_sized)
     elif headroom and current > 1 and not unsettled:
         # Sized from the engines the window saw: after a scale-down it still holds
         # the larger count's load per engine.
@@ -275,7 +281,7 @@ def _want(
 
 
 def unconfirmed_step(ctx: Context, current: int) -> int:
-    """The most engines a scale-up that neither the throughput nor a growing queue
+    """The most engines a scale-up that neither the throughput nor a queue that grows
     confirms goes to: one more, or a tolerance band more of a larger pool. ITL's tail
     is such a signal: one burst of long prompts lifts it on any count. Sized by its p90,
     the pool law went between 2 and 5 engines within minutes all afternoon on the Azure
