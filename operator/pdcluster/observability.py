@@ -68,6 +68,10 @@ def vllm_request_token_buckets(max_model_len: int) -> tuple[int, ...]:
 # The router measures what users see; the autoscaler prefers these over engine metrics.
 ROUTER_TTFT: Final = "pdcluster_router_time_to_first_token_seconds"
 ROUTER_ITL: Final = "pdcluster_router_inter_token_latency_seconds"
+# A streamed request's mean time per output token (first token to last), once per
+# request: what a per-request ITL target bounds. The token gaps' tail is not it on
+# colocated engines, where a step that carries a prompt chunk delays every stream once.
+ROUTER_TPOT: Final = "pdcluster_router_time_per_output_token_seconds"
 ROUTER_E2E: Final = "pdcluster_router_e2e_request_latency_seconds"
 # Where a streamed request's time to first token went, as the router sees it: the
 # prefill exchange (its queue and compute), then the prefill's answer to the first token

@@ -76,6 +76,7 @@ SERIES: Final[tuple[Series, ...]] = (
     Series("router_prefill_ms", Kind.mean, obs.ROUTER_PREFILL),
     Series("router_after_prefill_ms", Kind.mean, obs.ROUTER_AFTER_PREFILL),
     Series("itl_ms", Kind.quantile, obs.ROUTER_ITL),
+    Series("tpot_ms", Kind.quantile, obs.ROUTER_TPOT),
     Series("prompt_tokens_rate", Kind.rate, obs.ROUTER_PROMPT_TOKENS),
     Series("prompt_tokens_rate_before", Kind.rate_before, obs.ROUTER_PROMPT_TOKENS),
     Series("finished_rate", Kind.rate, obs.ROUTER_REQUESTS, outcome="ok"),

@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdcluster.api.v1alpha1 import AutoscalingSpec, SLOStatus
-from pdcluster.control.observed import TTFT_BEYOND_PREFILL, prefill_latency, seen_itl_ms, ttft_name
+from pdcluster.control.observed import (
+    TTFT_BEYOND_PREFILL,
+    pool_itl_ms,
+    prefill_latency,
+    seen_itl_ms,
+    ttft_name,
+)
 from pdcluster.control.pool import POOL_WAIT, judged_ttft
 from pdcluster.control.types import MetricsSnapshot
 
@@ -85,5 +91,5 @@ def of_snapshot(auto: AutoscalingSpec, m: MetricsSnapshot | None, colocated: boo
         return _reading(auto, ttft_name(auto), None, None, None)
     if colocated:
         name, ttft = judged_ttft(auto, m)
-        return _reading(auto, name, ttft, m.ttft_ms, seen_itl_ms(m, m.colocated))
+        return _reading(auto, name, ttft, m.ttft_ms, pool_itl_ms(m))
     return _reading(auto, ttft_name(auto), prefill_latency(auto, m), m.ttft_ms, seen_itl_ms(m, m.decode))

@@ -157,6 +157,9 @@ async def test_streamed_chat(http: aiohttp.ClientSession) -> None:
     assert metric(text, obs.ROUTER_GENERATION_TOKENS + "_total") == 5
     assert metric(text, obs.ROUTER_TTFT + "_count") == 1
     assert metric(text, obs.ROUTER_ITL + "_count") == 4
+    # One stream's mean time per output token: its four gaps' mean.
+    assert metric(text, obs.ROUTER_TPOT + "_count") == 1
+    assert metric(text, obs.ROUTER_TPOT + "_sum") == pytest.approx(metric(text, obs.ROUTER_ITL + "_sum") / 4)
     assert metric(text, obs.ROUTER_REQUESTS + "_total", outcome="ok") == 1
 
 
@@ -183,9 +186,9 @@ async def test_metrics_and_models(http: aiohttp.ClientSession) -> None:
         text = await scrape(http, f"{c.url}/metrics")
     assert models["data"][0]["id"] == "sim-model"
     names = {f.name for f in text_string_to_metric_families(text)}
-    for name in (obs.ROUTER_TTFT, obs.ROUTER_ITL, obs.ROUTER_E2E, obs.ROUTER_INFLIGHT, obs.ROUTER_INFLIGHT_TOKENS,
-                 obs.ROUTER_BACKENDS, obs.ROUTER_REQUESTS, obs.ROUTER_REJECTIONS, obs.ROUTER_PROMPT_TOKENS,
-                 obs.ROUTER_GENERATION_TOKENS):  # fmt: skip
+    for name in (obs.ROUTER_TTFT, obs.ROUTER_ITL, obs.ROUTER_TPOT, obs.ROUTER_E2E, obs.ROUTER_INFLIGHT,
+                 obs.ROUTER_INFLIGHT_TOKENS, obs.ROUTER_BACKENDS, obs.ROUTER_REQUESTS, obs.ROUTER_REJECTIONS,
+                 obs.ROUTER_PROMPT_TOKENS, obs.ROUTER_GENERATION_TOKENS):  # fmt: skip
         assert name in names, name
     ttft_bounds = [
         float(s.labels["le"])

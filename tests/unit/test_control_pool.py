@@ -8,6 +8,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from pdcluster import slo
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
 from pdcluster.control import (
     MetricsSnapshot,
@@ -279,3 +280,21 @@ def test_a_scale_down_is_sized_from_the_engines_the_window_saw() -> None:
     assert engines_for({"itl": 0.4}, 3, 0.9) == 2
     state, decision = decide(s, window(10.0, ttft_ms=50.0, seen=3.0), None, pool(3), T0)
     assert (state.colocated, decision.cause) == (2, Cause.pool_headroom)
+
+
+def test_the_pool_reads_each_streams_time_per_output_token_before_the_token_gaps() -> None:
+    """A prompt chunk in a step delays every stream on its engine once: the token gaps'
+    tail at 150 ms while each stream's mean time per output token is 12 ms is no reason
+    for more engines, and a window of streams at 50 ms each is one, whatever the gaps'
+    tail. Without the per-stream series the gaps' tail is read, as before."""
+    s = spec(replicas=4, maxStep=20)
+    chunked = replace(window(150.0, seen=4), tpot_ms=12.0)
+    state, decision = decide(s, chunked, None, pool(4), T0)
+    assert state.colocated == 4 and decision.cause == Cause.stabilizing  # well under: only a scale-down waits
+    slow = replace(window(9.0, seen=4), tpot_ms=50.0)
+    state, decision = decide(s, slow, None, pool(4), T0)
+    assert (state.colocated, decision.cause) == (5, Cause.itl_over_target)
+    state, decision = decide(s, window(150.0, seen=4), None, pool(4), T0)
+    assert (state.colocated, decision.cause) == (5, Cause.itl_over_target)
+    reading = slo.of_snapshot(s.autoscaling, chunked, colocated=True)
+    assert (reading.itl_ms, reading.verdict) == (12.0, slo.MET)

@@ -197,12 +197,15 @@ def test_the_pool_law_sizes_a_simulated_colocated_fleet_up_and_back_down() -> No
     assert dynamic.gpu_seconds < peak * dynamic.end_s
 
 
-def test_the_law_reads_each_window_as_a_scan_of_every_request_would() -> None:
-    """The fleet logs first tokens, finishes and computed tokens as they happen, so a
-    control run bisects its window; every snapshot equals one scanned from all requests."""
+def test_the_law_reads_the_series_the_engines_and_the_router_export() -> None:
+    """The fleet exports the contract's series (pdcluster.series) as counters, histograms
+    and gauges, and the law reads them only through the scrapes' window evaluator, as
+    the operator reads Prometheus: every request is counted once, the ITL histogram
+    holds every token gap and the TPOT histogram every stream's mean, and each window the
+    law read had every field it sizes on."""
     from pdcluster.api.v1alpha1 import PDClusterSpec
-    from pdcluster.control import MetricsSnapshot, RoleMetrics
-    from pdcluster.sim.colocated import ColocatedFleet
+    from pdcluster.sim import colocated as C
+    from pdcluster.sim import scrapes as M
 
     spec = PDClusterSpec.model_validate(
         {
@@ -217,41 +220,40 @@ def test_the_law_reads_each_window_as_a_scan_of_every_request_would() -> None:
     inputs = [rng.choice([50, 900, 4000, 12000]) for _ in arrival]
     outputs = [rng.choice([1, 2, 40, 300]) for _ in arrival]
     trace = Trace("mixed", arrival, inputs, outputs, [()] * len(arrival))
-    checked = []
+    seen = []
 
-    class Scanned(ColocatedFleet):
-        def snapshot(self, window_s: int, quantile: float) -> MetricsSnapshot:
-            got = super().snapshot(window_s, quantile)
-            tr, start, now = self.trace, self.now - window_s, self.now
-            arrived = [i for i in range(len(tr)) if start < tr.arrival_s[i] <= now]
-            firsts = [self.ttft[i] * 1000 for i in range(len(tr)) if start < self.first_token[i] <= now]
-            done = [
-                (self.finish[i] - self.first_token[i]) * 1000 / (tr.output_tokens[i] - 1)
-                for i in range(len(tr))
-                if start < self.finish[i] <= now and tr.output_tokens[i] > 1
-            ]
-            waiting = [(now - tr.arrival_s[i]) * 1000 for e in self.engines for i in e.waiting]
-            waiting += [(now - tr.arrival_s[p[0]]) * 1000 for e in self.engines for p in e.prefilling]
-            if not arrived:
-                assert got == MetricsSnapshot(window_s, 0.0)
-                return got
-            ttfts = firsts + waiting
-            assert got.request_rate == len(arrived) / window_s
-            assert got.ttft_ms == (perf.percentile(ttfts, 100 * quantile) if ttfts else None)
-            assert got.itl_ms == (perf.percentile(done, 100 * quantile) if done else None)
-            assert got.mean_input_tokens == sum(tr.input_tokens[i] for i in arrived) / len(arrived)
-            assert got.mean_output_tokens == sum(tr.output_tokens[i] for i in arrived) / len(arrived)
-            assert isinstance(got.colocated, RoleMetrics)
-            before = max(
-                (n for t, n in zip(self.computed_at, self.computed_then, strict=True) if t <= start),
-                default=0,
-            )
-            assert got.colocated.tokens_per_s == (self.computed_tokens - before) / window_s
-            checked.append((bool(firsts), bool(done)))
-            return got
+    class Reading(C.ColocatedFleet):
+        def control(self) -> None:
+            auto = spec.autoscaling
+            seen.append(M.snapshot(self.scrapes, self.now, auto.window_seconds, auto.slo.quantile.fraction))
+            super().control()
 
-    result = Scanned(trace, perf.load(), ColocatedConfig(engines=1, autoscaling=spec, startup_s=30)).run()
+    fleet = Reading(trace, perf.load(), C.ColocatedConfig(engines=1, autoscaling=spec, startup_s=30))
+    result = fleet.run()
     assert all(result.finished)
-    # The windows held first tokens and finishes, and the fleet grew: the law had something to read.
-    assert len(checked) > 20 and all(f and d for f, d in checked[2:])
-    assert max(row[3] for row in result.timeline) > 1
+    n = len(trace)
+    assert fleet.counters[M.ROUTER_PROMPT_TOKENS] == fleet.counters[C.PROMPT_TOKENS] == sum(inputs)
+    assert fleet.counters[M.ROUTER_FINISHED] == fleet.counters[C.SUCCESS] == n
+    assert fleet.counters[M.ROUTER_GENERATION_TOKENS] == sum(outputs)
+    for name in (M.ROUTER_TTFT, C.TTFT, C.QUEUE_TIME):
+        assert fleet.hist[name].count == n
+    gaps = sum(out - 1 for out in outputs)
+    streamed = sum(
+        (f - t) for f, t, out in zip(fleet.finish, fleet.first_token, outputs, strict=True) if out > 1
+    )
+    for name in (M.ROUTER_ITL, C.ITL):
+        assert fleet.hist[name].count == gaps
+        assert fleet.hist[name].sum == pytest.approx(streamed)  # the gaps add up to each stream
+    # Each stream's mean time per output token, once per stream: its mean ITL as scored.
+    streams = [itl for itl, out in zip(result.itl_s, outputs, strict=True) if out > 1]
+    assert fleet.hist[M.ROUTER_TPOT].count == len(streams)
+    assert fleet.hist[M.ROUTER_TPOT].sum == pytest.approx(sum(streams))
+    # Each window after the first minute held arrivals, first tokens and finishes.
+    read = [s for s in seen[4:] if s is not None and s.request_rate > 0]
+    assert len(read) > 20
+    for s in read:
+        pool = s.colocated
+        assert None not in (s.ttft_ms, s.itl_ms, s.tpot_ms, pool.ttft_ms, pool.itl_ms, pool.queue_time_q_ms)
+        assert None not in (pool.tokens_per_s, pool.ready, pool.waiting, pool.kv_usage)
+    mean_rate = sum(s.request_rate for s in read) / len(read)
+    assert mean_rate == pytest.approx(n / 600, rel=0.15)

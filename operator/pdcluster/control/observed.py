@@ -32,6 +32,15 @@ def seen_itl_ms(m: MetricsSnapshot, engines: RoleMetrics) -> float | None:
     return m.itl_ms if m.itl_ms is not None else engines.itl_ms
 
 
+def pool_itl_ms(m: MetricsSnapshot) -> float | None:
+    """A colocated pool's ITL: the quantile of each stream's mean time per output token,
+    else the token gaps'. A step that computes a prompt chunk delays every stream on its
+    engine once, so the gaps' tail jumps between a bare decode step and a chunk's time
+    as long prompts come and go, while each stream's mean moves with the load
+    (docs/benchmarks.md, "What the operator sees of a colocated pool")."""
+    return m.tpot_ms if m.tpot_ms is not None else seen_itl_ms(m, m.colocated)
+
+
 class Stage(Enum):
     """A part of the time to first token; its value is how the breakdown names it."""
 

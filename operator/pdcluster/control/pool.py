@@ -43,7 +43,7 @@ from pdcluster.control.cause import Cause, Figures, summary
 from pdcluster.control.context import Context, Role, Timer, Timers, context
 from pdcluster.control.needs import backlog_rate
 from pdcluster.control.notes import Note, NoteKind, note, worded
-from pdcluster.control.observed import seen_itl_ms, seen_ttft_ms
+from pdcluster.control.observed import pool_itl_ms, seen_ttft_ms
 from pdcluster.control.outcome import Outcome, action, next_state, pending_from_now
 from pdcluster.control.seasonal import Forecasts, ahead, forecast_status, horizon_s, load_forecasts, observed
 from pdcluster.control.stabilise import step, time_out
@@ -196,7 +196,7 @@ def _signals(ctx: Context, m: MetricsSnapshot) -> Signals:
     """Each signal as a share of its target (None when unseen)."""
     pool, slo = m.colocated, ctx.auto.slo
     _, ttft = judged_ttft(ctx.auto, m)
-    itl = seen_itl_ms(m, pool)
+    itl = pool_itl_ms(m)
     return {
         "ttft": None if ttft is None else ttft / slo.ttft_ms,
         "itl": None if itl is None else itl / slo.itl_ms,
@@ -360,7 +360,7 @@ def _figures(ctx: Context, m: MetricsSnapshot | None, current: int, end: _End) -
         ttft_target_ms=slo.ttft_ms,
         ttft_name=ttft_name,
         raw_ttft_ms=None if m is None else seen_ttft_ms(m, m.colocated),
-        itl_ms=None if m is None else seen_itl_ms(m, m.colocated),
+        itl_ms=None if m is None else pool_itl_ms(m),
         itl_target_ms=slo.itl_ms,
         kv_usage=None if m is None else m.colocated.kv_usage,
         budget=auto.gpu_budget,

@@ -45,6 +45,7 @@ class MetricsSnapshot:
     request_rate_before: float | None = None  # the same over the window before this one
     ttft_ms: float | None = None
     itl_ms: float | None = None
+    tpot_ms: float | None = None  # the router's quantile of each stream's mean time per output token
     ttft_beyond_prefill_ms: float | None = None  # the router's TTFT beyond prefill quantile
     mean_input_tokens: float | None = None
     mean_output_tokens: float | None = None
@@ -145,6 +146,7 @@ def assemble(
     router_after_prefill_ms: float | None = None,
     kv_handoff_ms: float | None = None,
     itl_ms: float | None = None,
+    tpot_ms: float | None = None,
     prefill_ttft_ms: float | None = None,
     decode_itl_ms: float | None = None,
     queue_time_ms: float | None = None,
@@ -190,6 +192,7 @@ def assemble(
         request_rate_before=None if prompt_tokens_rate_before is None else prompt_tokens_rate_before / isl,
         ttft_ms=ttft_ms,
         itl_ms=itl_ms,
+        tpot_ms=tpot_ms,
         ttft_beyond_prefill_ms=ttft_beyond_prefill_ms,
         mean_input_tokens=isl,
         mean_output_tokens=generated_tokens_rate / finished_rate if finished_rate > 0 else None,

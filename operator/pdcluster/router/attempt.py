@@ -116,8 +116,9 @@ class Job:
     once the client's answer has started, what it has delivered, the failures so far."""
 
     __slots__ = (
-        "body", "chat", "failures", "last_token_at", "original", "path", "prefilled", "request", "request_id",
-        "response", "resumed_tokens", "sends_chat", "sent", "services", "started", "tokens", "trace", "trail",
+        "body", "chat", "failures", "first_token_at", "last_token_at", "original", "path", "prefilled", "request",
+        "request_id", "response", "resumed_tokens", "sends_chat", "sent", "services", "started", "tokens", "trace",
+        "trail",
     )  # fmt: skip
 
     def __init__(
@@ -148,6 +149,7 @@ class Job:
         self.response: Stream | None = None
         self.sent = False  # any event relayed to the client
         self.tokens = 0
+        self.first_token_at = 0.0
         self.last_token_at = 0.0
         self.resumed_tokens = 0
         self.failures: list[str] = []

@@ -91,6 +91,12 @@ class RouterMetrics:
         r.register(
             _HistogramCollector(obs.ROUTER_ITL, "Time between streamed tokens seen by clients.", self.itl)
         )
+        self.tpot = Histogram(
+            obs.ROUTER_TPOT,
+            "A streamed request's mean time per output token after the first, observed when it ends.",
+            buckets=obs.ROUTER_ITL_BUCKETS,
+            registry=r,
+        )
         self.prefill = Histogram(
             obs.ROUTER_PREFILL,
             "Time from a streamed request's arrival to its prefill's answer.",

@@ -111,6 +111,7 @@ class _EventCounter:
         metrics = attempt.services.metrics
         attempt.lease.first_token()
         if job.tokens == 0:
+            job.first_token_at = now
             metrics.ttft.observe(now - job.started)
             if attempt.prefilled_at is not None:
                 metrics.prefill.observe(attempt.prefilled_at - job.started)
@@ -147,3 +148,5 @@ def _count_finished(attempt: Attempt, failed: bool) -> None:
         attempt.decode.succeeded()
         metrics.e2e.observe(time.monotonic() - job.started)
         metrics.requests["ok"].inc()
+        if job.tokens > 1:
+            metrics.tpot.observe((job.last_token_at - job.first_token_at) / (job.tokens - 1))

@@ -32,6 +32,13 @@ TTFT by the decodes it shares steps with and by its chunking. Deliberately left 
 as in sim/fleet.py: step-time noise, preemption (admission reserves prompt + output),
 the prefix cache is an LRU of the trace's prefix blocks per engine sized by the KV
 capacity, as the disaggregated model's prefill engines keep.
+
+Autoscaled, the fleet exports the router's and the engines' series of pdcluster.series
+(a token gap per decoding sequence and step, each stream's time per output token, TTFT
+and queue time per request, vLLM's
+prompt and success counters, the engines' queues and KV usage), scraped every
+`scrape_s`; the control law reads them only through sim/scrapes.py's window evaluator,
+as sim/fleet.py's policies do and as the operator reads Prometheus.
 """
 
 from __future__ import annotations
@@ -39,25 +46,35 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from bisect import bisect_right
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
-
-from pdcluster import perf
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
-from pdcluster.control import MetricsSnapshot, Observed, RoleMetrics, RoleObserved, decide
+from pdcluster.control import Observed, RoleObserved, decide
 from pdcluster.control.models import MAX_BATCHED_TOKENS
+from pdcluster.observability import Histogram
 from pdcluster.perf import Profile
 from pdcluster.router.policy import Backend, ExactBlocks, KvIndex, PreciseCache, make_policy
+from pdcluster.series import BY_FIELD
+from pdcluster.sim import scrapes as M
 from pdcluster.sim.fleet import Result
 from pdcluster.sim.policies import EPOCH
 from pdcluster.sim.trace import Trace
 from pdcluster.vllm.defaults import MAX_NUM_SEQS
 
-ARRIVE, STEP_DONE, READY, CONTROL = 0, 1, 2, 3
+ARRIVE, STEP_DONE, READY, CONTROL, SCRAPE = 0, 1, 2, 3, 4
+
+# The colocated engines' series (pdcluster.series), as vLLM exports them; the router's
+# are sim/scrapes.py's.
+PROMPT_TOKENS = BY_FIELD["colocated_prompt_tokens_rate"].key
+SUCCESS = BY_FIELD["colocated_finished_rate"].key
+TTFT = BY_FIELD["colocated_ttft_ms"].key
+QUEUE_TIME = BY_FIELD["colocated_queue_time_q_ms"].key
+ITL = BY_FIELD["colocated_itl_ms"].key
+KV_USAGE = BY_FIELD["colocated_kv_usage"].key
+WAITING = BY_FIELD["colocated_waiting"].key
+REPORTING = BY_FIELD["colocated_ready"].key
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,7 @@ class ColocatedConfig:
     # Sized by the control law (control/pool.py) when set; `engines` is then where it starts.
     autoscaling: PDClusterSpec | None = None
     startup_s: float = 60.0  # from a scale-up to the new engine serving
+    scrape_s: float = 15.0  # as sim/fleet.py's FleetConfig
 
 
 class ColocatedEngine(Backend):
@@ -93,6 +111,7 @@ class ColocatedEngine(Backend):
         self.reserved = 0  # prompt + output of every admitted request
         self.steps = 0  # steps finished
         self.busy = False
+        self.started = 0.0  # when the step under way began
         self.draining = False  # scaled down: finishes what it has, takes nothing new
         self.gone = False
         # What the step under way will have done when it ends.
@@ -125,23 +144,23 @@ class ColocatedFleet:
         self.timeline: list[tuple[float, int, int, int, int, int]] = []
         self.decisions: list[tuple[float, int, int, str]] = []
         self.state: AutoscalingState | None = None
-        self.serving_log = [(0.0, config.engines)]  # (since, engines serving)
-        self.computed_tokens = 0  # prompt tokens computed so far (vllm:prompt_tokens)
-        self.computed_at: list[float] = []  # each control's time
-        self.computed_then: list[int] = []  # and computed_tokens then
-        # What a window of the metrics reads, logged in time order as it happens, so a
-        # control run bisects its window instead of scanning every request of the day.
-        self.firsts_at: list[float] = []  # first tokens' times
-        self.firsts_ms: list[float] = []  # their TTFTs
-        self.finishes_at: list[float] = []  # finishes of requests of two or more tokens
-        self.finishes_itl_ms: list[float] = []  # their mean ITLs
-        self.input_sum = np.concatenate(([0], np.cumsum(trace.input_tokens, dtype=np.int64)))
-        self.output_sum = np.concatenate(([0], np.cumsum(trace.output_tokens, dtype=np.int64)))
+        # Cumulative series, as the router's and the engines' /metrics show them; the law
+        # reads them only through scrapes, as the operator reads Prometheus.
+        bounds = M.histogram_bounds()
+        self.scrapes = M.Scrapes(
+            {k: bounds[k] for k in (M.ROUTER_TTFT, M.ROUTER_ITL, M.ROUTER_TPOT, TTFT, QUEUE_TIME, ITL)}
+        )
+        self.hist = {name: Histogram(bounds) for name, bounds in self.scrapes.bounds.items()}
+        self.counters = dict.fromkeys(
+            (M.ROUTER_PROMPT_TOKENS, M.ROUTER_FINISHED, M.ROUTER_GENERATION_TOKENS, PROMPT_TOKENS, SUCCESS),
+            0.0,
+        )
         self.router = make_policy(config.router, trace.block_tokens)
         self.kv_index = self.router.index if isinstance(self.router, PreciseCache) else None
         self.reused_tokens = 0
         n = len(trace)
         self.ttft = [math.nan] * n
+        self.queued = [math.nan] * n  # when the request reached its engine's queue
         self.first_token = [math.nan] * n
         self.finish = [math.nan] * n
         self.unfinished = n  # requests with no finish yet, arrived or still to come
@@ -158,7 +177,8 @@ class ColocatedFleet:
         for i, t in enumerate(self.trace.arrival_s):
             self.push(t + self.ingress_s, ARRIVE, i)
         auto = self.cfg.autoscaling
-        if auto is not None:
+        if auto is not None:  # only the law reads metrics
+            self.push(0.0, SCRAPE, 0)
             self.push(float(auto.autoscaling.interval_seconds), CONTROL, 0)
         while self.events:
             t, _, kind, arg = heapq.heappop(self.events)
@@ -166,18 +186,21 @@ class ColocatedFleet:
                 break
             self.now = t
             if kind == ARRIVE:
+                self.counters[M.ROUTER_PROMPT_TOKENS] += self.trace.input_tokens[arg]
                 self.arrive(arg)
             elif kind == STEP_DONE:
                 self.step_done(self.engines[arg])
             elif kind == READY:
                 self.starting -= 1
                 self.serving.append(self.engines[arg])
-                self.serving_log.append((t, len(self.serving)))
                 self.dispatch_waiting()
             # The law runs on while any request is unfinished (arrived or still to come).
             elif kind == CONTROL and self.unfinished:
                 self.control()
                 self.push(t + auto.autoscaling.interval_seconds, CONTROL, 0)  # type: ignore[union-attr]
+            elif kind == SCRAPE and self.unfinished:
+                self.scrape()
+                self.push(t + self.cfg.scrape_s, SCRAPE, 0)
         tr = self.trace
         itl = [
             (self.finish[i] - self.first_token[i]) / (out - 1) if out > 1 else 0.0
@@ -209,9 +232,7 @@ class ColocatedFleet:
         observed = RoleObserved(len(active), len(active), len(self.serving))
         none = RoleObserved(0, 0, 0)
         now = EPOCH + timedelta(seconds=self.now)
-        snapshot = self.snapshot(auto.window_seconds, auto.slo.quantile.fraction)
-        self.computed_at.append(self.now)
-        self.computed_then.append(self.computed_tokens)
+        snapshot = M.snapshot(self.scrapes, self.now, auto.window_seconds, auto.slo.quantile.fraction)
         self.state, decision = decide(spec, snapshot, self.state, Observed(none, none, observed), now)
         target = decision.colocated or len(active)
         if decision.action == "scale":
@@ -225,7 +246,6 @@ class ColocatedFleet:
             engine.draining = True  # scale down: no new requests; it leaves once idle
             if engine in self.serving:
                 self.serving.remove(engine)
-                self.serving_log.append((self.now, len(self.serving)))
         self.release_idle()
         self.held.append((self.now, sum(1 for e in self.engines if not e.gone)))
         gpus = self.held[-1][1] * self.cfg.gpus_per_engine
@@ -236,53 +256,19 @@ class ColocatedFleet:
             if engine.draining and not engine.gone and not engine.busy and not engine.waiting:
                 engine.gone = True
 
-    def snapshot(self, window_s: int, quantile: float) -> MetricsSnapshot:
-        """What Prometheus would show of the window: the router's TTFT and ITL quantiles
-        (exact here, not interpolated in histogram buckets), the arrival rate and mean
-        lengths, the pool's KV usage (each engine's reservation), ready engines and the
-        requests in the engines' queues (vLLM's num_requests_waiting, summed)."""
-        tr, start = self.trace, self.now - window_s
-        # Arrivals are sorted and every logged time is at most now: each window is a slice.
-        lo, hi = bisect_right(tr.arrival_s, start), bisect_right(tr.arrival_s, self.now)
-        arrived = hi - lo
-        if not arrived:
-            return MetricsSnapshot(window_s, 0.0)
-        firsts = self.firsts_ms[bisect_right(self.firsts_at, start) :]
-        done = self.finishes_itl_ms[bisect_right(self.finishes_at, start) :]
-        # A request still waiting for its first token is at least that late.
-        waiting = [
-            (self.now - tr.arrival_s[i]) * 1000.0
-            for e in self.engines
-            for i in [*e.waiting, *(item[0] for item in e.prefilling)]
-        ]
-        ttfts = firsts + waiting
-        kv = [e.reserved / self.profile.max_kv_tokens for e in self.serving]
-        # The count only grows: the last control at or before the window's start.
-        last = bisect_right(self.computed_at, start)
-        before = self.computed_then[last - 1] if last else 0.0
-        computed = self.computed_tokens - before
-        return MetricsSnapshot(
-            window_s=window_s,
-            request_rate=arrived / window_s,
-            ttft_ms=perf.percentile(ttfts, 100 * quantile) if ttfts else None,
-            itl_ms=perf.percentile(done, 100 * quantile) if done else None,
-            mean_input_tokens=int(self.input_sum[hi] - self.input_sum[lo]) / arrived,
-            mean_output_tokens=int(self.output_sum[hi] - self.output_sum[lo]) / arrived,
-            colocated=RoleMetrics(
-                kv_usage=sum(kv) / len(kv) if kv else None,
-                ready=self.mean_serving(start),
-                waiting=sum(len(e.waiting) for e in self.engines if not e.gone),
-                tokens_per_s=computed / window_s,
-            ),
-        )
-
-    def mean_serving(self, start: float) -> float:
-        """Engines serving, averaged over [start, now] (Prometheus: engines reporting)."""
-        log = [*self.serving_log, (self.now, len(self.serving))]
-        total = 0.0
-        for (t0, n), (t1, _) in itertools.pairwise(log):
-            total += n * max(min(t1, self.now) - max(t0, start), 0.0)
-        return total / max(self.now - start, 1e-9)
+    def scrape(self) -> None:
+        """What Prometheus scrapes: the cumulative series, the engines' queues (vLLM's
+        num_requests_waiting, summed over the engines still running), their KV usage (each
+        engine's reservation, averaged) and the engines serving."""
+        gauges = {
+            WAITING: float(sum(len(e.waiting) for e in self.engines if not e.gone)),
+            REPORTING: float(len(self.serving)),
+        }
+        if self.serving:
+            kv = sum(e.reserved for e in self.serving) / self.profile.max_kv_tokens
+            gauges[KV_USAGE] = kv / len(self.serving)
+        histograms = {name: h.snapshot() for name, h in self.hist.items()}
+        self.scrapes.record(M.Sample(self.now, histograms, dict(self.counters), gauges))
 
     def dispatch_waiting(self) -> None:
         """Requests that arrived with no engine serving go out once one is."""
@@ -298,6 +284,7 @@ class ColocatedFleet:
         engine: ColocatedEngine = self.router.pick(self.serving, self.trace.input_tokens[i], blocks, exact)  # type: ignore[assignment]
         self.router.record(engine.id, blocks)
         engine.waiting.append(i)
+        self.queued[i] = self.now
         engine.inflight_tokens += self.trace.input_tokens[i]
         engine.inflight_requests += 1
         if not engine.busy:
@@ -332,6 +319,7 @@ class ColocatedFleet:
             ):
                 break  # waits for a sequence to finish (an empty engine takes anything)
             engine.waiting.popleft()
+            self.hist[QUEUE_TIME].observe(self.now - self.queued[request])
             engine.reserved += need
             length = tr.input_tokens[request]
             cached = min(_cached_blocks(engine.cache, tr.blocks[request]) * tr.block_tokens, length - 1)
@@ -360,6 +348,7 @@ class ColocatedFleet:
                 self.release_idle()
             return
         engine.busy = True
+        engine.started = self.now
         engine.chunks, engine.first_tokens = step.chunks, step.first_tokens
         self.push(self.now + step.ms / 1000.0, STEP_DONE, engine.index)
 
@@ -367,21 +356,19 @@ class ColocatedFleet:
         tr = self.trace
         engine.steps += 1
         step = engine.steps
-        engine.kv += len(engine.decoding)  # one token more for every decoding sequence
+        if engine.decoding:  # one token more for every decoding sequence, the step's time apart
+            for name in (M.ROUTER_ITL, ITL):
+                self.hist[name].observe(self.now - engine.started, len(engine.decoding))
+        engine.kv += len(engine.decoding)
         while engine.decoding and engine.decoding[0][0] <= step:
             _, request = heapq.heappop(engine.decoding)
-            self.finish[request] = self.now
-            self.unfinished -= 1
-            self.finishes_at.append(self.now)
-            out = tr.output_tokens[request]
-            self.finishes_itl_ms.append((self.now - self.first_token[request]) * 1000.0 / (out - 1))
+            self.finished(request)
             held = tr.input_tokens[request] + tr.output_tokens[request]
             engine.kv -= held
             engine.reserved -= held
             engine.inflight_requests -= 1
         for _, n in engine.chunks:
             engine.inflight_tokens -= n
-            self.computed_tokens += n
         progress = dict(engine.chunks)
         for item in engine.prefilling:
             item[1] += progress.get(item[0], 0)
@@ -390,18 +377,30 @@ class ColocatedFleet:
             _remember(engine, tr.blocks[request], self.kv_index)
             self.first_token[request] = self.now
             self.ttft[request] = self.now - tr.arrival_s[request]
-            self.firsts_at.append(self.now)
-            self.firsts_ms.append(self.ttft[request] * 1000.0)
+            self.hist[M.ROUTER_TTFT].observe(self.ttft[request])
+            self.hist[TTFT].observe(self.now - self.queued[request])
+            self.counters[PROMPT_TOKENS] += tr.input_tokens[
+                request
+            ]  # vLLM counts the prompt at its first token
             out = tr.output_tokens[request]
             if out <= 1:
-                self.finish[request] = self.now
-                self.unfinished -= 1
+                self.finished(request)
                 engine.reserved -= tr.input_tokens[request] + out
                 engine.inflight_requests -= 1
             else:
                 engine.kv += tr.input_tokens[request] + 1
                 heapq.heappush(engine.decoding, (step + out - 1, request))
         self.start_step(engine)
+
+    def finished(self, request: int) -> None:
+        self.finish[request] = self.now
+        self.unfinished -= 1
+        self.counters[M.ROUTER_FINISHED] += 1
+        self.counters[M.ROUTER_GENERATION_TOKENS] += self.trace.output_tokens[request]
+        self.counters[SUCCESS] += 1
+        out = self.trace.output_tokens[request]
+        if out > 1:
+            self.hist[M.ROUTER_TPOT].observe((self.now - self.first_token[request]) / (out - 1))
 
 
 def _cached_blocks(cache: OrderedDict[int, None], blocks: tuple[int, ...]) -> int:

@@ -123,6 +123,8 @@ class DecodeStage(FleetState):
             self.cutoff.finished(i, self.ttft[i], itl)
         self.counters[M.ROUTER_FINISHED] += 1
         self.counters[M.ROUTER_GENERATION_TOKENS] += tr.output_tokens[i]
+        if tr.output_tokens[i] > 1:
+            self.hist[M.ROUTER_TPOT].observe((self.now - self.first_token[i]) / (tr.output_tokens[i] - 1))
         self.hist[M.REQUEST_DURATION].observe(self.now - tr.arrival_s[i])
         self.hist[M.INPUT_TOKENS].observe(tr.input_tokens[i])
         self.hist[M.OUTPUT_TOKENS].observe(tr.output_tokens[i])

@@ -132,6 +132,7 @@ def _gauge_mean(samples: list[Sample], name: str) -> float | None:
 # frontend series only Dynamo's planner reads.
 ROUTER_TTFT = BY_FIELD["ttft_ms"].key
 ROUTER_ITL = BY_FIELD["itl_ms"].key
+ROUTER_TPOT = BY_FIELD["tpot_ms"].key
 ROUTER_TTFT_BEYOND_PREFILL = BY_FIELD["ttft_beyond_prefill_ms"].key
 ROUTER_PROMPT_TOKENS = BY_FIELD["prompt_tokens_rate"].key
 ROUTER_PREFILL = BY_FIELD["router_prefill_ms"].key
@@ -164,6 +165,7 @@ OUTPUT_TOKENS = "output_sequence_tokens"
 BUCKETS = {
     obs.ROUTER_TTFT: obs.ROUTER_TTFT_BUCKETS,
     obs.ROUTER_ITL: obs.ROUTER_ITL_BUCKETS,
+    obs.ROUTER_TPOT: obs.ROUTER_ITL_BUCKETS,
     obs.ROUTER_TTFT_BEYOND_PREFILL: obs.ROUTER_TTFT_BUCKETS,
     obs.VLLM_TTFT: obs.VLLM_TTFT_BUCKETS,
     obs.VLLM_ITL: obs.VLLM_ITL_BUCKETS,
@@ -196,9 +198,10 @@ def snapshot(scrapes: Scrapes, t: float, window_s: int, quantile: float) -> Metr
         if window is None:
             continue
         first, last = window.first, window.last
+        exported = first.counters if s.counter else first.histograms if s.histogram else None
+        if exported is not None and s.key not in exported:
+            continue  # a series this fleet does not export (a pool it has not), as Prometheus has none
         if s.counter:
-            if s.key not in first.counters:
-                continue  # a series this fleet does not export (a pool it has not), as Prometheus has none
             values[s.field] = window.rate(first.counters[s.key], last.counters[s.key])
         elif s.kind == Kind.quantile:
             values[s.field] = window.quantile_ms(s.key, scrapes.bounds[s.key], quantile)
