@@ -191,7 +191,11 @@ class SLOStatus(Model):
         None, description="The colocated engines' queue time at the quantile, when the target applies to it."
     )
     ttft_ms: int | None = Field(None, description="The router's whole TTFT at the quantile.")
-    itl_ms: int | None = Field(None, description="The router's ITL at the quantile.")
+    itl_ms: int | None = Field(
+        None,
+        description="The router's ITL at the quantile: of the gaps between streamed tokens, or on colocated "
+        "engines of each stream's mean time per output token.",
+    )
     summary: str = Field("", description="The figures against their targets, in one line.")
 
 
