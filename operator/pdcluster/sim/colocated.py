@@ -35,10 +35,10 @@ capacity, as the disaggregated model's prefill engines keep.
 
 Autoscaled, the fleet exports the router's and the engines' series of pdcluster.series
 (a token gap per decoding sequence and step, each stream's time per output token, TTFT
-and queue time per request, vLLM's
-prompt and success counters, the engines' queues and KV usage), scraped every
-`scrape_s`; the control law reads them only through sim/scrapes.py's window evaluator,
-as sim/fleet.py's policies do and as the operator reads Prometheus.
+and queue time per request, vLLM's prompt and success counters, the engines' queues and
+KV usage), scraped every `scrape_s`; the control law reads them only through
+sim/scrapes.py's window evaluator, as sim/fleet.py's policies do and as the operator
+reads Prometheus.
 """
 
 from __future__ import annotations
