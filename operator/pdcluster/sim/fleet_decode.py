@@ -117,14 +117,14 @@ class DecodeStage(FleetState):
         tr = self.trace
         self.finish[i] = self.now
         self.done += 1
+        out = tr.output_tokens[i]
+        itl = (self.now - self.first_token[i]) / (out - 1) if out > 1 else 0.0  # the stream's mean
         if self.cutoff is not None:
-            out = tr.output_tokens[i]
-            itl = (self.now - self.first_token[i]) / (out - 1) if out > 1 else 0.0
             self.cutoff.finished(i, self.ttft[i], itl)
         self.counters[M.ROUTER_FINISHED] += 1
-        self.counters[M.ROUTER_GENERATION_TOKENS] += tr.output_tokens[i]
-        if tr.output_tokens[i] > 1:
-            self.hist[M.ROUTER_TPOT].observe((self.now - self.first_token[i]) / (tr.output_tokens[i] - 1))
+        self.counters[M.ROUTER_GENERATION_TOKENS] += out
+        if out > 1:
+            self.hist[M.ROUTER_TPOT].observe(itl)
         self.hist[M.REQUEST_DURATION].observe(self.now - tr.arrival_s[i])
         self.hist[M.INPUT_TOKENS].observe(tr.input_tokens[i])
         self.hist[M.OUTPUT_TOKENS].observe(tr.output_tokens[i])
