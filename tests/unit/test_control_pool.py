@@ -298,3 +298,26 @@ def test_the_pool_reads_each_streams_time_per_output_token_before_the_token_gaps
     assert (state.colocated, decision.cause) == (5, Cause.itl_over_target)
     reading = slo.of_snapshot(s.autoscaling, chunked, colocated=True)
     assert (reading.itl_ms, reading.verdict) == (12.0, slo.MET)
+
+
+def test_a_scale_down_goes_to_the_most_engines_wanted_while_it_waited() -> None:
+    """As a HorizontalPodAutoscaler's scale-down: a window that wanted 4 of 6 engines and
+    four lulls after it that want 3 end the 120 s wait at 4, not at the last wish."""
+    s = spec(replicas=6, maxStep=20, cooldownSeconds=0)
+
+    def after(itls: list[float]) -> tuple[int, AutoscalingState]:
+        state = None
+        for i, itl in enumerate(itls):
+            state, _ = decide(s, window(itl, seen=6), state, pool(6), T0 + timedelta(seconds=30 * i))
+        assert state is not None
+        return state.colocated or 0, state
+
+    busy, lull = 12.0, 5.0  # ITL's share 0.48 wants 4 engines, 0.2 wants 3
+    assert after([lull] * 5)[0] == 3
+    waiting, state = after([busy, lull, lull, lull])
+    assert waiting == 6 and state.down_wanted_most == {"colocated": 4}
+    outcome = decide_outcome(s, window(lull, seen=6), state, pool(6), T0 + timedelta(seconds=120))
+    assert (outcome.state.colocated, outcome.decision.cause) == (4, Cause.pool_headroom)
+    # A wish at the count held ends the scale-down and what it remembered.
+    _, state = after([busy, lull, 25.0])
+    assert state.down_wanted_since is None and state.down_wanted_most is None

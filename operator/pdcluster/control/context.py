@@ -141,12 +141,13 @@ class Timer(StrEnum):
 class Timers:
     """Per role: since when a scale-up has waited for ready pods (`pending`), until when
     scale-ups are blocked after a timeout, since when a scale-up or a scale-down has been
-    wanted."""
+    wanted, and the most replicas a running scale-down has wanted (where it goes)."""
 
     pending: Times = field(default_factory=dict)
     blocked: Times = field(default_factory=dict)
     up_since: Times = field(default_factory=dict)
     down_since: Times = field(default_factory=dict)
+    down_most: Mapping[Role, int] = field(default_factory=dict)
 
     @classmethod
     def load(cls, ctx: Context) -> Timers:
@@ -157,6 +158,7 @@ class Timers:
             blocked=blocked,
             up_since={} if stale else _read(prev.up_wanted_since),
             down_since={} if stale else _read(prev.down_wanted_since),
+            down_most={} if stale else {Role(r): n for r, n in (prev.down_wanted_most or {}).items()},
         )
 
     def status(self) -> dict[str, dict[str, str] | None]:
@@ -166,6 +168,8 @@ class Timers:
             "blocked_until": _write(self.blocked),
             "up_wanted_since": _write(self.up_since),
             "down_wanted_since": _write(self.down_since),
+            "down_wanted_most": {r.value: n for r, n in self.down_most.items() if r in self.down_since}
+            or None,
         }
 
     def set(self, timer: Timer, role: Role, moment: datetime | None) -> Timers:
@@ -180,6 +184,10 @@ class Timers:
     def start(self, timer: Timer, role: Role, now: datetime) -> Timers:
         """These timers with one of `role`'s running since now, unless it already runs."""
         return self if role in getattr(self, timer) else self.set(timer, role, now)
+
+    def most(self, role: Role, replicas: int) -> Timers:
+        """These timers with the most replicas `role`'s scale-down has wanted set."""
+        return replace(self, down_most={**self.down_most, role: replicas})
 
     def cleared(self, *timers: Timer) -> Timers:
         return replace(self, **{timer: {} for timer in timers})

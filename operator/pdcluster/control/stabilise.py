@@ -77,11 +77,14 @@ def step(
     down_wait_s: int,
     surge: bool = False,
     up_wait_s: int = 0,
+    to_most: bool = False,
 ) -> Step:
     """Move towards `want` by at most max_step once the wish has lasted its window (a
     scale-down, `down_wait_s`); while the role's queue grows (`surge`), a scale-up takes
     SURGE_STEPS of them: each step short of the need lets the queue grow one interval more.
-    A scale-up waits for `scaleUpStabilizationSeconds`, or `up_wait_s` if longer."""
+    A scale-up waits for `scaleUpStabilizationSeconds`, or `up_wait_s` if longer. With
+    `to_most`, a scale-down goes to the most replicas wanted while it waited, as a
+    HorizontalPodAutoscaler's does, not to this run's wish."""
     auto = ctx.auto
     if want > current:
         timers = timers.set(Timer.down_since, role, None)
@@ -96,20 +99,25 @@ def step(
         most = auto.max_step * (SURGE_STEPS if surge else 1)
         return Step(current + min(want - current, most), timers, wanted_s=wanted)
     if want < current:
+        running = to_most and role in timers.down_since
+        most = max(want, timers.down_most.get(role, want)) if running else want
         timers = timers.set(Timer.up_since, role, None).start(Timer.down_since, role, ctx.stamp)
+        timers = timers.most(role, most) if to_most else timers
         since = timers.down_since[role]
         waited = ctx.since(since)
         if waited < down_wait_s:
             return Step(
                 current,
                 timers,
-                note(NoteKind.down_waiting, role, want=want, waited=waited, needed=down_wait_s),
+                note(NoteKind.down_waiting, role, want=most, waited=waited, needed=down_wait_s),
             )
         # The next step of the same scale-down waits for a window of metrics at the new
         # count, and for the stabilization since the wish began.
         settle = max(auto.scale_down_stabilization_seconds - auto.window_seconds, 0)
         timers = timers.set(Timer.down_since, role, max(since, ctx.now - timedelta(seconds=settle)))
-        return Step(current - min(current - want, auto.max_step), timers)
+        # The next step starts its own most from this run's wish.
+        timers = timers.most(role, want) if to_most else timers
+        return Step(current - min(current - most, auto.max_step), timers)
     return Step(current, timers.set(Timer.up_since, role, None).set(Timer.down_since, role, None))
 
 

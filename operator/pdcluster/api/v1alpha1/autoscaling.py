@@ -112,7 +112,10 @@ class AutoscalingSpec(Model):
     window_seconds: int = Field(120, ge=15, le=3600, description="PromQL rate window.")
     scale_up_stabilization_seconds: int = Field(0, ge=0, description="A scale-up must be wanted this long.")
     scale_down_stabilization_seconds: int = Field(
-        300, ge=0, description="A scale-down must be wanted this long."
+        300,
+        ge=0,
+        description="A scale-down must be wanted this long (a colocated pool's then goes to the most replicas "
+        "wanted in that time).",
     )
     cooldown_seconds: int = Field(60, ge=0, description="No new change this soon after the last one.")
     max_step: int = Field(2, ge=1, description="Most replicas one role moves per decision.")

@@ -52,9 +52,15 @@ class RoleStatus(Model):
 class RoleFlips(Model):
     """The flexible pool's role assignment and the flips that changed it."""
 
-    prefill_engines: int = Field(0, description="Engines the routers are told to use as prefill (the rest decode).")
-    flips: int = Field(0, description="Engines moved between prefill and decode since the PDCluster was created.")
-    last_flip: str | None = Field(None, description="The last change, e.g. `1 engine decode -> prefill: prefill engines 1 -> 2 of 3`.")
+    prefill_engines: int = Field(
+        0, description="Engines the routers are told to use as prefill (the rest decode)."
+    )
+    flips: int = Field(
+        0, description="Engines moved between prefill and decode since the PDCluster was created."
+    )
+    last_flip: str | None = Field(
+        None, description="The last change, e.g. `1 engine decode -> prefill: prefill engines 1 -> 2 of 3`."
+    )
     last_flip_time: str | None = None
 
 
@@ -224,6 +230,11 @@ class AutoscalingState(Model):
     )
     down_wanted_since: StringMap | None = Field(
         None, description="Per role, since when a scale-down has been wanted."
+    )
+    down_wanted_most: dict[str, int] | None = Field(
+        None,
+        description="The colocated pool's most replicas wanted since its scale-down began: where the "
+        "scale-down goes when its wait is over, as a HorizontalPodAutoscaler's does.",
     )
     history: list[LoadSample] | None = Field(
         None,
