@@ -24,7 +24,9 @@ that attains as much (static at equal attainment) and the GPU-hours it saves aga
 the prefill:decode law, at the same rate factor and GPU budget): the first two hours are
 warm-up, unscored and uncounted, the same for every fleet; the law runs with the
 operator's defaults (30 s interval, 120 s window, maxStep 2, 60 s cooldown), from 1 engine,
-and the static fleets' sizes are bisected for the smallest that attains as much.
+and the static fleets' sizes are bisected for the smallest that attains as much
+(`--no-static`: the law and its plan alone; a static fleet has no law, so its rows from
+an earlier run stand).
 """
 
 from __future__ import annotations
@@ -101,11 +103,13 @@ def planned(trace: Trace, profile: perf.Profile, max_engines: int, window_s: flo
     print("    engines per window: " + " ".join(str(p) for p, _ in made.splits))
 
 
-def one_day(name: str, factor: float, max_engines: int, plan_window_s: float | None = None) -> None:
+def one_day(
+    name: str, factor: float, max_engines: int, plan_window_s: float | None = None, statics: bool = True
+) -> None:
     """The pool law over a day scenario, and the smallest static colocated fleet (of up to
     max_engines) that attains as much, bisected (attainment grows with engines; a day of a
     large fleet makes every size a long run); scored after the warm-up (sim/scoring.py,
-    as plan_bench scores its day runs)."""
+    as plan_bench scores its day runs). Without `statics`, the law (and its plan) alone."""
     profile = perf.load("h200-llama3.1-8b")
     trace = day.day_source(name, perf.traces_dir()).make(factor)
     targets = [TTFT_S] * len(trace)
@@ -129,14 +133,17 @@ def one_day(name: str, factor: float, max_engines: int, plan_window_s: float | N
     row("pool law from 1 engine, defaults", law_score, time.process_time() - started)
     if plan_window_s:
         planned(trace, profile, max_engines, plan_window_s, law_score.attainment)
-    statics: dict[int, scoring.Score] = {}
+    if not statics:
+        print(f"\npool law: {law_score.decisions} scaling decisions")
+        return
+    runs: dict[int, scoring.Score] = {}
 
     def static(k: int) -> scoring.Score:
-        if k not in statics:
+        if k not in runs:
             started = time.process_time()
-            statics[k] = scored(simulate_colocated(trace, profile, ColocatedConfig(engines=k)))
-            row(f"static {k}", statics[k], time.process_time() - started)
-        return statics[k]
+            runs[k] = scored(simulate_colocated(trace, profile, ColocatedConfig(engines=k)))
+            row(f"static {k}", runs[k], time.process_time() - started)
+        return runs[k]
 
     low, high = 1, max_engines
     while low < high:
@@ -171,11 +178,16 @@ def main() -> None:
         type=float,
         help="--day: also the plan in hindsight with windows of this many seconds (B), at the law's attainment",
     )
+    parser.add_argument(
+        "--no-static",
+        action="store_true",
+        help="--day: the law (and its plan) alone; a static fleet has no law, so its rows from an earlier run stand",
+    )
     args = parser.parse_args()
     if args.day:
         if args.factor is None:
             parser.error("--day needs --factor")
-        one_day(args.day, args.factor, args.max_engines, args.plan_window)
+        one_day(args.day, args.factor, args.max_engines, args.plan_window, statics=not args.no_static)
         return
     trace = workload(args.replicate)
     profile = perf.load("h200-llama3.1-8b")

@@ -31,6 +31,22 @@ def test_the_first_day_predicts_nothing():
     assert forecast.predict(0.5 * DAY_S, 600, daily(0.5 * DAY_S)) is None
 
 
+def test_a_bucket_closed_minutes_ago_is_no_memory_of_this_time_of_day():
+    """On the first day, a minute into a bucket, the last one has closed: it is the load
+    of ten minutes ago, not of this time yesterday. Read as such, a lull between bursts
+    (a twentieth of that load) was forecast to climb back threefold, and the colocated
+    pool law added an engine in lull after lull (docs/benchmarks.md)."""
+    now = 0.5 * DAY_S + 60.0
+    forecast = fed(0.5)
+    forecast.observe(now, daily(now) / 20)
+    assert forecast.profile[int(now // BUCKET_S) - 1] is not None
+    assert forecast.predict(now, 120, daily(now) / 20) is None
+    assert forecast.trend(now, daily(now)) is None
+    # A day later the same bucket, and the one ahead, are yesterday's.
+    later = fed(1.0)
+    assert later.predict(DAY_S + now, 120, daily(now)) == pytest.approx(daily(now + 120), rel=0.01)
+
+
 def test_a_ramp_seen_yesterday_is_forecast_one_start_up_ahead():
     forecast = fed(1.0)
     # Morning of day 2, on the ramp: the load five minutes from now, not the load now.
@@ -93,5 +109,6 @@ def test_status_round_trip_and_a_damaged_status_starts_empty():
         forecast.predict(now, 600, tokens(now)), rel=1e-3
     )
     assert back.bucket == forecast.bucket and back.samples == forecast.samples
+    assert back.first == forecast.first == 0
     for damaged in (None, SeasonalMemory(profile=[1]), SeasonalMemory(profile=[])):
         assert SeasonalForecast.from_status(damaged).profile == [None] * BUCKETS

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from pdcluster import perf
 from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec
 from pdcluster.control import MetricsSnapshot, Observed, RoleMetrics, RoleObserved, decide
+from pdcluster.timestamps import parse
 
 PROFILE = perf.load()
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
@@ -80,7 +81,8 @@ def spec(budget: int = 40) -> PDClusterSpec:
 
 
 def run(rate: Callable[[float], float], seconds: int, seed: int = 0, s: PDClusterSpec | None = None):
-    """Closed loop; returns per decision (t, target P, target D, ready P, ready D, snapshot)."""
+    """Closed loop; returns per decision (t, target P, target D, ready P, ready D, snapshot,
+    seconds since the earliest scale-down wish began or None)."""
     s = s or spec()
     rng = random.Random(seed)
     state: AutoscalingState | None = None
@@ -105,7 +107,9 @@ def run(rate: Callable[[float], float], seconds: int, seed: int = 0, s: PDCluste
             else:
                 ready[role] = new[role]  # a scale-down takes effect at once (drains)
         targets = new
-        out.append((t, *targets, *ready, snap))
+        wishes = [parse(v) for v in (state.down_wanted_since or {}).values()]
+        wished = (T0 + timedelta(seconds=t) - min(wishes)).total_seconds() if wishes else None
+        out.append((t, *targets, *ready, snap, wished))
     return out
 
 
@@ -161,8 +165,14 @@ def test_a_step_down_gives_engines_back_slowly() -> None:
     drop_at = 3600
     trajectory = run(lambda t: 40.0 if t < drop_at else 15.0, 3 * 3600)
     before = next(row for row in trajectory if row[0] == drop_at - INTERVAL)
-    first_down = next(row for row in trajectory if row[0] >= drop_at and sum(row[1:3]) < sum(before[1:3]))
-    assert first_down[0] - drop_at >= 300  # the scale-down stabilization window
+    down = next(
+        i for i, row in enumerate(trajectory) if row[0] >= drop_at and sum(row[1:3]) < sum(before[1:3])
+    )
+    # The scale-down stabilization window, from when the wish began: at 40 requests/s the
+    # law may already want one engine fewer, so that can be before the drop.
+    waited = trajectory[down - 1][6]
+    assert waited is not None and waited + INTERVAL >= 300
+    assert trajectory[down][0] - drop_at >= 2 * INTERVAL
     final = trajectory[-1]
     assert sum(final[1:3]) < sum(before[1:3])
     assert final[5].ttft_ms < 550 and final[5].itl_ms < 27.5

@@ -67,3 +67,20 @@ def test_a_growing_pool_queue_steps_past_max_step_within_the_cooldown():
     assert outcome.decision.colocated - 2 > 1
     assert outcome.decision.cause == Cause.queue_growing.value
     assert outcome.figures.queue["colocated"] == 90.0
+
+
+def test_a_lull_between_bursts_on_the_first_day_is_no_ramp_to_come():
+    """Six requests/s for five minutes, then 0.3 for two, all morning of the first day.
+    A bucket closed minutes ago is not this time of day: read as such, each lull was
+    forecast to climb back (at most threefold) and the pool added an engine for it."""
+    s = spec(3, cooldownSeconds=0)
+    state, engines, causes = None, 3, []
+    for k in range(240):
+        at = MIDNIGHT + timedelta(hours=6, seconds=30 * k)
+        load = 0.3 if k % 14 >= 10 else 6.0
+        state, decision = decide(s, fleet(load, engines), state, engines_of(engines), at)
+        engines = decision.colocated
+        causes.append(decision.cause)
+    assert Cause.forecast_ramp.value not in causes
+    assert state is not None and state.forecast is not None
+    assert max(v for v in state.forecast["colocated"].profile) > 0  # it did learn the morning

@@ -9,8 +9,11 @@ The forecast keeps, for each bucket of the day (`BUCKET_S`), a smoothed mean of 
 seen in that bucket on past days. Its prediction for a horizon is the largest
 remembered load in the buckets the horizon spans, times today's trend (the load now over
 what the profile remembers for now), so a day busier than yesterday lifts the whole
-forecast. With no memory of the buckets ahead (the first day) it predicts nothing and
-the law stays reactive. Only the past is used: a bucket enters the profile when it ends.
+forecast. A bucket counts as memory of a time of day only once the forecast saw that
+time a day before: on the first day a bucket closed minutes ago is the load of minutes
+ago, and read as this time of day it made a lull between bursts look like a ramp to
+come. With no memory of the buckets ahead (the first day) it predicts nothing and the
+law stays reactive. Only the past is used: a bucket enters the profile when it ends.
 
 The state is plain numbers in `status.autoscaling` (`to_status`/`from_status`), so an
 operator restart keeps what was learned. The prefill:decode and the colocated law
@@ -41,12 +44,15 @@ class SeasonalForecast:
     bucket: int | None = None  # absolute bucket number (time // BUCKET_S) being filled
     total: float = 0.0
     samples: int = 0
+    first: int | None = None  # the absolute bucket of the first sample (None: unknown, trusted)
 
     def observe(self, now_s: float, load: float) -> None:
         """One sample of the load (engines needed, or requests/s) at time `now_s`."""
         if not math.isfinite(load) or load < 0:
             return
         bucket = int(now_s // BUCKET_S)
+        if self.first is None and self.bucket is None:  # new; one restored without `first` is trusted
+            self.first = bucket
         if self.bucket is not None and bucket != self.bucket:
             self._close()
         if self.bucket != bucket:
@@ -68,11 +74,17 @@ class SeasonalForecast:
         ramp inside a bucket too); the nearer neighbour where the other is unknown."""
         x = t_s / BUCKET_S - 0.5
         low = math.floor(x)
-        near, far = self.profile[low % BUCKETS], self.profile[(low + 1) % BUCKETS]
+        near, far = self._of_past_days(low), self._of_past_days(low + 1)
         if near is None or far is None:
             return near if far is None else far
         w = x - low
         return (1 - w) * near + w * far
+
+    def _of_past_days(self, bucket: int) -> float | None:
+        """The profile's value for an absolute bucket, if the forecast saw it a day before."""
+        if self.first is not None and bucket - BUCKETS < self.first:
+            return None
+        return self.profile[bucket % BUCKETS]
 
     def trend(self, now_s: float, load_now: float) -> float | None:
         """Today's load over the remembered load at this time of day, within TREND_BAND."""
@@ -99,6 +111,7 @@ class SeasonalForecast:
             bucket=self.bucket,
             total=round(self.total),
             samples=self.samples,
+            first=self.first,
         )
 
     @classmethod
@@ -108,4 +121,4 @@ class SeasonalForecast:
         if memory is None or len(memory.profile) != BUCKETS:
             return cls()
         profile = [None if v < 0 else float(v) for v in memory.profile]
-        return cls(profile, memory.bucket, float(memory.total), memory.samples)
+        return cls(profile, memory.bucket, float(memory.total), memory.samples, memory.first)

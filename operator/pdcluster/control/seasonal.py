@@ -32,7 +32,7 @@ def observed(ctx: Context, forecasts: Forecasts, demand: dict[Role, float]) -> F
     """The forecasts with this run's demand added (copies: the inputs stay as read)."""
     out = {}
     for role, kept in forecasts.items():
-        fresh = SeasonalForecast(list(kept.profile), kept.bucket, kept.total, kept.samples)
+        fresh = SeasonalForecast(list(kept.profile), kept.bucket, kept.total, kept.samples, kept.first)
         fresh.observe(ctx.now.timestamp(), demand[role])
         out[role] = fresh
     return out

@@ -122,6 +122,11 @@ class SeasonalMemory(Model):
     bucket: int | None = Field(None, description="The bucket being filled: seconds since the epoch / 600.")
     total: int = Field(0, ge=0, description="The demand summed over the bucket being filled.")
     samples: int = Field(0, ge=0, description="Runs in the bucket being filled.")
+    first: int | None = Field(
+        None,
+        description="The bucket of the first sample: a bucket is memory of its time of day only from a day "
+        "after it (none: all are).",
+    )
 
 
 class DecodeSample(Model):
