@@ -100,16 +100,16 @@ def step(
         return Step(current + min(want - current, most), timers, wanted_s=wanted)
     if want < current:
         running = to_most and role in timers.down_since
-        most = max(want, timers.down_most.get(role, want)) if running else want
+        down_to = max(want, timers.down_most.get(role, want)) if running else want
         timers = timers.set(Timer.up_since, role, None).start(Timer.down_since, role, ctx.stamp)
-        timers = timers.most(role, most) if to_most else timers
+        timers = timers.most(role, down_to) if to_most else timers
         since = timers.down_since[role]
         waited = ctx.since(since)
         if waited < down_wait_s:
             return Step(
                 current,
                 timers,
-                note(NoteKind.down_waiting, role, want=most, waited=waited, needed=down_wait_s),
+                note(NoteKind.down_waiting, role, want=down_to, waited=waited, needed=down_wait_s),
             )
         # The next step of the same scale-down waits for a window of metrics at the new
         # count, and for the stabilization since the wish began.
@@ -117,7 +117,7 @@ def step(
         timers = timers.set(Timer.down_since, role, max(since, ctx.now - timedelta(seconds=settle)))
         # The next step starts its own most from this run's wish.
         timers = timers.most(role, want) if to_most else timers
-        return Step(current - min(current - most, auto.max_step), timers)
+        return Step(current - min(current - down_to, auto.max_step), timers)
     return Step(current, timers.set(Timer.up_since, role, None).set(Timer.down_since, role, None))
 
 
