@@ -61,8 +61,8 @@ def flexible_observed(spec: PDClusterSpec, status: PDClusterStatus, pods: list[d
     that cannot schedule counted against the role still short of its engines."""
     pool = status.flexible or RoleStatus()
     prefill, total = flexible.assignment(spec, status.autoscaling)
-    ready = flexible.split(pool.ready, prefill)
-    made = flexible.split(pool.replicas, prefill)
+    ready = flexible.acting(pool.ready, prefill)
+    made = flexible.acting(pool.replicas, prefill)
     stuck = _unschedulable(pods)
     short_prefill = stuck if ready[0] < prefill else 0
     startup = float(pool.startup.median_seconds) if pool.startup else None

@@ -33,6 +33,12 @@ def prefill_engines(spec: PDClusterSpec, state: AutoscalingState | None = None) 
     return assignment(spec, state)[0]
 
 
+def acting(engines: int, prefill_engines: int) -> tuple[int, int]:
+    """(prefill, decode) engines of a flexible pool of `engines` as the law counts them: a
+    lone engine computes every prompt, so it counts as prefill (`acting_roles`)."""
+    return (1, 0) if engines == 1 else split(engines, prefill_engines)
+
+
 def split(engines: int, prefill_engines: int) -> tuple[int, int]:
     """(prefill, decode) engines of a flexible pool of `engines` ready ones; (0, 0) for
     fewer than two, which cannot hand KV over."""
@@ -87,11 +93,14 @@ def _ready(pod: Mapping[str, Any]) -> bool:
 def acting_roles(pods: Iterable[Mapping[str, Any]], prefill_engines: int) -> dict[str, str | None]:
     """Each pool pod's role as the routers apply the rule (router/membership.py): of the
     ready pods in ordinal order the first `prefill_engines` prefill, the rest decode; None
-    for a pod not ready, and for a lone engine (it serves requests whole)."""
+    for a pod not ready. A lone engine serves requests whole and is filed as prefill: it
+    computes every prompt, and the router's series show its streams."""
     pool = [p for p in pods if (p["metadata"].get("labels") or {}).get(C.LABEL_ROLE) == C.ROLE_FLEXIBLE]
     ready = sorted((p for p in pool if _ready(p)), key=lambda p: (_ordinal(p), p["metadata"]["name"]))
     prefill, _ = split(len(ready), prefill_engines)
     roles: dict[str, str | None] = {p["metadata"]["name"]: None for p in pool}
+    if len(ready) == 1:
+        roles[ready[0]["metadata"]["name"]] = C.ROLE_PREFILL
     if len(ready) >= 2:
         for n, pod in enumerate(ready):
             roles[pod["metadata"]["name"]] = C.ROLE_PREFILL if n < prefill else C.ROLE_DECODE

@@ -16,7 +16,9 @@ from pdcluster.api.v1alpha1 import AutoscalingState, PDClusterSpec, PDClusterSta
 from pdcluster.autoscaler import _scaling_events, flexible_observed
 from pdcluster.control import Observed, RoleObserved, decide_outcome
 from pdcluster.control.cause import Cause
-from pdcluster.control.flexsplit import DONOR_SETTLE_S, prefill_share
+from pdcluster.control.context import Role
+from pdcluster.control.flexsplit import DONOR_SETTLE_S, LONE_BUSY, lone_wants, prefill_share
+from pdcluster.control.needs import Need
 from pdcluster.control.types import assemble
 from pdcluster.flexible_labels import label_acting_roles
 from pdcluster.io.kube import ApiError
@@ -76,7 +78,8 @@ def test_each_ready_engine_is_labelled_with_the_role_the_routers_make_it_act_as(
         "agile-flexible-2": "decode",
         "agile-flexible-3": None,
     }
-    assert flexible.relabels([_pod(0, acting="decode")], 1) == {"agile-flexible-0": None}  # alone: whole
+    # Alone it serves requests whole, filed as prefill: it computes every prompt.
+    assert flexible.relabels([_pod(0, acting="decode")], 1) == {"agile-flexible-0": "prefill"}
     assert flexible.relabels([_pod(0, role=C.ROLE_ROUTER)], 1) == {}  # not the pool's
 
 
@@ -115,6 +118,43 @@ def test_engines_no_role_asks_for_stay_where_they_are() -> None:
 def test_both_roles_short_share_the_pool_in_proportion_past_a_band() -> None:
     assert prefill_share(6, 2, {"prefill": 5, "decode": 7}, EASY) == 2  # share 2.5: within the band
     assert prefill_share(8, 6, {"prefill": 7, "decode": 7}, EASY) == 4
+
+
+def _quiet(busy: float = LONE_BUSY / 2, pressure: float = 0.3, **need) -> dict[Role, Need]:
+    """Both roles content with one engine, with headroom; prefill busy `busy` of the time."""
+    calm = {"up": 1, "down": 1, "pressure": pressure, "headroom": True}
+    return {Role.prefill: Need(load_engines=busy, **calm | need), Role.decode: Need(**calm | need)}
+
+
+ONE_EACH = {Role.prefill: 1, Role.decode: 1}
+LONE = {Role.prefill: 1, Role.decode: 0}
+
+
+def test_a_quiet_pool_goes_to_one_engine_and_a_busier_one_comes_back() -> None:
+    assert lone_wants(ONE_EACH, _quiet(), ONE_EACH) == LONE
+    # Going alone needs light prompts and both quantiles well within their targets ...
+    assert lone_wants(ONE_EACH, _quiet(busy=LONE_BUSY * 1.5), ONE_EACH) == ONE_EACH
+    assert lone_wants(ONE_EACH, _quiet(pressure=0.7), ONE_EACH) == ONE_EACH
+    assert lone_wants(ONE_EACH, _quiet(headroom=False), ONE_EACH) == ONE_EACH
+    # ... staying alone, targets kept and prompts up to twice as heavy.
+    assert lone_wants(LONE, _quiet(busy=LONE_BUSY * 1.5, pressure=0.9, headroom=False), ONE_EACH) == LONE
+    assert lone_wants(LONE, _quiet(busy=LONE_BUSY * 2.5), ONE_EACH) == ONE_EACH
+    assert lone_wants(LONE, _quiet(violated=True), ONE_EACH) == ONE_EACH
+    assert lone_wants(LONE, _quiet(up=2), {Role.prefill: 2, Role.decode: 1}) == {
+        Role.prefill: 2,
+        Role.decode: 1,
+    }
+
+
+def test_a_lone_engine_missing_its_target_gets_a_decode_engine_not_a_reactive_prefill() -> None:
+    # Its misses are prompts and streams sharing one engine: the reactive +1 prefill the
+    # law adds where the model sees no reason is dropped; what the model asks for is kept.
+    missed = _quiet(violated=True, reactive=True)
+    assert lone_wants(LONE, missed, {Role.prefill: 2, Role.decode: 1}) == ONE_EACH
+    short = {Role.prefill: Need(up=3, down=3, violated=True), Role.decode: Need(up=1, down=1)}
+    assert lone_wants(LONE, short, {Role.prefill: 3, Role.decode: 1}) == {Role.prefill: 3, Role.decode: 1}
+    # Without the prompts' load known, the pool does not go alone.
+    assert lone_wants(ONE_EACH, _quiet(busy=None), ONE_EACH) == ONE_EACH
 
 
 def _window(prompt_tokens: float, output_tokens: float) -> object:

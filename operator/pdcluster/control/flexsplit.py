@@ -7,9 +7,16 @@ wants more engines than it has, and only from one that has had headroom under it
 target for a minute. A role with engines to spare keeps them until the pool's size lets
 them go, so the next burst finds them where the last one needed them. Splitting in
 proportion to the wants instead moved them to a role that asked for nothing: on the
-Azure code day at peak 8 that cost 1.3 points and 12% more GPU-hours."""
+Azure code day at peak 8 that cost 1.3 points and 12% more GPU-hours.
+
+Where decode's minReplicas is 0, a quiet pool goes down to one engine, which serves every
+request whole (flexible.py): where a fixed-role pool's floor is one engine of each role,
+a flexible pool's is one engine (`lone_wants`)."""
 
 from __future__ import annotations
+
+from pdcluster.control.context import Context, Role
+from pdcluster.control.needs import Need
 
 # When both roles want more than they have, the pool is shared in proportion to their
 # wants, and that share moves the split only when it is this many engines away: past the
@@ -44,3 +51,46 @@ def prefill_share(total: int, decided: int, wanted: dict[str, int], easy: dict[s
     elif short_d > 0 and easy.get("prefill", False):
         now -= min(short_d, max(-short_p, 0))
     return min(max(now, 1), total - 1)
+
+
+# One engine computes prompts and steps streams in turn, so each slows while the other has
+# work: the pool goes down to it only while prompts would keep it busy at most this share
+# of the time at the load a window ahead, and both quantiles sit at most LONE_PRESSURE of
+# what their targets allow. The lone engine stays alone while its own quantiles keep their
+# targets and prompts keep it busy at most twice that share.
+LONE_BUSY = 0.08
+LONE_PRESSURE = 0.5
+
+
+def lone_allowed(ctx: Context) -> bool:
+    """Whether the pool's floor is one engine: decode's minReplicas 0, prefill's at most 1."""
+    return ctx.bounds(Role.decode)[0] == 0 and ctx.bounds(Role.prefill)[0] <= 1
+
+
+def lone_wants(current: dict[Role, int], needs: dict[Role, Need], wants: dict[Role, int]) -> dict[Role, int]:
+    """A flexible pool's wants where its floor is one engine (`lone_allowed`): one engine
+    serving whole while it fits (`lone_fits`), else at least one of each role. The pool
+    goes there and back as it scales: down after the scale-down stabilization, up at once."""
+    lone = current[Role.decode] == 0
+    if wants[Role.prefill] <= 1 and lone_fits(needs, lone):
+        return {Role.prefill: 1, Role.decode: 0}
+    if lone:
+        # A lone engine's misses are its sharing: a decode engine ends that, and more
+        # prefill only where the model asks for it.
+        wants = {**wants, Role.prefill: min(wants[Role.prefill], needs[Role.prefill].up)}
+    return {role: max(want, 1) for role, want in wants.items()}
+
+
+def lone_fits(needs: dict[Role, Need], lone: bool) -> bool:
+    """Whether one engine serves the load whole: each role needs one engine at most, none
+    misses its target, and the prefill work is light; to go alone both roles also have
+    headroom at LONE_PRESSURE (`lone`: the pool is one engine already)."""
+    prefill, decode = needs[Role.prefill], needs[Role.decode]
+    if max(prefill.up, decode.up) > 1 or prefill.violated or decode.violated:
+        return False
+    busy = prefill.load_engines
+    if busy is None or busy > LONE_BUSY * (1.5 if lone else 1.0):
+        return False
+    if lone:
+        return True
+    return prefill.headroom and decode.headroom and max(prefill.pressure, decode.pressure) <= LONE_PRESSURE

@@ -46,7 +46,7 @@ from pdcluster.control.budget import Counts, fit_budget, gpu_total, split_budget
 from pdcluster.control.cause import Cause, summary
 from pdcluster.control.context import ROLES, Context, Role, Timer, Timers, context
 from pdcluster.control.explain import Analysis, cause_of, figures, notes_of, reason, stages_status
-from pdcluster.control.flexsplit import DONOR_SETTLE_S, prefill_share
+from pdcluster.control.flexsplit import DONOR_SETTLE_S, lone_allowed, lone_wants, prefill_share
 from pdcluster.control.needs import (
     Need,
     View,
@@ -264,6 +264,8 @@ def _analyse(
         else:
             need = prefill_need(ctx, m, view) if role == Role.prefill else decode_need(ctx, m, view)
         needs[role], wants[role] = _want(ctx, current, role, need)
+    if ctx.spec.mode == ServingMode.flexible and lone_allowed(ctx):
+        wants = lone_wants(current, needs, wants)
     fit = fit_budget(ctx, current, wants, needs)
     # Bigger steps only into free GPUs: at a full budget they would come from the other role.
     free = ctx.auto.gpu_budget is None or gpu_total(ctx, current) < ctx.auto.gpu_budget

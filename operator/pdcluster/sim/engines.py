@@ -25,6 +25,9 @@ class Engine(Backend):
         self.state = PENDING
         # Flexible fleets: the same GPUs in the other role, while one of the two drains.
         self.twin: Engine | None = None
+        # A flexible pool of one engine: the decode half of an engine that serves requests
+        # whole (its twin computes the prompts); not a pod of its own.
+        self.lone = False
 
 
 class PrefillEngine(Engine):
@@ -32,6 +35,7 @@ class PrefillEngine(Engine):
         super().__init__(ident, "prefill", ordinal, gpus)
         self.queue: deque[int] = deque()
         self.busy = False
+        self.batch_ms = 0.0  # the prompt batch under way
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.cache_blocks = cache_blocks
 

@@ -153,6 +153,10 @@ class Fleet(PrefillStage, DecodeStage):
             return
         engine.state = READY
         self.ready[engine.role].append(engine)
+        if engine.role == "decode":
+            self.relieve_lone()
+        else:
+            self.go_lone()
         self.events_from(engine)
         self.mark()
         self.serve_backlog(engine.role)
@@ -177,7 +181,9 @@ class Fleet(PrefillStage, DecodeStage):
                 self.serve_backlog(role)
 
     def scrape(self) -> None:
-        prefill, decode = self.ready["prefill"], self.ready["decode"]
+        # A lone engine's decode half is no decode engine to the operator: the pod acts
+        # as prefill (flexible.acting_roles), and its series are filed there.
+        prefill, decode = self.ready["prefill"], [e for e in self.ready["decode"] if not e.lone]
         gauges = {
             M.PREFILL_WAITING: float(sum(len(e.queue) for e in prefill)),  # type: ignore[attr-defined]
             M.DECODE_RUNNING: float(sum(e.batch for e in decode)),  # type: ignore[attr-defined]

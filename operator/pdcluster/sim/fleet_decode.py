@@ -53,13 +53,15 @@ class DecodeStage(FleetState):
         else:
             step = engine.step0 + engine.steps_done(self.now + 1e-9)
             n = step - engine.step0
+            # A lone engine's streams are no decode engine's (flexible.acting_roles).
             if n > 0:
-                for name in (M.DECODE_ITL, M.ROUTER_ITL):
+                for name in (M.ROUTER_ITL,) if engine.lone else (M.DECODE_ITL, M.ROUTER_ITL):
                     self.hist[name].observe_steps(
                         engine.step_ms / 1000.0, engine.growth / 1000.0, n, engine.batch, engine.fresh
                     )
             kv = engine.kv + engine.batch * n
-            self.counters[M.DECODE_GENERATION_TOKENS] += engine.batch * n
+            if not engine.lone:
+                self.counters[M.DECODE_GENERATION_TOKENS] += engine.batch * n
         running = engine.running
         while running and running[0][0] <= step:
             _, i = heapq.heappop(running)
@@ -81,9 +83,9 @@ class DecodeStage(FleetState):
         engine.t0 = self.now
         engine.step0 = step
         engine.kv = kv
-        share = self.share(engine)
-        engine.step_ms = (d0 + d1 * engine.batch + d2 * kv) / share
-        engine.growth = d2 * engine.batch / share
+        prompts_ms = self.twin_prompt_ms(engine)  # a step shared with a prompt batch takes its time
+        engine.step_ms = (prompts_ms or d0) + d1 * engine.batch + d2 * kv
+        engine.growth = d2 * engine.batch
         engine.fresh = len(joined)
         first = self.now + engine.step_ms / 1000.0
         ttft_hist, beyond_hist = self.hist[M.ROUTER_TTFT], self.hist[M.ROUTER_TTFT_BEYOND_PREFILL]

@@ -32,8 +32,6 @@ class PrefillStage(FleetState):
         engine.inflight_requests += 1
         if not engine.busy:
             self.start_prefill(engine)
-            if engine.twin is not None:
-                self.reshared(engine.twin)
 
     def look_up(self, i: int) -> bool:
         """The router's store lookup; True when the request is on its way without prefill
@@ -91,9 +89,12 @@ class PrefillStage(FleetState):
             self.counters[M.PREFIX_HITS] += cached
             self.reused_tokens += cached
         engine.busy = True
+        engine.batch_ms = ms
         self.hist[M.PREFILL_STEPS].observe(used)  # one engine step (a batch within the token budget)
-        took_s = ms / 1000.0 / self.share(engine)
+        took_s = (ms + self.twin_streams_ms(engine)) / 1000.0
         self.push(self.now + took_s, PREFILL_DONE, (engine, batch, took_s))
+        if engine.twin is not None:
+            self.reshared(engine.twin)
 
     def cached_blocks(self, engine: PrefillEngine, blocks: tuple[int, ...]) -> int:
         cache = engine.cache
@@ -134,10 +135,12 @@ class PrefillStage(FleetState):
             prompt_hist.observe(tr.input_tokens[i])
             engine.inflight_tokens -= tr.input_tokens[i]
             engine.inflight_requests -= 1
-            transfer = tr.input_tokens[i] * self.profile.kv_bytes_per_token / self.bytes_per_s
+            transfer = 0.0  # a lone engine's KV stays where it is
+            if engine.twin is None or not engine.twin.lone:
+                transfer = tr.input_tokens[i] * self.profile.kv_bytes_per_token / self.bytes_per_s
+                self.hist[M.PREFILL_KV_HANDOFF].observe(transfer)
             self.prefilled_at[i] = self.now
             self.own_prefill_s[i] = took_s  # scheduled to first token, as vLLM's per-request metrics
-            self.hist[M.PREFILL_KV_HANDOFF].observe(transfer)
             self.push(self.now + transfer, TRANSFER_DONE, None, i)
         engine.busy = False
         if engine.queue:

@@ -185,7 +185,7 @@ class FleetState:
         self.held += delta
 
     def active(self, role: str) -> list[Engine]:
-        return [e for e in self.engines[role] if e.state in (PENDING, STARTING, READY)]
+        return [e for e in self.engines[role] if e.state in (PENDING, STARTING, READY) and not e.lone]
 
     def scale(self, prefill: int, decode: int, initial: bool = False) -> None:
         self.targets = (prefill, decode)
@@ -203,14 +203,44 @@ class FleetState:
         for role in self.engines:
             self.engines[role] = [e for e in self.engines[role] if e.state != GONE]
         self.schedule_pending()
+        self.go_lone()
         self.mark()
+
+    def go_lone(self) -> None:
+        """A flexible pool of one engine serves requests whole: its prefill engine gets a
+        decode twin on the same GPUs (the lone engine's streams), which the first decode
+        engine to become ready relieves (`relieve_lone`). An engine still draining its old
+        role's work has a twin already: it gets one once that is done (`retire_if_empty`),
+        as a prefill engine still starting does once ready (`engine_ready`)."""
+        if not self.cfg.flexible or self.targets[1] != 0 or any(e.lone for e in self.engines["decode"]):
+            return
+        host = next((e for e in self.ready["prefill"] if e.twin is None), None)
+        if host is None:
+            return
+        lone = self.new_engine("decode")
+        lone.state, lone.lone = READY, True
+        lone.twin, host.twin = host, lone
+        self.ready["decode"].append(lone)
+
+    def decode_engines(self) -> int:
+        """Ready decode engines, a lone engine's decode half not counted: it is no pod."""
+        return sum(1 for e in self.ready["decode"] if not e.lone)
+
+    def relieve_lone(self) -> None:
+        """A decode engine is ready: the lone engine's decode half takes no new streams and
+        leaves once its own are done; its host computes prompts alone again."""
+        for lone in [e for e in self.ready["decode"] if e.lone]:
+            lone.lone = False
+            lone.state = DRAINING
+            self.ready["decode"].remove(lone)
+            self.retire_if_empty(lone)
 
     def flip_toward(self, prefill: int, decode: int) -> None:
         """Move ready engines from a role with more than wanted to one with fewer. As the
         router does with a kv_both engine: the engine takes the new role's requests at once
         and finishes its old role's work meanwhile, on the same GPUs. The simulator keeps
-        the two roles as two engines linked as twins; while both have work, each runs at
-        half speed (share())."""
+        the two roles as two engines linked as twins, whose work shares each step
+        (`twin_prompt_ms`, `twin_streams_ms`)."""
         want = {"prefill": prefill, "decode": decode}
         have = {role: len(self.active(role)) for role in want}
         for role, other in (("prefill", "decode"), ("decode", "prefill")):
@@ -229,13 +259,29 @@ class FleetState:
                 self.reshared(engine)
                 self.retire_if_empty(engine)
 
-    def share(self, engine: Engine) -> float:
-        """The part of its GPUs an engine computes with: half while its twin has work."""
+    # Twins are one vLLM engine doing both roles' work, in the same steps, as its scheduler
+    # runs them (vllm/v1/core/sched/scheduler.py): every running stream's next token first,
+    # prompts in the rest of the token budget, one forward pass (sim/colocated.py prices a
+    # colocated engine's steps alike). So a prompt batch's step also carries the streams'
+    # tokens, and while prompts are computed the streams advance one token per batch.
+
+    def twin_prompt_ms(self, engine: Engine) -> float:
+        """The prompt batch a decode engine's twin is computing, in ms (0: none): each of
+        the engine's steps takes that long meanwhile."""
         twin = engine.twin
-        return 0.5 if twin is not None and not twin.idle() else 1.0  # type: ignore[attr-defined]
+        return twin.batch_ms if twin is not None and twin.busy else 0.0  # type: ignore[attr-defined]
+
+    def twin_streams_ms(self, engine: Engine) -> float:
+        """What a prefill engine's twin's streams add to each prompt batch's step, in ms."""
+        twin = engine.twin
+        if twin is None or not twin.batch:  # type: ignore[attr-defined]
+            return 0.0
+        _, d1, d2 = self.profile.decode_coef
+        kv = twin.kv + twin.batch * twin.steps_done(self.now)  # type: ignore[attr-defined]
+        return d1 * twin.batch + d2 * kv  # type: ignore[attr-defined]
 
     def reshared(self, engine: Engine) -> None:
-        """An engine's share of its GPUs changed: the decode stage re-times its steps."""
+        """An engine's twin started or ended work: the decode stage re-times its steps."""
 
     def new_engine(self, role: str) -> Engine:
         self.next_id += 1
@@ -281,6 +327,7 @@ class FleetState:
         if twin is not None and twin.state != GONE:
             twin.twin = None  # it holds the GPUs on, alone
             self.reshared(twin)
+            self.go_lone()
         else:
             self.set_held(-engine.gpus)
         self.engines[engine.role] = [e for e in self.engines[engine.role] if e.state != GONE]
@@ -301,5 +348,5 @@ class FleetState:
 
     def mark(self) -> None:
         self.timeline.append(
-            (self.now, len(self.ready["prefill"]), len(self.ready["decode"]), *self.targets, self.held)
+            (self.now, len(self.ready["prefill"]), self.decode_engines(), *self.targets, self.held)
         )

@@ -38,7 +38,7 @@ def observed(fleet: Fleet) -> Observed:
         roles[role] = RoleObserved(
             desired=fleet.targets[index],
             replicas=len(engines),
-            ready=len(fleet.ready[role]),
+            ready=len(fleet.ready[role]) if role == "prefill" else fleet.decode_engines(),
             unschedulable=sum(1 for e in engines if e.state == PENDING),
             startup_s=fleet.cfg.startup_s,  # what the operator measures from its pods
         )
@@ -70,7 +70,12 @@ class PDCluster:
 
 class FlexiblePDCluster(PDCluster):
     """The law on flexible engines (spec.mode flexible, control/flexsplit.py): the size
-    as the law decides it, the split every interval by flips."""
+    as the law decides it, down to one engine serving whole, the split every interval by
+    flips."""
 
     def __init__(self, spec: PDClusterSpec, profile: Profile | None, name: str = "pdcluster-flex") -> None:
-        super().__init__(spec.model_copy(update={"mode": ServingMode.flexible}), profile, name)
+        # decode.minReplicas 0: a quiet pool goes down to one engine serving whole.
+        lone = spec.decode.model_copy(update={"min_replicas": 0})
+        super().__init__(
+            spec.model_copy(update={"mode": ServingMode.flexible, "decode": lone}), profile, name
+        )

@@ -134,7 +134,8 @@ class PDClusterSpec(Model):
         "decode.replicas engines of one configuration (the two sections must agree on it), each started as "
         "both KV producer and consumer; the router makes each engine prefill or decode, and moves an engine "
         "between the roles in seconds, without a restart; with autoscaling, the law moves the split by such flips "
-        "every interval and the pool's size by pods. Changing it replaces the pools.",
+        "every interval and the pool's size by pods; with decode.minReplicas 0 it may shrink a quiet pool to one engine, "
+        "which serves requests whole. Changing it replaces the pools.",
     )
     engine: EngineSpec = section(EngineSpec)
     kv_transfer: KVTransferSpec = section(KVTransferSpec)
