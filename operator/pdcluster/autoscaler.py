@@ -57,7 +57,7 @@ def _unschedulable(pods: list[dict]) -> int:
 
 def flexible_observed(spec: PDClusterSpec, status: PDClusterStatus, pods: list[dict]) -> Observed:
     """A flexible pool as the law sees two roles: the engines the routers make each role
-    act as (ready ones in pool order, flexible.split), the split last decided, and pods
+    act as (ready ones in pool order, flexible.acting), the split last decided, and pods
     that cannot schedule counted against the role still short of its engines."""
     pool = status.flexible or RoleStatus()
     prefill, total = flexible.assignment(spec, status.autoscaling)

@@ -153,7 +153,7 @@ def _ratio(
     if colocated is not None:
         return None
     if flexible_pool is not None:  # the split the routers apply to the ready engines
-        return "{}:{}".format(*flexible.split(flexible_pool.ready, flexible.prefill_engines(spec, autoscaling)))
+        return "{}:{}".format(*flexible.acting(flexible_pool.ready, flexible.prefill_engines(spec, autoscaling)))
     return f"{prefill.ready}:{decode.ready}"
 
 

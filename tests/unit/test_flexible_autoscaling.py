@@ -96,6 +96,21 @@ def test_the_law_sees_the_engines_each_role_acts_as() -> None:
     assert seen.decode == RoleObserved(desired=2, replicas=2, ready=1, unschedulable=1)
 
 
+def test_a_lone_engine_is_seen_and_shown_as_prefill() -> None:
+    """A pool the law shrank to one engine (1:0): the engine serves requests whole and
+    computes every prompt, so the law sees one prefill engine and no decode engine, and
+    status shows the split 1:0."""
+    from pdcluster.status import _ratio
+
+    spec = _spec()
+    lone = AutoscalingState(prefill=1, decode=0)
+    status = PDClusterStatus(flexible=RoleStatus(desired=1, replicas=1, ready=1), autoscaling=lone)
+    seen = flexible_observed(spec, status, [])
+    assert seen.prefill == RoleObserved(desired=1, replicas=1, ready=1, unschedulable=0)
+    assert seen.decode == RoleObserved(desired=0, replicas=0, ready=0, unschedulable=0)
+    assert _ratio(spec, lone, RoleStatus(), RoleStatus(), None, status.flexible) == "1:0"
+
+
 EASY = {"prefill": True, "decode": True}
 
 
