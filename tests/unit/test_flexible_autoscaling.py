@@ -57,6 +57,14 @@ def test_the_laws_split_goes_to_the_routers_configmap_and_its_size_to_the_statef
     # In recommend mode the law only records: the spec's split and size run.
     recommend = Replicas.choose(_spec(mode="recommend"), state)
     assert (recommend.flexible, recommend.flexible_prefill) == (4, 1)
+    # A lone engine (1:0): one pod, which the routers make serve requests whole; only
+    # where decode's minReplicas is 0, else the pool's floor is one engine of each role.
+    floor_one = spec.model_copy(update={"decode": spec.decode.model_copy(update={"min_replicas": 0})})
+    lone = Replicas.choose(floor_one, AutoscalingState(prefill=1, decode=0))
+    assert (lone.flexible, lone.flexible_prefill) == (1, 1)
+    objs = render_all(floor_one, Owner("agile", "ns", "uid"), lone)
+    assert next(o for o in objs if o["kind"] == "StatefulSet")["spec"]["replicas"] == 1
+    assert Replicas.choose(spec, AutoscalingState(prefill=1, decode=0)).flexible == 2
 
 
 def test_each_ready_engine_is_labelled_with_the_role_the_routers_make_it_act_as() -> None:
