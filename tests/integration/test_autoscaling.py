@@ -348,3 +348,97 @@ async def test_a_flexible_pool_flips_a_decode_engine_to_prefill_without_a_pod_re
 
     await wait_until(series_by_role, timeout=60, interval=2, message="series under the acting roles")
     assert outcomes.get(200, 0) > 0 and outcomes.get(-1, 0) == 0, outcomes
+
+
+async def test_a_quiet_flexible_pool_goes_to_one_engine_that_serves_requests_whole(
+    kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, sim_cluster: Any
+) -> None:
+    """spec.mode flexible with decode.minReplicas 0 under light traffic: once its
+    scale-down stabilization is over the law shrinks the pool to one engine, the
+    StatefulSet to one pod, which is labelled as prefill and serves requests whole;
+    status shows 1:0, and no request fails on the way."""
+    autoscaling = {
+        "enabled": True,
+        "mode": "auto",
+        "slo": {"ttftMs": 500, "itlMs": 25, "quantile": "p90"},
+        "gpuBudget": 2,
+        "intervalSeconds": 5,
+        "windowSeconds": 20,
+        "scaleDownStabilizationSeconds": 20,
+        "cooldownSeconds": 5,
+    }
+    doc = sim_cluster(
+        "lone",
+        mode="flexible",
+        prefill={"replicas": 1, "minReplicas": 1, "maxReplicas": 1},
+        decode={"replicas": 1, "minReplicas": 0, "maxReplicas": 1},
+        autoscaling=autoscaling,
+    )
+    await pdc.apply(doc)
+
+    async def serving() -> bool:
+        status = (await pdc.get("lone")).get("status") or {}
+        return await pdc.is_true("lone", "Ready") and (status.get("flexible") or {}).get("ready") == 2
+
+    await wait_until(serving, timeout=120, message="Ready with 2 flexible engines")
+    router_ip = (await kube.get("v1", "Service", "lone-router", namespace))["spec"]["clusterIP"]
+    outcomes: dict[int, int] = {}
+    stop = asyncio.Event()
+
+    async def light() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            i = 0
+            while not stop.is_set():
+                body = {
+                    "model": "llama-3.1-8b",
+                    "prompt": f"{i} a short question",
+                    "max_tokens": 8,
+                    "stream": True,
+                }
+                try:
+                    async with session.post(f"http://{router_ip}:8000/v1/completions", json=body) as r:
+                        await r.read()
+                        outcomes[r.status] = outcomes.get(r.status, 0) + 1
+                except (aiohttp.ClientError, TimeoutError):
+                    outcomes[-1] = outcomes.get(-1, 0) + 1
+                i += 1
+                await asyncio.sleep(0.5)
+
+    traffic = asyncio.create_task(light())
+    try:
+
+        async def alone() -> dict:
+            status = (await pdc.get("lone")).get("status") or {}
+            state = status.get("autoscaling") or {}
+            assert (state.get("prefill"), state.get("decode")) == (1, 0), (
+                state.get("lastDecision") or {}
+            ).get("reason")
+            assert (status.get("flexible") or {}).get("ready") == 1 and status.get("ratio") == "1:0", status
+            return state
+
+        state = await wait_until(
+            alone, timeout=180, interval=2, message="the law runs the pool on one engine"
+        )
+        selector = f"{C.LABEL_CLUSTER}=lone,{C.LABEL_ROLE}={C.ROLE_FLEXIBLE}"
+
+        async def labelled() -> list[str]:
+            pods = await kube.list("v1", "Pod", namespace, label_selector=selector)
+            live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+            acting = [p["metadata"]["labels"].get(C.LABEL_ACTING_ROLE) for p in live]
+            assert acting == [C.ROLE_PREFILL], acting
+            return acting
+
+        await wait_until(labelled, timeout=30, message="the lone pod acts as prefill")
+        served = outcomes.get(200, 0)
+
+        async def serves_on() -> bool:
+            return outcomes.get(200, 0) > served
+
+        await wait_until(serves_on, timeout=30, message="the lone engine serves on")
+    finally:
+        stop.set()
+        await traffic
+    print(f"alone: {state['lastDecision']['summary']}; outcomes {outcomes}")
+    sts = await kube.get("apps/v1", "StatefulSet", "lone-flexible", namespace)
+    assert sts["spec"]["replicas"] == 1
+    assert outcomes.get(200, 0) > 0 and set(outcomes) == {200}, outcomes

@@ -381,6 +381,8 @@ def test_the_flexible_law_runs_a_quiet_pool_on_one_engine_and_grows_it_with_the_
     assert all(flexible.finished) and all(fixed.finished)
     lone = [t for t, p, d, _ in flexible.decisions if (p, d) == (1, 0)]
     assert lone and lone[0] < start, flexible.decisions
+    why = next(r for t, *_, r in flexible.decisions if t == lone[0])
+    assert why.endswith("one engine serves requests whole (decode.minReplicas 0)"), why
     stabilization = spec.autoscaling.scale_down_stabilization_seconds
     assert lone[0] >= stabilization  # not before the wish to scale down has lasted
     regrown = [t for t, p, d, _ in flexible.decisions if t > start and d >= 1]

@@ -64,6 +64,8 @@ ALLOWED: dict[tuple[str, str, str, str], str] = {
         "a slow store master, the case under test",
     ("integration/test_autoscaling.py", "load", SLEEP, "asyncio.sleep(max(0.0, started + i / RATE - time.monotonic()))"):
         "paces the load generator at RATE requests a second",
+    ("integration/test_autoscaling.py", "test_a_quiet_flexible_pool_goes_to_one_engine_that_serves_requests_whole.light", SLEEP, "asyncio.sleep(0.5)"):
+        "paces the light load at about two requests a second",
     ("integration/test_router_fuzz_edges.py", "test_clients_leaving_at_any_point_leak_nothing", SLEEP, "asyncio.sleep(wait)"):
         "a client that waits a generated time before it reads and leaves is the case under test",
     ("integration/test_router_retries.py", "test_prefills_killed_at_random_points_lose_no_request", SLEEP, "asyncio.sleep(rng.uniform(0.0, 0.3))"):

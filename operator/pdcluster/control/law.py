@@ -309,6 +309,8 @@ def _finish(ctx: Context, start: _Start, m: MetricsSnapshot | None, end: _End) -
             for r, need in end.analysis.needs.items()
         }
         prefill = prefill_share(total, target["prefill"], figs.asked, easy)
+        if total == 1 and target["decode"] == 0 and stored["decode"] > 0:
+            why = f"{why}; one engine serves requests whole (decode.minReplicas 0)"
         if prefill != target["prefill"]:
             target = {"prefill": prefill, "decode": total - prefill}
             cause, role = Cause.split_flipped, None
