@@ -17,7 +17,7 @@ from pdcluster.autoscaler import _scaling_events, flexible_observed
 from pdcluster.control import Observed, RoleObserved, decide_outcome
 from pdcluster.control.cause import Cause
 from pdcluster.control.context import Role
-from pdcluster.control.flexsplit import DONOR_SETTLE_S, LONE_BUSY, lone_wants, prefill_share
+from pdcluster.control.flexsplit import DONOR_SETTLE_S, LONE_BUSY, LONE_STAY, lone_wants, prefill_share
 from pdcluster.control.needs import Need
 from pdcluster.control.types import assemble
 from pdcluster.flexible_labels import label_acting_roles
@@ -156,12 +156,13 @@ LONE = {Role.prefill: 1, Role.decode: 0}
 def test_a_quiet_pool_goes_to_one_engine_and_a_busier_one_comes_back() -> None:
     assert lone_wants(ONE_EACH, _quiet(), ONE_EACH) == LONE
     # Going alone needs light prompts and both quantiles well within their targets ...
-    assert lone_wants(ONE_EACH, _quiet(busy=LONE_BUSY * 1.5), ONE_EACH) == ONE_EACH
+    heavier = LONE_BUSY * (1 + LONE_STAY) / 2  # enough to stay alone, not to go there
+    assert lone_wants(ONE_EACH, _quiet(busy=heavier), ONE_EACH) == ONE_EACH
     assert lone_wants(ONE_EACH, _quiet(pressure=0.7), ONE_EACH) == ONE_EACH
     assert lone_wants(ONE_EACH, _quiet(headroom=False), ONE_EACH) == ONE_EACH
-    # ... staying alone, targets kept and prompts up to twice as heavy.
-    assert lone_wants(LONE, _quiet(busy=LONE_BUSY * 1.5, pressure=0.9, headroom=False), ONE_EACH) == LONE
-    assert lone_wants(LONE, _quiet(busy=LONE_BUSY * 2.5), ONE_EACH) == ONE_EACH
+    # ... staying alone, targets kept and prompts up to LONE_STAY times as heavy.
+    assert lone_wants(LONE, _quiet(busy=heavier, pressure=0.9, headroom=False), ONE_EACH) == LONE
+    assert lone_wants(LONE, _quiet(busy=LONE_BUSY * LONE_STAY * 1.2), ONE_EACH) == ONE_EACH
     assert lone_wants(LONE, _quiet(violated=True), ONE_EACH) == ONE_EACH
     assert lone_wants(LONE, _quiet(up=2), {Role.prefill: 2, Role.decode: 1}) == {
         Role.prefill: 2,

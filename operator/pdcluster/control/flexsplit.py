@@ -53,12 +53,15 @@ def prefill_share(total: int, decided: int, wanted: dict[str, int], easy: dict[s
     return min(max(now, 1), total - 1)
 
 
-# One engine computes prompts and steps streams in turn, so each slows while the other has
-# work: the pool goes down to it only while prompts would keep it busy at most this share
-# of the time at the load a window ahead, and both quantiles sit at most LONE_PRESSURE of
-# what their targets allow. The lone engine stays alone while its own quantiles keep their
-# targets and prompts keep it busy at most twice that share.
+# One engine computes prompts beside its streams, which wait for each prompt (a short
+# answer behind a long prompt misses its ITL target): the pool goes down to it only while
+# prompts would keep it busy at most LONE_BUSY of the time at the load a window ahead, and
+# both quantiles sit at most LONE_PRESSURE of what their targets allow. It stays alone
+# while its own quantiles keep their targets and prompts keep it busy at most LONE_STAY
+# times that share. Measured on the Azure code day at peak 4 (docs/benchmarks.md, "One
+# engine at night"): each tenth of a point of attainment given up buys about 2 GPU-hours.
 LONE_BUSY = 0.08
+LONE_STAY = 1.5
 LONE_PRESSURE = 0.5
 
 
@@ -89,7 +92,7 @@ def lone_fits(needs: dict[Role, Need], lone: bool) -> bool:
     if max(prefill.up, decode.up) > 1 or prefill.violated or decode.violated:
         return False
     busy = prefill.load_engines
-    if busy is None or busy > LONE_BUSY * (1.5 if lone else 1.0):
+    if busy is None or busy > LONE_BUSY * (LONE_STAY if lone else 1.0):
         return False
     if lone:
         return True
