@@ -27,11 +27,13 @@ PROMPT = "All work and no play makes Jack a dull boy. " * 750
 RATE = 8.0
 
 
-async def load(router_ip: str, stop: asyncio.Event, outcomes: dict[int, int]) -> None:
+async def load(
+    router_ip: str, stop: asyncio.Event, outcomes: dict[int, int], prompt: str = PROMPT, rate: float = RATE
+) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
 
         async def one(i: int) -> None:
-            body = {"model": "llama-3.1-8b", "prompt": f"{i} {PROMPT}", "max_tokens": 16, "stream": True}
+            body = {"model": "llama-3.1-8b", "prompt": f"{i} {prompt}", "max_tokens": 16, "stream": True}
             try:
                 async with session.post(f"http://{router_ip}:8000/v1/completions", json=body) as r:
                     await r.read()
@@ -44,7 +46,7 @@ async def load(router_ip: str, stop: asyncio.Event, outcomes: dict[int, int]) ->
         while not stop.is_set():
             tasks.append(asyncio.create_task(one(i)))
             i += 1
-            await asyncio.sleep(max(0.0, started + i / RATE - time.monotonic()))
+            await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
         await asyncio.gather(*tasks)
 
 
@@ -245,6 +247,29 @@ async def test_a_colocated_pool_grows_when_ttft_misses_and_advice_follows_the_tr
     assert outcomes.get(200, 0) > 0 and outcomes.get(-1, 0) == 0, outcomes
 
 
+async def start_flexible(
+    pdc: Any, sim_cluster: Any, wait_until: Any, name: str, prefill: dict, decode: dict, **autoscaling: Any
+) -> None:
+    """An autoscaled flexible pool of engine simulators (a p90 SLO of 500 ms TTFT and
+    25 ms ITL, `autoscaling` on top), once Ready with all its engines."""
+    slo = {"ttftMs": 500, "itlMs": 25, "quantile": "p90"}
+    doc = sim_cluster(
+        name,
+        mode="flexible",
+        prefill=prefill,
+        decode=decode,
+        autoscaling={"enabled": True, "mode": "auto", "slo": slo, **autoscaling},
+    )
+    await pdc.apply(doc)
+    engines = prefill["replicas"] + decode["replicas"]
+
+    async def serving() -> bool:
+        status = (await pdc.get(name)).get("status") or {}
+        return await pdc.is_true(name, "Ready") and (status.get("flexible") or {}).get("ready") == engines
+
+    await wait_until(serving, timeout=120, message=f"Ready with {engines} flexible engines")
+
+
 async def test_a_flexible_pool_flips_a_decode_engine_to_prefill_without_a_pod_restart(
     kube: Kube, namespace: str, operator: Any, pdc: Any, wait_until: Any, sim_cluster: Any, local_cluster: Any
 ) -> None:
@@ -252,32 +277,21 @@ async def test_a_flexible_pool_flips_a_decode_engine_to_prefill_without_a_pod_re
     The split moves by a flip (the routers' ConfigMap), the StatefulSet keeps its 3 pods
     and their containers, each engine's series go under the role it acts as, and status
     and Events report the flip."""
-    autoscaling = {
-        "enabled": True,
-        "mode": "auto",
-        "slo": {"ttftMs": 500, "itlMs": 25, "quantile": "p90"},
-        "gpuBudget": 3,
-        "intervalSeconds": 10,
-        "windowSeconds": 30,
-        "scaleUpStabilizationSeconds": 0,
-        "scaleDownStabilizationSeconds": 600,
-        "cooldownSeconds": 10,
-        "scaleUpTimeoutSeconds": 120,
-    }
-    doc = sim_cluster(
+    await start_flexible(
+        pdc,
+        sim_cluster,
+        wait_until,
         "flex",
-        mode="flexible",
         prefill={"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
         decode={"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
-        autoscaling=autoscaling,
+        gpuBudget=3,
+        intervalSeconds=10,
+        windowSeconds=30,
+        scaleUpStabilizationSeconds=0,
+        scaleDownStabilizationSeconds=600,
+        cooldownSeconds=10,
+        scaleUpTimeoutSeconds=120,
     )
-    await pdc.apply(doc)
-
-    async def serving() -> bool:
-        status = (await pdc.get("flex")).get("status") or {}
-        return await pdc.is_true("flex", "Ready") and (status.get("flexible") or {}).get("ready") == 3
-
-    await wait_until(serving, timeout=120, message="Ready with 3 flexible engines")
     selector = f"{C.LABEL_CLUSTER}=flex,{C.LABEL_ROLE}={C.ROLE_FLEXIBLE}"
     before = {
         p["metadata"]["name"]: p["metadata"]["uid"]
@@ -357,54 +371,24 @@ async def test_a_quiet_flexible_pool_goes_to_one_engine_that_serves_requests_who
     scale-down stabilization is over the law shrinks the pool to one engine, the
     StatefulSet to one pod, which is labelled as prefill and serves requests whole;
     status shows 1:0, and no request fails on the way."""
-    autoscaling = {
-        "enabled": True,
-        "mode": "auto",
-        "slo": {"ttftMs": 500, "itlMs": 25, "quantile": "p90"},
-        "gpuBudget": 2,
-        "intervalSeconds": 5,
-        "windowSeconds": 20,
-        "scaleDownStabilizationSeconds": 20,
-        "cooldownSeconds": 5,
-    }
-    doc = sim_cluster(
+    await start_flexible(
+        pdc,
+        sim_cluster,
+        wait_until,
         "lone",
-        mode="flexible",
         prefill={"replicas": 1, "minReplicas": 1, "maxReplicas": 1},
         decode={"replicas": 1, "minReplicas": 0, "maxReplicas": 1},
-        autoscaling=autoscaling,
+        gpuBudget=2,
+        intervalSeconds=5,
+        windowSeconds=20,
+        scaleDownStabilizationSeconds=20,
+        cooldownSeconds=5,
     )
-    await pdc.apply(doc)
-
-    async def serving() -> bool:
-        status = (await pdc.get("lone")).get("status") or {}
-        return await pdc.is_true("lone", "Ready") and (status.get("flexible") or {}).get("ready") == 2
-
-    await wait_until(serving, timeout=120, message="Ready with 2 flexible engines")
     router_ip = (await kube.get("v1", "Service", "lone-router", namespace))["spec"]["clusterIP"]
     outcomes: dict[int, int] = {}
     stop = asyncio.Event()
 
-    async def light() -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            i = 0
-            while not stop.is_set():
-                body = {
-                    "model": "llama-3.1-8b",
-                    "prompt": f"{i} a short question",
-                    "max_tokens": 8,
-                    "stream": True,
-                }
-                try:
-                    async with session.post(f"http://{router_ip}:8000/v1/completions", json=body) as r:
-                        await r.read()
-                        outcomes[r.status] = outcomes.get(r.status, 0) + 1
-                except (aiohttp.ClientError, TimeoutError):
-                    outcomes[-1] = outcomes.get(-1, 0) + 1
-                i += 1
-                await asyncio.sleep(0.5)
-
-    traffic = asyncio.create_task(light())
+    traffic = asyncio.create_task(load(router_ip, stop, outcomes, prompt="a short question", rate=2.0))
     try:
 
         async def alone() -> dict:

@@ -36,6 +36,15 @@ def trace(
     return Trace("synthetic", arrival, inputs, outputs, blocks)
 
 
+def then(first: Trace, second: Trace, at_s: float) -> Trace:
+    """`first`, then `second` from `at_s` on."""
+    return Trace(
+        f"{first.name}-then-{second.name}", [*first.arrival_s, *(at_s + t for t in second.arrival_s)],
+        [*first.input_tokens, *second.input_tokens], [*first.output_tokens, *second.output_tokens],
+        [*first.blocks, *second.blocks],
+    )  # fmt: skip
+
+
 class Scripted:
     """A policy that moves the fleet along a fixed schedule."""
 
@@ -298,11 +307,8 @@ def test_the_flexible_law_moves_its_split_by_flips_when_prompts_grow() -> None:
 
     short = trace(9000, rate=30.0, seed=5, isl=(200, 600), osl=(300, 600))
     long = trace(9000, rate=30.0, seed=6, isl=(6000, 10000), osl=(20, 50))
-    shifted = Trace(
-        "shift", [*short.arrival_s, *(t + short.arrival_s[-1] for t in long.arrival_s)],
-        [*short.input_tokens, *long.input_tokens], [*short.output_tokens, *long.output_tokens],
-        [*short.blocks, *([()] * len(long))],
-    )  # fmt: skip
+    uncached = Trace("long", long.arrival_s, long.input_tokens, long.output_tokens, [()] * len(long))
+    shifted = then(short, uncached, short.arrival_s[-1])
     spec = PDClusterSpec.model_validate(
         {
             "model": {"name": "simulated"},
@@ -363,11 +369,7 @@ def test_the_flexible_law_runs_a_quiet_pool_on_one_engine_and_grows_it_with_the_
     quiet = trace(240, rate=0.2, seed=7, isl=(200, 800), osl=(50, 150))
     busy = trace(3000, rate=30.0, seed=8, isl=(500, 3000), osl=(50, 300))
     start = quiet.arrival_s[-1] + 5.0
-    load = Trace(
-        "quiet-then-busy", [*quiet.arrival_s, *(start + t for t in busy.arrival_s)],
-        [*quiet.input_tokens, *busy.input_tokens], [*quiet.output_tokens, *busy.output_tokens],
-        [*quiet.blocks, *busy.blocks],
-    )  # fmt: skip
+    load = then(quiet, busy, start)
     spec = PDClusterSpec.model_validate(
         {
             "model": {"name": "simulated"},
